@@ -87,7 +87,7 @@ class SectionReader:
     def get(self, key: str, kind: type[T], default: Any = _MISSING) -> T:
         value = self.raw(key, default)
         if value is default and default is not _MISSING:
-            return value  # type: ignore[no-any-return]
+            return value
         ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value, ok = float(value), True
@@ -95,7 +95,7 @@ class SectionReader:
             raise ConfigError(
                 f"{self.key_path(key)}: expected {kind.__name__}, got {type(value).__name__} {value!r}"
             )
-        return value  # type: ignore[no-any-return]
+        return value
 
     def choice(self, key: str, choices: tuple[str, ...], default: Any = _MISSING) -> str:
         value = self.get(key, str, default)
@@ -114,8 +114,10 @@ class SectionReader:
     def int_list(self, key: str, default: Any = _MISSING) -> tuple[int, ...]:
         value = self.raw(key, default)
         if value is default:
-            return value  # type: ignore[no-any-return]
-        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return value
+        if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
             raise ConfigError(f"{self.key_path(key)}: expected a list of integers, got {value!r}")
         return tuple(value)
 
@@ -124,7 +126,7 @@ class SectionReader:
 
     def parse(self, key: str, parser: Callable[[object, str], T], default: Any = _MISSING) -> T:
         value = self.raw(key, default)
-        return value if value is default else parser(value, self.key_path(key))  # type: ignore[no-any-return]
+        return value if value is default else parser(value, self.key_path(key))
 
     def finish(self) -> None:
         unknown = sorted(str(k) for k in self._data if k not in self._seen)

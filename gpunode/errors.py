@@ -27,7 +27,9 @@ class GpunodeError(Exception):
 class ConfigError(GpunodeError):
     """Invalid configuration: a file, an environment variable or a flag."""
 
-    default_hint = "fix the named key; `gpunode devices --config FILE` validates a file without starting anything"
+    default_hint = (
+        "fix the named key; `gpunode devices --config FILE` validates a file without starting anything"
+    )
 
 
 class ProfileError(ConfigError):
@@ -54,7 +56,9 @@ class BackendUnavailable(BackendError):
 class GpuLostError(BackendError):
     """A GPU fell off the bus or stopped answering (NVML_ERROR_GPU_IS_LOST and kin)."""
 
-    default_hint = "the GPU needs a reset or a reboot; its devices are marked unhealthy until it answers again"
+    default_hint = (
+        "the GPU needs a reset or a reboot; its devices are marked unhealthy until it answers again"
+    )
 
     def __init__(self, uuid: str, message: str | None = None) -> None:
         super().__init__(message or f"GPU {uuid} is lost")
