@@ -49,6 +49,7 @@ class AdvertisedDevice:
 @dataclass(frozen=True)
 class Inventory:
     devices: tuple[AdvertisedDevice, ...] = ()
+    gpus: tuple[Gpu, ...] = ()  # the physical GPUs the devices come from
     modes: tuple[tuple[str, str], ...] = ()  # (GPU UUID, sharing mode) in GPU order
     warnings: tuple[str, ...] = ()
     _by_id: dict[str, AdvertisedDevice] = field(default_factory=dict, compare=False, repr=False)
@@ -64,6 +65,9 @@ class Inventory:
 
     def by_resource(self, resource: str) -> tuple[AdvertisedDevice, ...]:
         return tuple(d for d in self.devices if d.resource == resource)
+
+    def gpu(self, gpu_uuid: str) -> Gpu | None:
+        return next((g for g in self.gpus if g.uuid == gpu_uuid), None)
 
     def mode_of(self, gpu_uuid: str) -> str | None:
         return dict(self.modes).get(gpu_uuid)
@@ -210,15 +214,24 @@ def _emit(
     )
 
 
-def build_inventory(gpus: Sequence[Gpu], cfg: Config) -> Inventory:
-    """Everything the node advertises, or a ConfigError if the configuration does not fit these GPUs."""
+def build_inventory(gpus: Sequence[Gpu], cfg: Config, *, strict: bool = True) -> Inventory:
+    """Everything the node advertises, or a ConfigError if the configuration does not fit these GPUs.
+
+    strict=False is for rediscovery while running: a device selector that names a GPU which has
+    since vanished gives a warning instead of an error, so a hot-unplug never stops the agent.
+    """
     warnings = _check_mig_strategy(cfg, gpus)
     frac = cfg.fractional
     selectors = [r.devices for r in cfg.time_slicing.resources]
     if frac.devices is not None:
         selectors.append(frac.devices)
     for sel in selectors:
-        _check_selector(sel, gpus)
+        try:
+            _check_selector(sel, gpus)
+        except ConfigError as exc:
+            if strict:
+                raise
+            warnings.append(exc.message)
 
     devices: list[AdvertisedDevice] = []
     modes: list[tuple[str, str]] = []
@@ -281,7 +294,10 @@ def build_inventory(gpus: Sequence[Gpu], cfg: Config) -> Inventory:
 
     for sel in selectors:
         if not sel.all and not matched.get(sel.where):
-            raise ConfigError(f"{sel.where}: the selector ({sel.describe()}) matches no GPU that can use it")
+            message = f"{sel.where}: the selector ({sel.describe()}) matches no GPU that can use it"
+            if strict:
+                raise ConfigError(message)
+            warnings.append(message)
     shared_unrenamed = any(
         r.name == GPU_RESOURCE and _shared_name(cfg, r) == GPU_RESOURCE for r in cfg.time_slicing.resources
     )
@@ -291,4 +307,4 @@ def build_inventory(gpus: Sequence[Gpu], cfg: Config) -> Inventory:
             "whole and time-sliced GPUs share the resource nvidia.com/gpu; set "
             "sharing.timeSlicing.renameByDefault or rename to tell them apart"
         )
-    return Inventory(devices=tuple(devices), modes=tuple(modes), warnings=tuple(warnings))
+    return Inventory(devices=tuple(devices), gpus=tuple(gpus), modes=tuple(modes), warnings=tuple(warnings))

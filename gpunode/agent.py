@@ -1,0 +1,264 @@
+"""The node agent's composition root: builds the parts and runs them in one asyncio TaskGroup.
+
+Start-up order matters: the backend is opened and the inventory built (and the
+whole configuration validated) before any socket is created, so a bad config
+or a missing driver stops the agent with one clear message and nothing
+half-started. Then the device plugins, the topology watch (hot-plug), the event
+pump, and the optional parts run side by side until SIGTERM/SIGINT; SIGHUP
+reloads the configuration and re-advertises. This module wires; it holds no
+policy of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gpunode.config import Config
+from gpunode.deviceplugin import PluginManager, socket_name
+from gpunode.devices.base import Backend, DeviceEvent, EventKind
+from gpunode.errors import BackendUnavailable, GpunodeError
+from gpunode.inventory import Inventory, build_inventory
+from gpunode.state import DeviceState
+
+log = logging.getLogger(__name__)
+
+EVENT_WAIT_S = 0.2  # how long one backend.wait_event call blocks in the pump thread
+
+
+@dataclass(frozen=True)
+class ResourceSummary:
+    resource: str
+    count: int
+    socket: str
+
+
+def summarize(inventory: Inventory, config: Config) -> list[ResourceSummary]:
+    return [
+        ResourceSummary(r, len(inventory.by_resource(r)), str(config.kubelet_dir / socket_name(r)))
+        for r in inventory.resources()
+    ]
+
+
+class Agent:
+    """One node agent. Tests drive it in-process; the CLI runs it under signals."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        backend: Backend | None = None,
+        config_loader: Callable[[], Config] | None = None,
+    ) -> None:
+        self.config = config
+        self._backend = backend
+        self._config_loader = config_loader
+        self.state: DeviceState | None = None
+        self.plugins: PluginManager | None = None
+        self._stop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_async: asyncio.Event | None = None
+        self._reload_async: asyncio.Event | None = None
+        self._rediscover_async: asyncio.Event | None = None
+        self.event_listeners: list[Callable[[DeviceEvent], None]] = []
+
+    @property
+    def backend(self) -> Backend:
+        if self._backend is None:
+            raise RuntimeError("the agent has not opened its backend yet")
+        return self._backend
+
+    # -- thread-safe controls ------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        self._stop.set()
+        self._signal(lambda: self._stop_async)
+
+    def request_reload(self) -> None:
+        self._signal(lambda: self._reload_async)
+
+    def request_rediscovery(self) -> None:
+        self._signal(lambda: self._rediscover_async)
+
+    def _signal(self, which: Callable[[], asyncio.Event | None]) -> None:
+        loop = self._loop
+
+        def fire() -> None:
+            event = which()
+            if event is not None:
+                event.set()
+
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(fire)
+
+    # -- start-up ------------------------------------------------------------------------------
+
+    def open(self) -> Inventory:
+        """Open the backend and build the inventory: everything that can fail on bad input, nothing served."""
+        if self._backend is None:
+            from gpunode.devices.select import detect_backend
+
+            self._backend = detect_backend(self.config.backend, self.config.sim_profile)
+        inventory = build_inventory(self.backend.gpus(), self.config)
+        for warning in inventory.warnings:
+            log.warning("%s", warning)
+        return inventory
+
+    async def run(self, *, ready: asyncio.Event | None = None, handle_signals: bool = False) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop_async = asyncio.Event()
+        self._reload_async = asyncio.Event()
+        self._rediscover_async = asyncio.Event()
+        if self._stop.is_set():
+            return
+        try:
+            inventory = await asyncio.to_thread(self.open)
+        except BackendUnavailable as exc:
+            if self.config.fail_on_init_error:
+                raise
+            log.error("%s", exc)
+            log.error("failOnInitError is false: the agent stays up and advertises nothing")
+            await self._stop_async.wait()
+            return
+        if handle_signals:
+            self._install_signal_handlers()
+        self.state = DeviceState(inventory)
+        self.plugins = PluginManager(config=self.config, state=self.state)
+        self._announce(inventory)
+        plugins_ready = asyncio.Event()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self.plugins.run(ready=plugins_ready), name="device-plugins")
+                tg.create_task(self._pump_events(), name="event-pump")
+                tg.create_task(self._watch_topology(), name="topology-watch")
+                tg.create_task(self._reloader(), name="reloader")
+                tg.create_task(self._rediscoverer(), name="rediscoverer")
+                tg.create_task(self._sim_control(), name="sim-control")
+                await plugins_ready.wait()
+                if ready is not None:
+                    ready.set()
+                await self._stop_async.wait()
+                raise _Stop
+        except* _Stop:
+            pass
+        finally:
+            if handle_signals:
+                self._remove_signal_handlers()
+            log.info("agent stopped; sockets removed")
+
+    def _announce(self, inventory: Inventory) -> None:
+        log.info("backend %s: %d GPU(s)", self.backend.name, len(inventory.gpus))
+        for s in summarize(inventory, self.config):
+            log.info("advertising %d x %s on %s", s.count, s.resource, s.socket)
+
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.request_stop)
+        loop.add_signal_handler(signal.SIGINT, self.request_stop)
+        loop.add_signal_handler(signal.SIGHUP, self.request_reload)
+
+    def _remove_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+
+    # -- the long-running parts ----------------------------------------------------------------
+
+    async def rediscover(self) -> None:
+        """Re-read the GPUs and re-advertise; vanished devices stay listed as unhealthy."""
+        assert self.state is not None
+        try:
+            gpus = await asyncio.to_thread(self.backend.gpus)
+        except GpunodeError as exc:
+            log.warning("rediscovery failed: %s", exc.message)
+            return
+        inventory = build_inventory(gpus, self.config, strict=False)
+        before = {d.id for d in self.state.snapshot().inventory.devices}
+        self.state.set_inventory(inventory)
+        after = {d.id for d in inventory.devices}
+        if before != after:
+            log.info("rediscovery: %d device(s) added, %d gone", len(after - before), len(before - after))
+
+    async def _rediscoverer(self) -> None:
+        assert self._rediscover_async is not None
+        while True:
+            await self._rediscover_async.wait()
+            self._rediscover_async.clear()
+            await self.rediscover()
+
+    async def _watch_topology(self) -> None:
+        from gpunode.devices.watch import watch_topology
+
+        await watch_topology(
+            backend=self.backend,
+            on_change=self.request_rediscovery,
+            poll_interval_s=self.config.rediscover_interval_s,
+        )
+
+    async def _reloader(self) -> None:
+        assert self._reload_async is not None and self.state is not None
+        while True:
+            await self._reload_async.wait()
+            self._reload_async.clear()
+            if self._config_loader is None:
+                log.warning("SIGHUP: no configuration source to reload from")
+                continue
+            try:
+                config = self._config_loader()
+                inventory = build_inventory(await asyncio.to_thread(self.backend.gpus), config)
+            except GpunodeError as exc:
+                log.error("reload refused, keeping the running configuration: %s", exc)
+                continue
+            self.config = config
+            assert self.plugins is not None
+            self.plugins.config = config
+            self.plugins.allocator.config = config
+            for srv in self.plugins.servers.values():
+                srv.servicer.config = config
+            self.state.set_inventory(inventory)
+            self.state.forget_vanished()
+            log.info("configuration reloaded from %s", config.source)
+            self._announce(inventory)
+
+    async def _pump_events(self) -> None:
+        """Carry backend events (from a blocking wait in a thread) to rediscovery and listeners."""
+        while True:
+            event = await asyncio.to_thread(self.backend.wait_event, EVENT_WAIT_S)
+            if event is None:
+                continue
+            log.info(
+                "device event: %s on %s%s",
+                event.kind.value,
+                event.gpu_uuid,
+                f" xid {event.xid}" if event.xid else "",
+            )
+            if event.kind in (EventKind.GPU_ADDED, EventKind.GPU_REMOVED):
+                self.request_rediscovery()
+            for listener in list(self.event_listeners):
+                try:
+                    listener(event)
+                except Exception:
+                    log.exception("event listener failed")
+
+    async def _sim_control(self) -> None:
+        path = self.config.sim_control_socket
+        if path is None or not self.backend.name.startswith("sim"):
+            return
+        from gpunode.devices.simctl import serve_control
+
+        handle = await asyncio.to_thread(serve_control, self.backend, path)
+        log.info("simulated node control socket: %s (try `gpunode sim list --socket %s`)", path, path)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            with contextlib.suppress(Exception):
+                handle.close()
+
+
+class _Stop(Exception):
+    """Raised inside the TaskGroup to end it cleanly."""

@@ -1,0 +1,201 @@
+"""The `gpunode` command: parse arguments, load the configuration, call one function.
+
+Every failure the user can fix comes out as one message with a HINT line and a
+non-zero exit status (2 for configuration errors, 1 otherwise); no traceback
+for expected errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from gpunode import __version__
+from gpunode import config as config_mod
+from gpunode.errors import ConfigError, GpunodeError
+
+log = logging.getLogger("gpunode")
+
+
+def _add_node_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config", type=Path, help="configuration file (NVIDIA device-plugin v1 + gpunode section)"
+    )
+    p.add_argument("--backend", choices=config_mod.BACKENDS, help="where GPUs come from (default: auto)")
+    p.add_argument(
+        "--sim-profile", help="simulated node: a bundled profile name or a YAML file (default: dgx-h100)"
+    )
+    p.add_argument("--kubelet-dir", type=Path, help="the kubelet's device-plugins directory")
+    p.add_argument(
+        "--state-dir", type=Path, help="where the agent keeps its checkpoint and memory-cap regions"
+    )
+    p.add_argument("--mig-strategy", choices=config_mod.MIG_STRATEGIES, help="none, single or mixed")
+    p.add_argument("--node-name", help="this node's Kubernetes name (default: $NODE_NAME)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+
+
+def _load_config(args: argparse.Namespace) -> config_mod.Config:
+    overrides = {
+        "backend": args.backend,
+        "sim_profile": args.sim_profile,
+        "kubelet_dir": args.kubelet_dir,
+        "state_dir": args.state_dir,
+        "mig_strategy": args.mig_strategy,
+        "node_name": args.node_name,
+        "log_level": args.log_level,
+        "sim_control_socket": getattr(args, "sim_control_socket", None),
+    }
+    return config_mod.load(config_path=args.config, overrides=overrides)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from gpunode.agent import Agent
+
+    cfg = _load_config(args)
+    _setup_logging(cfg.log_level)
+    agent = Agent(cfg, config_loader=lambda: _load_config(args))
+    ready = asyncio.Event
+
+    async def main() -> None:
+        event = ready()
+        task = asyncio.create_task(agent.run(ready=event, handle_signals=True))
+        waiter = asyncio.create_task(event.wait())
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if event.is_set():
+            _print_ready(agent)
+        waiter.cancel()
+        await task
+
+    asyncio.run(main())
+    return 0
+
+
+def _print_ready(agent: Any) -> None:
+    from gpunode.agent import summarize
+
+    snap = agent.state.snapshot()
+    lines = [f"gpunode agent ready: backend {agent.backend.name}, {len(snap.inventory.gpus)} GPU(s)"]
+    for s in summarize(snap.inventory, agent.config):
+        lines.append(f"  {s.resource:<32} {s.count:>4} device(s)  socket {s.socket}")
+    kubelet = agent.config.kubelet_socket
+    if not kubelet.exists():
+        lines.append(f"  waiting for the kubelet at {kubelet}; plugins register as soon as it appears")
+    if agent.config.sim_control_socket:
+        lines.append(
+            f"  inject faults: gpunode sim xid --socket {agent.config.sim_control_socket} --gpu 0 --code 79"
+        )
+    print("\n".join(lines), flush=True)
+
+
+def device_rows(cfg: config_mod.Config) -> tuple[list[dict[str, Any]], Any]:
+    from gpunode.agent import Agent
+
+    agent = Agent(cfg)
+    inventory = agent.open()
+    rows = []
+    for d in inventory.devices:
+        gpu = inventory.gpu(d.gpu_uuid)
+        rows.append(
+            {
+                "resource": d.resource,
+                "id": d.id,
+                "kind": d.kind,
+                "gpu_index": gpu.index if gpu else None,
+                "gpu_uuid": d.gpu_uuid,
+                "mig_uuid": d.mig_uuid,
+                "numa_node": d.numa_node,
+                "memory_cap_bytes": d.memory_cap_bytes,
+                "reason": d.reason,
+            }
+        )
+    return rows, inventory
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    cfg = _load_config(args)
+    _setup_logging("warning")
+    rows, inventory = device_rows(cfg)
+    if args.json:
+        print(
+            json.dumps(
+                {"devices": rows, "modes": dict(inventory.modes), "warnings": list(inventory.warnings)},
+                indent=2,
+            )
+        )
+        return 0
+    header = ("RESOURCE", "DEVICE ID", "GPU", "KIND", "NUMA", "CAP", "WHY")
+    table = [header]
+    for r in rows:
+        cap = f"{r['memory_cap_bytes'] / 2**30:.1f}Gi" if r["memory_cap_bytes"] else "-"
+        numa = "-" if r["numa_node"] is None else str(r["numa_node"])
+        table.append((r["resource"], r["id"], str(r["gpu_index"]), r["kind"], numa, cap, r["reason"]))
+    widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
+    for row in table:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
+    for w in inventory.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpunode", description="GPU sharing and telemetry agent for GPU nodes"
+    )
+    parser.add_argument("--version", action="version", version=f"gpunode {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("agent", help="run the node agent (device plugins, health, metrics)")
+    _add_node_flags(p)
+    p.add_argument(
+        "--sim-control-socket", type=Path, help="serve fault injection for the simulated node here"
+    )
+    p.set_defaults(func=cmd_agent)
+
+    p = sub.add_parser("devices", help="show every resource and device ID that would be advertised, and why")
+    _add_node_flags(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_devices)
+
+    for register in _optional_registrations():
+        register(sub)
+    return parser
+
+
+def _optional_registrations() -> list[Callable[[Any], None]]:
+    """Subcommands owned by other modules."""
+    from gpunode.devices.simctl import register_cli as register_sim
+
+    return [register_sim]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"gpunode: {exc}", file=sys.stderr)
+        return 2
+    except GpunodeError as exc:
+        print(f"gpunode: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
