@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gpunode import sdnotify
 from gpunode.config import Config
 from gpunode.deviceplugin import PluginManager, socket_name
 from gpunode.devices.base import Backend, DeviceEvent, EventKind
@@ -140,6 +141,10 @@ class Agent:
                 tg.create_task(self._rediscoverer(), name="rediscoverer")
                 tg.create_task(self._sim_control(), name="sim-control")
                 await plugins_ready.wait()
+                sdnotify.notify("READY=1")
+                interval = sdnotify.watchdog_interval_s()
+                if interval is not None:
+                    tg.create_task(sdnotify.run_watchdog(interval_s=interval), name="watchdog")
                 if ready is not None:
                     ready.set()
                 await self._stop_async.wait()
@@ -147,6 +152,7 @@ class Agent:
         except* _Stop:
             pass
         finally:
+            sdnotify.notify("STOPPING=1")
             if handle_signals:
                 self._remove_signal_handlers()
             log.info("agent stopped; sockets removed")
@@ -214,6 +220,7 @@ class Agent:
             except GpunodeError as exc:
                 log.error("reload refused, keeping the running configuration: %s", exc)
                 continue
+            sdnotify.notify("RELOADING=1")
             self.config = config
             assert self.plugins is not None
             self.plugins.config = config
@@ -222,6 +229,7 @@ class Agent:
                 srv.servicer.config = config
             self.state.set_inventory(inventory)
             self.state.forget_vanished()
+            sdnotify.notify("READY=1")
             log.info("configuration reloaded from %s", config.source)
             self._announce(inventory)
 

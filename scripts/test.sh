@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Install everything the tests need (Debian packages, .venv, gpunode with its test extras),
+# check lint and types, and run the whole test suite. Extra arguments go to pytest.
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+ensure_apt_packages gcc libc6-dev pkg-config libsystemd-dev prometheus valgrind systemd
+ensure_venv "[test,systemd]"
+cd "$ROOT"
+echo ">> ruff"; "$VENV/bin/ruff" check gpunode tests bench plugin native
+echo ">> mypy"; "$VENV/bin/mypy"
+echo ">> pytest"
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
