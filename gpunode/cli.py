@@ -151,6 +151,16 @@ def cmd_devices(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from gpunode import doctor
+
+    cfg = _load_config(args)
+    _setup_logging("error")
+    results = doctor.checks(cfg)
+    print(doctor.render(results, as_json=args.json))
+    return 0 if all(c.ok for c in results) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpunode", description="GPU sharing and telemetry agent for GPU nodes"
@@ -169,6 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_node_flags(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_devices)
+
+    p = sub.add_parser(
+        "doctor", help="diagnose this node: driver, GPUs, configuration, kubelet, native parts"
+    )
+    _add_node_flags(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_doctor)
 
     for register in _optional_registrations():
         register(sub)
