@@ -9,6 +9,7 @@ it never reads files or the environment (config.py does).
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -65,7 +66,8 @@ class SectionReader:
         if data is None:
             data = {}
         if not isinstance(data, Mapping):
-            raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__} {data!r}")
+            label = where.removesuffix(": ")
+            raise ConfigError(f"{label}: expected a mapping, got {type(data).__name__} {data!r}")
         self._data = data
         self._where = where
         self._seen: set[str] = set()
@@ -129,6 +131,17 @@ class SectionReader:
         return value if value is default else parser(value, self.key_path(key))
 
     def finish(self) -> None:
+        """Refuse the keys nobody read, naming each with the closest known key as a suggestion."""
         unknown = sorted(str(k) for k in self._data if k not in self._seen)
-        if unknown:
-            raise ConfigError(f"{self._where}: unknown key(s) {', '.join(unknown)}")
+        if not unknown:
+            return
+        known = sorted(self._seen)
+
+        def with_suggestion(key: str) -> str:
+            close = difflib.get_close_matches(key, known, n=1)
+            return f"{key} (did you mean {close[0]}?)" if close else key
+
+        hint = f"the keys allowed here are: {', '.join(known)}" if known else "this section takes no keys"
+        label = self._where.removesuffix(": ")
+        listed = ", ".join(with_suggestion(k) for k in unknown)
+        raise ConfigError(f"{label}: unknown key{'s' if len(unknown) > 1 else ''} {listed}", hint=hint)
