@@ -297,7 +297,8 @@ def load_profile(name_or_path: str | Path) -> SimProfile:
     except ProfileError:
         raise
     except ConfigError as e:
-        raise ProfileError(e.message) from None
+        hint = None if e.hint == ConfigError.default_hint else e.hint
+        raise ProfileError(e.message, hint=hint) from None
 
 
 def _read_profile_text(name_or_path: str | Path) -> tuple[str, str, str]:
