@@ -20,14 +20,13 @@ from here so that one load validates the whole file.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from gpunode.configutil import SectionReader, parse_bytes
+from gpunode.configutil import SectionReader, load_yaml, parse_bytes, parse_resource_name
 from gpunode.errors import ConfigError
 
 DEFAULT_KUBELET_DIR = Path("/var/lib/kubelet/device-plugins")
@@ -43,29 +42,44 @@ BACKENDS = ("auto", "nvml", "sim")
 
 @dataclass(frozen=True)
 class DeviceSelector:
-    """Which GPUs a setting applies to: all of them, or the listed indexes and/or UUIDs."""
+    """Which devices a setting applies to: all of them, or the listed GPU indexes, MIG indexes
+    ("<gpu>:<mig>") and GPU or MIG UUIDs. Selecting a GPU selects its MIG devices too."""
 
     all: bool = True
     indexes: tuple[int, ...] = ()
     uuids: tuple[str, ...] = ()
     where: str = ""  # the config key it came from, for messages
+    mig_indexes: tuple[tuple[int, int], ...] = ()  # (GPU index, MIG device index)
 
     def matches(self, index: int, uuid: str) -> bool:
+        """Whether a whole GPU is selected."""
         return self.all or index in self.indexes or uuid in self.uuids
+
+    def matches_mig(self, gpu_index: int, gpu_uuid: str, mig_index: int, mig_uuid: str) -> bool:
+        """Whether one MIG device is selected: by itself, or through its parent GPU."""
+        return (
+            self.matches(gpu_index, gpu_uuid)
+            or (gpu_index, mig_index) in self.mig_indexes
+            or mig_uuid in self.uuids
+        )
 
     def describe(self) -> str:
         if self.all:
             return "all GPUs"
-        parts = [f"index {i}" for i in self.indexes] + list(self.uuids)
-        return ", ".join(parts)
+        parts = [f"index {i}" for i in self.indexes] + [f"MIG index {g}:{m}" for g, m in self.mig_indexes]
+        return ", ".join(parts + list(self.uuids))
 
 
 def parse_device_selector(value: object, where: str) -> DeviceSelector:
-    """`all`, a list of GPU indexes, a list of GPU UUIDs, or a mix (NVIDIA plugin's `devices` field)."""
+    """`all`, or a list of GPU indexes, MIG indexes ("0:1") and GPU/MIG UUIDs (the NVIDIA `devices` field)."""
     if value == "all":
         return DeviceSelector(all=True, where=where)
     if isinstance(value, int) and not isinstance(value, bool):
-        value = [value]
+        raise ConfigError(
+            f"{where}: a bare number ({value}) is a device count in the NVIDIA schema, which gpunode "
+            "does not support",
+            hint=f"list the GPU indexes instead, e.g. devices: [{value}] for the GPU with index {value}",
+        )
     if isinstance(value, str):
         value = [v.strip() for v in value.split(",") if v.strip()]
     if not isinstance(value, list) or not value:
@@ -73,17 +87,29 @@ def parse_device_selector(value: object, where: str) -> DeviceSelector:
             f"{where}: expected `all` or a non-empty list of GPU indexes or UUIDs, got {value!r}"
         )
     indexes: list[int] = []
+    mig_indexes: list[tuple[int, int]] = []
     uuids: list[str] = []
     for item in value:
         if isinstance(item, int) and not isinstance(item, bool) and item >= 0:
             indexes.append(item)
         elif isinstance(item, str) and item.isdigit():
             indexes.append(int(item))
-        elif isinstance(item, str) and item.startswith(("GPU-", "MIG-")):
+        elif isinstance(item, str) and re.fullmatch(r"\d+:\d+", item):
+            gpu, mig = item.split(":")
+            mig_indexes.append((int(gpu), int(mig)))
+        elif isinstance(item, str) and re.fullmatch(r"(GPU|MIG)-[0-9A-Za-z][-0-9A-Za-z/]*", item):
             uuids.append(item)
         else:
-            raise ConfigError(f"{where}: {item!r} is neither a GPU index nor a GPU UUID (GPU-...)")
-    return DeviceSelector(all=False, indexes=tuple(indexes), uuids=tuple(uuids), where=where)
+            raise ConfigError(
+                f"{where}: {item!r} is not a GPU index (0), a MIG index (0:1) or a GPU/MIG UUID (GPU-..., MIG-...)"
+            )
+    return DeviceSelector(
+        all=False,
+        indexes=tuple(dict.fromkeys(indexes)),
+        uuids=tuple(dict.fromkeys(uuids)),
+        where=where,
+        mig_indexes=tuple(dict.fromkeys(mig_indexes)),
+    )
 
 
 @dataclass(frozen=True)
@@ -149,10 +175,16 @@ class Config:
     rediscover_interval_s: float = 30.0
     # Sections parsed by their owning modules; values are their config objects.
     sections: Mapping[str, Any] = field(default_factory=dict)
+    # Setting -> the environment variable or flag that set it (settings from the file are absent).
+    origins: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def kubelet_socket(self) -> Path:
         return self.kubelet_dir / "kubelet.sock"
+
+    def origin(self, setting: str, key: str) -> str:
+        """Where a setting came from, for messages: its flag or variable, else the file and `key`."""
+        return self.origins.get(setting) or f"{self.source}: {key}"
 
 
 # --- sections owned by other modules ------------------------------------------------------------
@@ -214,7 +246,7 @@ def _parse_time_slicing(r: SectionReader) -> TimeSlicing:
     resources: list[SharedResource] = []
     for i, item in enumerate(items):
         ir = SectionReader(item, f"{r.key_path('resources')}[{i}]")
-        name = ir.get("name", str)
+        name = parse_resource_name(ir.get("name", str), ir.key_path("name"))
         if name != "nvidia.com/gpu" and not name.startswith("nvidia.com/mig-"):
             raise ConfigError(
                 f"{ir.key_path('name')}: only nvidia.com/gpu and nvidia.com/mig-<profile> can be "
@@ -225,7 +257,7 @@ def _parse_time_slicing(r: SectionReader) -> TimeSlicing:
             raise ConfigError(f"{ir.key_path('replicas')}: must be at least 2 to share a GPU, got {replicas}")
         rename = ir.get("rename", str, None)
         if rename is not None:
-            _check_resource_name(rename, ir.key_path("rename"))
+            rename = parse_resource_name(rename, ir.key_path("rename"))
         devices = ir.parse("devices", parse_device_selector, DeviceSelector(where=ir.key_path("devices")))
         ir.finish()
         if any(res.name == name for res in resources):
@@ -235,25 +267,36 @@ def _parse_time_slicing(r: SectionReader) -> TimeSlicing:
     return TimeSlicing(rename_by_default, fail_gt_one, tuple(resources))
 
 
-def _check_resource_name(name: str, where: str) -> None:
-    import re
-
-    if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?", name):
-        raise ConfigError(f"{where}: {name!r} is not a valid extended resource name (domain/name)")
-
-
 def _parse_replica_cap(value: object, where: str) -> str | int | None:
+    """`equal` (the GPU's memory divided by its replicas), `none`, or a size per replica."""
     if value in ("none", None):
         return None
     if value == "equal":
         return "equal"
-    return parse_bytes(value, where=where)
+    try:
+        cap = parse_bytes(value, where=where)
+    except ConfigError:
+        raise ConfigError(f"{where}: expected equal, none or a size such as 10Gi, got {value!r}") from None
+    if cap == 0:
+        raise ConfigError(f"{where}: a replica memory cap must be more than 0 bytes (or `none`)")
+    return cap
 
 
 def _parse_fractional(r: SectionReader) -> Fractional:
     devices = r.parse("devices", parse_device_selector, None)
-    name = r.get("resourceName", str, "gpunode.io/gpu-memory")
-    _check_resource_name(name, r.key_path("resourceName"))
+    if devices is not None and (devices.mig_indexes or any(u.startswith("MIG-") for u in devices.uuids)):
+        raise ConfigError(
+            f"{r.key_path('devices')}: fractional sharing applies to whole GPUs, not to MIG devices",
+            hint="list GPU indexes or GPU UUIDs (GPU-...)",
+        )
+    name = parse_resource_name(
+        r.get("resourceName", str, "gpunode.io/gpu-memory"), r.key_path("resourceName")
+    )
+    if name == "nvidia.com/gpu" or name.startswith("nvidia.com/mig-"):
+        raise ConfigError(
+            f"{r.key_path('resourceName')}: {name} is already advertised for whole GPUs or MIG devices",
+            hint="give fractional GPUs a resource of their own, e.g. gpunode.io/gpu-memory",
+        )
     unit = r.size("unit", GIB)
     if unit < 2**20:
         raise ConfigError(f"{r.key_path('unit')}: the unit must be at least 1Mi, got {unit} bytes")
@@ -284,8 +327,15 @@ def parse_config(data: object, source: str) -> Config:
         nvidia_driver_root=flags.get("nvidiaDriverRoot", str, "/"),
         plugin=_parse_plugin_flags(flags.section("plugin")),
     )
-    for ignored in ("gfd", "gdsEnabled", "mofedEnabled", "useNodeFeatureAPI", "deviceDiscoveryStrategy"):
+    for ignored in ("gfd", "useNodeFeatureAPI", "deviceDiscoveryStrategy"):
         flags.raw(ignored, None)  # NVIDIA settings that concern other components; accepted, no effect
+    for unsupported in ("gdsEnabled", "mofedEnabled", "gdrcopyEnabled"):
+        if flags.get(unsupported, bool, False):
+            raise ConfigError(
+                f"{flags.key_path(unsupported)}: gpunode does not inject GPUDirect Storage, MOFED or "
+                "GDRCopy support into containers",
+                hint=f"remove {unsupported} or set it to false",
+            )
     if flags.raw("mpsRoot", None) is not None:
         raise ConfigError(f"{flags.key_path('mpsRoot')}: MPS is not supported; use gpunode.fractional")
     flags.finish()
@@ -298,6 +348,15 @@ def parse_config(data: object, source: str) -> Config:
         )
     cfg = replace(cfg, time_slicing=_parse_time_slicing(sharing.section("timeSlicing")))
     sharing.finish()
+
+    imex = top.section("imex")
+    if imex.raw("channelIDs", []):
+        raise ConfigError(
+            f"{imex.key_path('channelIDs')}: IMEX channels are not supported by gpunode",
+            hint="remove imex.channelIDs (or leave the list empty)",
+        )
+    imex.get("required", bool, False)
+    imex.finish()
 
     if top.raw("resources", None) is not None:
         raise ConfigError(
@@ -321,6 +380,7 @@ def parse_config(data: object, source: str) -> Config:
         fractional=_parse_fractional(own.section("fractional")),
         rediscover_interval_s=own.duration("rediscoverInterval", 30.0),
     )
+    _check_resource_names(cfg)
     parsers = _section_parsers()
     sections = {name: parser(own.raw(name, {}), own.key_path(name)) for name, parser in parsers.items()}
     cfg = replace(cfg, sections=sections)
@@ -329,27 +389,51 @@ def parse_config(data: object, source: str) -> Config:
     return cfg
 
 
+def shared_resource_name(cfg: Config, res: SharedResource) -> str:
+    """The name a time-sliced resource is advertised under: its rename, `<name>.shared`, or its name."""
+    if res.rename:
+        return res.rename
+    if cfg.time_slicing.rename_by_default:
+        return f"{res.name}.shared"
+    return res.name
+
+
+def _check_resource_names(cfg: Config) -> None:
+    """Two settings must never advertise under one name: one resource is one device-plugin socket."""
+    seen: dict[str, str] = {}
+    for i, res in enumerate(cfg.time_slicing.resources):
+        name = shared_resource_name(cfg, res)
+        where = f"{cfg.source}: sharing.timeSlicing.resources[{i}]"
+        if name == cfg.fractional.resource_name:
+            raise ConfigError(f"{where}: {name} is also gpunode.fractional.resourceName")
+        if res.name != name and (name == "nvidia.com/gpu" or name.startswith("nvidia.com/mig-")):
+            raise ConfigError(
+                f"{where}.rename: {name} is a name NVIDIA GPUs and MIG devices are advertised under",
+                hint="rename shared resources to a name of their own, such as nvidia.com/gpu.shared",
+            )
+        if name in seen:
+            raise ConfigError(f"{where}: {res.name} would be advertised as {name}, as {seen[name]} is")
+        seen[name] = res.name
+
+
 def _opt_path(value: str | None) -> Path | None:
     return Path(value) if value else None
 
 
-def read_config_file(path: Path) -> Config:
-    """Read and validate a configuration file (YAML or JSON)."""
+def read_config_file(path: Path, *, named_by: str = "--config") -> Config:
+    """Read and validate a configuration file (YAML or JSON). `named_by` says who named the file."""
     try:
         text = path.read_text()
     except FileNotFoundError:
         raise ConfigError(
-            f"{path}: configuration file not found", hint="pass --config with an existing file"
+            f"{path}: configuration file not found (named by {named_by})",
+            hint=f"point {named_by} at an existing file",
         ) from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the configuration file: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a text file (byte {exc.start} is not UTF-8)") from None
+    data = load_yaml(text, where=str(path))
     return parse_config(data if data is not None else {}, str(path))
 
 
@@ -378,6 +462,18 @@ _ENV: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any]]] = {
     "mig_strategy": (("GPUNODE_MIG_STRATEGY", "MIG_STRATEGY"), lambda v, w: _choice(v, MIG_STRATEGIES, w)),
     "fail_on_init_error": (("GPUNODE_FAIL_ON_INIT_ERROR", "FAIL_ON_INIT_ERROR"), _env_bool),
     "replica_placement": (("GPUNODE_REPLICA_PLACEMENT",), lambda v, w: _choice(v, ("spread", "pack"), w)),
+    "nvidia_driver_root": (("GPUNODE_NVIDIA_DRIVER_ROOT", "NVIDIA_DRIVER_ROOT"), lambda v, w: v),
+    "plugin.pass_device_specs": (("GPUNODE_PASS_DEVICE_SPECS", "PASS_DEVICE_SPECS"), _env_bool),
+    "plugin.device_list_strategy": (
+        ("GPUNODE_DEVICE_LIST_STRATEGY", "DEVICE_LIST_STRATEGY"),
+        lambda v, w: tuple(
+            dict.fromkeys(_choice(x.strip(), DEVICE_LIST_STRATEGIES, w) for x in v.split(","))
+        ),
+    ),
+    "plugin.device_id_strategy": (
+        ("GPUNODE_DEVICE_ID_STRATEGY", "DEVICE_ID_STRATEGY"),
+        lambda v, w: _choice(v, DEVICE_ID_STRATEGIES, w),
+    ),
 }
 CONFIG_ENV = ("GPUNODE_CONFIG", "CONFIG_FILE")
 
@@ -401,20 +497,28 @@ def load(
 ) -> Config:
     """Build the configuration: command-line overrides > environment > file > defaults.
 
-    `overrides` holds the command-line values by setting name (None values are ignored).
+    `overrides` holds the command-line values by setting name (None values are ignored); a
+    `plugin.` prefix names a field of Config.plugin. Config.origins records which variable or
+    flag set each value that did not come from the file, so later messages can name it.
     """
     env = os.environ if environ is None else environ
+    named_by = "--config"
     if config_path is None:
         for var in CONFIG_ENV:
             if env.get(var):
-                config_path = Path(env[var])
+                config_path, named_by = Path(env[var]), f"environment variable {var}"
                 break
-    cfg = read_config_file(config_path) if config_path is not None else parse_config({}, "<defaults>")
+    if config_path is not None:
+        cfg = read_config_file(config_path, named_by=named_by)
+    else:
+        cfg = parse_config({}, "<defaults>")
     changes: dict[str, Any] = {}
+    origins: dict[str, str] = {}
     for setting, (names, convert) in _ENV.items():
         for var in names:
             if var in env and env[var] != "":
                 changes[setting] = convert(env[var], f"environment variable {var}")
+                origins[setting] = f"environment variable {var}"
                 break
     for setting, value in (overrides or {}).items():
         if value is None:
@@ -422,4 +526,7 @@ def load(
         if setting not in _ENV:
             raise ConfigError(f"unknown setting {setting!r} given on the command line")
         changes[setting] = value
-    return replace(cfg, **changes)
+        origins[setting] = f"command line --{setting.removeprefix('plugin.').replace('_', '-')}"
+    plugin = {k.removeprefix("plugin."): v for k, v in changes.items() if k.startswith("plugin.")}
+    top = {k: v for k, v in changes.items() if not k.startswith("plugin.")}
+    return replace(cfg, **top, plugin=replace(cfg.plugin, **plugin), origins={**cfg.origins, **origins})
