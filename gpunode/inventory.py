@@ -16,7 +16,7 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from gpunode.config import Config, DeviceSelector, SharedResource
+from gpunode.config import Config, DeviceSelector, SharedResource, shared_resource_name
 from gpunode.devices.base import Gpu, MigDevice
 from gpunode.errors import ConfigError
 
@@ -86,21 +86,23 @@ def mig_resource_name(profile: str) -> str:
 def _check_selector(selector: DeviceSelector, gpus: Sequence[Gpu]) -> None:
     if selector.all:
         return
+    hint = "list the node's GPUs with `gpunode devices`"
     indexes = {g.index for g in gpus}
+    mig_indexes = {(g.index, m.index) for g in gpus for m in g.mig_devices}
     uuids = {g.uuid for g in gpus} | {m.uuid for g in gpus for m in g.mig_devices}
     for i in selector.indexes:
         if i not in indexes:
             raise ConfigError(
                 f"{selector.where}: there is no GPU with index {i} on this node "
                 f"(indexes: {', '.join(map(str, sorted(indexes))) or 'none'})",
-                hint="list the node's GPUs with `gpunode devices`",
+                hint=hint,
             )
+    for gi, mi in selector.mig_indexes:
+        if (gi, mi) not in mig_indexes:
+            raise ConfigError(f"{selector.where}: there is no MIG device {gi}:{mi} on this node", hint=hint)
     for u in selector.uuids:
         if u not in uuids:
-            raise ConfigError(
-                f"{selector.where}: there is no GPU {u} on this node",
-                hint="list the node's GPUs with `gpunode devices`",
-            )
+            raise ConfigError(f"{selector.where}: there is no GPU or MIG device {u} on this node", hint=hint)
 
 
 def _check_mig_strategy(cfg: Config, gpus: Sequence[Gpu]) -> list[str]:
@@ -111,19 +113,19 @@ def _check_mig_strategy(cfg: Config, gpus: Sequence[Gpu]) -> list[str]:
             warnings.append(
                 f"GPU {g.index} ({g.uuid}) has MIG enabled but no MIG devices: nothing to advertise"
             )
+    where = cfg.origin("mig_strategy", "flags.migStrategy")
     if cfg.mig_strategy == "single" and enabled:
         disabled = [g for g in gpus if not g.mig_enabled]
         if disabled:
             raise ConfigError(
-                f"{cfg.source}: flags.migStrategy: single needs MIG enabled on every GPU, but GPU(s) "
+                f"{where}: single needs MIG enabled on every GPU, but GPU(s) "
                 f"{', '.join(str(g.index) for g in disabled)} have MIG disabled",
                 hint="use migStrategy: mixed for a node with MIG and non-MIG GPUs",
             )
         profiles = sorted({m.profile for g in enabled for m in g.mig_devices})
         if len(profiles) > 1:
             raise ConfigError(
-                f"{cfg.source}: flags.migStrategy: single needs one MIG profile on the whole node, "
-                f"found {', '.join(profiles)}",
+                f"{where}: single needs one MIG profile on the whole node, found {', '.join(profiles)}",
                 hint="use migStrategy: mixed to advertise each profile as nvidia.com/mig-<profile>",
             )
     if cfg.mig_strategy == "single" and not enabled:
@@ -136,18 +138,10 @@ def _check_mig_strategy(cfg: Config, gpus: Sequence[Gpu]) -> list[str]:
     return warnings
 
 
-def _base_id(cfg: Config, gpu: Gpu, mig: MigDevice | None = None) -> str:
-    if cfg.plugin.device_id_strategy == "index":
-        return f"{gpu.index}:{mig.index}" if mig else str(gpu.index)
+def _base_id(gpu: Gpu, mig: MigDevice | None = None) -> str:
+    """The kubelet device ID: always the UUID, as the NVIDIA plugin advertises it. deviceIDStrategy
+    only changes what the container runtime is handed at Allocate (allocation.py), never these IDs."""
     return mig.uuid if mig else gpu.uuid
-
-
-def _shared_name(cfg: Config, res: SharedResource) -> str:
-    if res.rename:
-        return res.rename
-    if cfg.time_slicing.rename_by_default:
-        return f"{res.name}.shared"
-    return res.name
 
 
 def _replica_cap(cfg: Config, total_bytes: int, replicas: int) -> int | None:
@@ -160,9 +154,13 @@ def _replica_cap(cfg: Config, total_bytes: int, replicas: int) -> int | None:
     return min(cap, total_bytes)
 
 
-def _slicing_for(cfg: Config, resource: str, gpu: Gpu) -> SharedResource | None:
+def _slicing_for(cfg: Config, resource: str, gpu: Gpu, mig: MigDevice | None = None) -> SharedResource | None:
     for res in cfg.time_slicing.resources:
-        if res.name == resource and res.devices.matches(gpu.index, gpu.uuid):
+        if res.name != resource:
+            continue
+        if mig is None and res.devices.matches(gpu.index, gpu.uuid):
+            return res
+        if mig is not None and res.devices.matches_mig(gpu.index, gpu.uuid, mig.index, mig.uuid):
             return res
     return None
 
@@ -177,8 +175,8 @@ def _emit(
     reason: str,
 ) -> None:
     """Append the device(s) for one schedulable unit (a GPU or a MIG device), replicated if configured."""
-    base = _base_id(cfg, gpu, mig)
-    sharing = _slicing_for(cfg, resource, gpu)
+    base = _base_id(gpu, mig)
+    sharing = _slicing_for(cfg, resource, gpu, mig)
     if sharing is None:
         out.append(
             AdvertisedDevice(
@@ -195,7 +193,7 @@ def _emit(
         return
     total = mig.memory_total_bytes if mig else gpu.memory_total_bytes
     cap = _replica_cap(cfg, total, sharing.replicas)
-    name = _shared_name(cfg, sharing)
+    name = shared_resource_name(cfg, sharing)
     why = f"{reason}; time-sliced into {sharing.replicas} replicas ({sharing.devices.where or 'all'})"
     if cap is not None:
         why += f", each capped at {cap / 2**30:.1f} GiB"
@@ -221,6 +219,13 @@ def build_inventory(gpus: Sequence[Gpu], cfg: Config, *, strict: bool = True) ->
     since vanished gives a warning instead of an error, so a hot-unplug never stops the agent.
     """
     warnings = _check_mig_strategy(cfg, gpus)
+
+    def problem(message: str, hint: str | None = None) -> None:
+        """A configuration that does not fit the GPUs: fatal at start-up, a warning on rediscovery."""
+        if strict:
+            raise ConfigError(message, hint=hint)
+        warnings.append(message)
+
     frac = cfg.fractional
     selectors = [r.devices for r in cfg.time_slicing.resources]
     if frac.devices is not None:
@@ -229,35 +234,37 @@ def build_inventory(gpus: Sequence[Gpu], cfg: Config, *, strict: bool = True) ->
         try:
             _check_selector(sel, gpus)
         except ConfigError as exc:
-            if strict:
-                raise
-            warnings.append(exc.message)
+            problem(exc.message, exc.hint)
 
     devices: list[AdvertisedDevice] = []
     modes: list[tuple[str, str]] = []
     matched: dict[str, int] = {}
+
+    def count(selector: DeviceSelector) -> None:
+        matched[selector.where] = matched.get(selector.where, 0) + 1
+
     for gpu in gpus:
         use_mig = gpu.mig_enabled and cfg.mig_strategy != "none"
         fractional = frac.devices is not None and frac.devices.matches(gpu.index, gpu.uuid)
-        sliced = _slicing_for(cfg, GPU_RESOURCE, gpu)
-        if fractional:
-            matched[frac.devices.where] = matched.get(frac.devices.where, 0) + 1  # type: ignore[union-attr]
+        sliced = None if use_mig else _slicing_for(cfg, GPU_RESOURCE, gpu)
+        if frac.devices is not None and fractional:
+            count(frac.devices)
         if sliced is not None:
-            matched[sliced.devices.where] = matched.get(sliced.devices.where, 0) + 1
+            count(sliced.devices)
         if fractional and (use_mig or sliced is not None):
-            other = "MIG" if use_mig else "time-slicing"
-            raise ConfigError(
+            problem(
                 f"{cfg.source}: GPU {gpu.index} ({gpu.uuid}) is selected by gpunode.fractional.devices "
-                f"and uses {other}: a GPU has one sharing mode at a time",
+                f"and uses {'MIG' if use_mig else 'time-slicing'}: a GPU has one sharing mode at a time",
                 hint="narrow one of the device selectors",
             )
+            fractional = False
         if use_mig:
             modes.append((gpu.uuid, MIG))
             for mig in gpu.mig_devices:
                 resource = GPU_RESOURCE if cfg.mig_strategy == "single" else mig_resource_name(mig.profile)
-                sliced_mig = _slicing_for(cfg, resource, gpu)
+                sliced_mig = _slicing_for(cfg, resource, gpu, mig)
                 if sliced_mig is not None:
-                    matched[sliced_mig.devices.where] = matched.get(sliced_mig.devices.where, 0) + 1
+                    count(sliced_mig.devices)
                 _emit(
                     devices,
                     cfg,
@@ -270,10 +277,15 @@ def build_inventory(gpus: Sequence[Gpu], cfg: Config, *, strict: bool = True) ->
         elif fractional:
             modes.append((gpu.uuid, FRACTIONAL))
             units = gpu.memory_total_bytes // frac.unit_bytes
-            base = _base_id(cfg, gpu)
+            if units == 0:
+                problem(
+                    f"{cfg.source}: gpunode.fractional.unit: {frac.unit_bytes} bytes is more than the "
+                    f"{gpu.memory_total_bytes} bytes of GPU {gpu.index} ({gpu.uuid}): it would advertise nothing",
+                    hint="choose a unit smaller than the GPU's memory, such as 1Gi",
+                )
             devices.extend(
                 AdvertisedDevice(
-                    id=f"{base}::mem{n}",
+                    id=f"{_base_id(gpu)}::mem{n}",
                     resource=frac.resource_name,
                     gpu_uuid=gpu.uuid,
                     mig_uuid=None,
@@ -294,12 +306,10 @@ def build_inventory(gpus: Sequence[Gpu], cfg: Config, *, strict: bool = True) ->
 
     for sel in selectors:
         if not sel.all and not matched.get(sel.where):
-            message = f"{sel.where}: the selector ({sel.describe()}) matches no GPU that can use it"
-            if strict:
-                raise ConfigError(message)
-            warnings.append(message)
+            problem(f"{sel.where}: the selector ({sel.describe()}) matches no GPU that can use it")
     shared_unrenamed = any(
-        r.name == GPU_RESOURCE and _shared_name(cfg, r) == GPU_RESOURCE for r in cfg.time_slicing.resources
+        r.name == GPU_RESOURCE and shared_resource_name(cfg, r) == GPU_RESOURCE
+        for r in cfg.time_slicing.resources
     )
     mode_set = {m for _, m in modes}
     if shared_unrenamed and {WHOLE, TIME_SLICED} <= mode_set:
