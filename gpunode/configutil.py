@@ -85,7 +85,10 @@ class SectionReader:
         self._seen.add(key)
         if key not in self._data or self._data[key] is None:
             if default is _MISSING:
-                raise ConfigError(f"{self.key_path(key)}: required key is missing")
+                others = [str(k) for k in self._data if k != key]
+                close = difflib.get_close_matches(key, others, n=1)
+                typo = f" (is {close[0]} a misspelling of it?)" if close else ""
+                raise ConfigError(f"{self.key_path(key)}: required key is missing{typo}")
             return default
         return self._data[key]
 
