@@ -406,7 +406,7 @@ def _check_resource_names(cfg: Config) -> None:
         where = f"{cfg.source}: sharing.timeSlicing.resources[{i}]"
         if name == cfg.fractional.resource_name:
             raise ConfigError(f"{where}: {name} is also gpunode.fractional.resourceName")
-        if res.name != name and (name == "nvidia.com/gpu" or name.startswith("nvidia.com/mig-")):
+        if res.name != name and re.fullmatch(r"nvidia\.com/(gpu|mig-(\d+c\.)?\d+g\.\d+gb(\+\w+)?)", name):
             raise ConfigError(
                 f"{where}.rename: {name} is a name NVIDIA GPUs and MIG devices are advertised under",
                 hint="rename shared resources to a name of their own, such as nvidia.com/gpu.shared",
