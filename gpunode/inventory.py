@@ -251,10 +251,10 @@ def build_inventory(gpus: Sequence[Gpu], cfg: Config, *, strict: bool = True) ->
             count(frac.devices)
         if sliced is not None:
             count(sliced.devices)
-        if fractional and (use_mig or sliced is not None):
+        if fractional and (gpu.mig_enabled or sliced is not None):
             problem(
                 f"{cfg.source}: GPU {gpu.index} ({gpu.uuid}) is selected by gpunode.fractional.devices "
-                f"and uses {'MIG' if use_mig else 'time-slicing'}: a GPU has one sharing mode at a time",
+                f"and uses {'MIG' if gpu.mig_enabled else 'time-slicing'}: a GPU has one sharing mode at a time",
                 hint="narrow one of the device selectors",
             )
             fractional = False
