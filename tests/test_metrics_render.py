@@ -6,6 +6,7 @@ import json
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -199,7 +200,7 @@ def test_newer_hostname_spelling() -> None:
 class UnitCase:
     field: str
     attribute: str
-    base_value: float
+    base_value: Any  # whatever type the GpuSample attribute has
     expected: str
 
 
