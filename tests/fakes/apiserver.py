@@ -36,6 +36,7 @@ class Recorded:
     content_type: str
     body: Any
     at: float  # time.monotonic() when the request arrived
+    authorization: str = ""  # the Authorization header as sent
 
 
 @dataclass
@@ -152,6 +153,7 @@ class _Handler(BaseHTTPRequestHandler):
             content_type=self.headers.get("Content-Type", ""),
             body=body,
             at=time.monotonic(),
+            authorization=self.headers.get("Authorization", ""),
         )
         with owner._cond:
             owner._state.requests.append(rec)
@@ -165,9 +167,7 @@ class _Handler(BaseHTTPRequestHandler):
             headers = {}
             if injected.retry_after_s is not None:
                 headers["Retry-After"] = str(int(injected.retry_after_s))
-            reason = {429: "TooManyRequests", 500: "InternalError", 503: "ServiceUnavailable"}.get(
-                injected.status, "Injected"
-            )
+            reason = _REASONS.get(injected.status, "Injected")
             self._reply(injected.status, _status(injected.status, reason, "injected failure"), headers)
             return
         with owner._cond:
@@ -189,6 +189,14 @@ class _Server(ThreadingHTTPServer):
         super().__init__(address, _Handler)
 
 
+_REASONS = {
+    403: "Forbidden",
+    404: "NotFound",
+    409: "Conflict",
+    429: "TooManyRequests",
+    500: "InternalError",
+    503: "ServiceUnavailable",
+}
 _POD = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)$")
 _EVICT = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)/eviction$")
 _EVENTS = re.compile(r"^/api/v1/namespaces/([^/]+)/events$")
