@@ -298,3 +298,12 @@ def test_run_collects_until_cancelled() -> None:
         return scrape(collector).one("gpunode_metrics_collections_total", result="ok").value
 
     assert asyncio.run(asyncio.wait_for(scenario(), 20)) >= 2
+
+
+def test_the_hostname_label_is_never_empty() -> None:
+    import socket
+
+    collector = MetricsCollector(backend=SimBackend.from_profile("t4"), hostname="")
+    asyncio.run(collector.collect_once())
+    assert scrape(collector).one("DCGM_FI_DEV_GPU_TEMP", gpu="0").labels["Hostname"] == socket.gethostname()
+    collector.close()

@@ -23,6 +23,7 @@ import asyncio
 import importlib
 import logging
 import math
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -146,7 +147,8 @@ class MetricsCollector:
         self._attribution = attribution if self.config.pod_labels else None
         self._regions_root = regions_root
         self._clock = clock
-        self.hostname = self.config.hostname or hostname
+        # The Hostname label is never empty: the configured value, else the node name, else the host's name.
+        self.hostname = self.config.hostname or hostname or socket.gethostname()
         self.interval_s = self.config.interval_s
         self.stale_after_s = max(3 * self.interval_s, 30.0)
 
