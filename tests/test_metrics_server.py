@@ -203,3 +203,23 @@ def test_serve_metrics_runs_until_cancelled() -> None:
         collector.close()
 
     asyncio.run(scenario())
+
+
+def test_connections_beyond_the_limit_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gpunode.metrics.server as server_module
+
+    monkeypatch.setattr(server_module, "MAX_CONNECTIONS", 2)
+
+    async def body(server: MetricsServer, collector: MetricsCollector) -> None:
+        def scenario() -> tuple[list[int], int]:
+            held = [http.client.HTTPConnection("127.0.0.1", server.port, timeout=10) for _ in range(2)]
+            statuses = [request(server.port, "GET", "/health", c)[0] for c in held]  # both stay open
+            refused = request(server.port, "GET", "/health")[0]
+            for c in held:
+                c.close()
+            return statuses, refused
+
+        statuses, refused = await asyncio.to_thread(scenario)
+        assert statuses == [200, 200] and refused == 503
+
+    with_server(True, body)

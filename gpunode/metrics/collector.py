@@ -326,13 +326,26 @@ class MetricsCollector:
         unhealthy: Mapping[str, str],
         attribution: AttributionSnapshot | None,
     ) -> NodeSnapshot:
+        try:
+            return self._collect(inventory, unhealthy, attribution)
+        except Exception as err:
+            self._own.collections.labels(result="failed").inc()
+            self._last_error = (
+                err.message if isinstance(err, GpunodeError) else f"{type(err).__name__}: {err}"
+            )
+            raise
+
+    def _collect(
+        self,
+        inventory: Inventory | None,
+        unhealthy: Mapping[str, str],
+        attribution: AttributionSnapshot | None,
+    ) -> NodeSnapshot:
         started = time.perf_counter()
         try:
             gpus = self._backend.gpus()
         except BackendError as err:
             self._count_backend_error("gpus", err)
-            self._own.collections.labels(result="failed").inc()
-            self._last_error = err.message
             raise
         samples, failed = self._read_samples(gpus)
         regions = self._read_regions()

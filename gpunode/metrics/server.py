@@ -27,6 +27,7 @@ MAX_HEADER_BYTES = 16 * 1024
 MAX_BODY_BYTES = 64 * 1024
 IDLE_TIMEOUT_S = 300.0  # longer than any sensible scrape interval, so Prometheus can keep its connection
 REQUEST_TIMEOUT_S = 10.0  # a started request must arrive whole within this time
+MAX_CONNECTIONS = 64  # scrapers are few; more open connections than this are refused with 503
 
 _REASONS = {
     200: "OK",
@@ -109,6 +110,11 @@ class MetricsServer:
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
+        if len(self._connections) >= MAX_CONNECTIONS:
+            with contextlib.suppress(ConnectionError):
+                await self._respond(writer, 503, b"too many connections\n", keep_alive=False)
+            writer.close()
+            return
         self._connections.add(task)
         sock = writer.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
