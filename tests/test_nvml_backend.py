@@ -21,7 +21,9 @@ import pytest
 
 from gpunode.devices.base import Backend, EventKind
 from gpunode.devices.nvml import NvmlBackend, normalize_bus_id
-from gpunode.errors import BackendError, BackendUnavailable, DeviceNotFound, GpuLostError
+from gpunode.devices.select import detect_backend
+from gpunode.devices.sim import SimBackend
+from gpunode.errors import BackendError, BackendUnavailable, ConfigError, DeviceNotFound, GpuLostError
 
 MIB = 2**20
 E = pynvml  # NVML_ERROR_* codes and constants come from the real module
@@ -910,3 +912,53 @@ def test_close_releases_everything_nvml_gave() -> None:
 )
 def test_bus_ids_take_nvml_form(raw: str, normal: str) -> None:
     assert normalize_bus_id(raw) == normal
+
+
+# -- backend selection ---------------------------------------------------------------------------
+
+
+def test_auto_picks_nvml_when_it_sees_gpus() -> None:
+    backend = detect_backend("auto", nvml=FakeNvml(dgx_h100()))
+    assert isinstance(backend, NvmlBackend) and len(backend.gpus()) == 8
+
+
+@pytest.mark.parametrize(
+    ("fake", "message"),
+    [
+        (FakeNvml([], init_error=E.NVML_ERROR_LIBRARY_NOT_FOUND), "found no GPU backend: the NVML library"),
+        (FakeNvml([], init_error=E.NVML_ERROR_DRIVER_NOT_LOADED), "kernel driver is not loaded"),
+        (FakeNvml([]), "NVML loaded (driver 550.90.07) but reports no GPU"),
+    ],
+    ids=["library-missing", "driver-not-loaded", "no-gpu"],
+)
+def test_auto_never_simulates_and_says_why(fake: FakeNvml, message: str) -> None:
+    with pytest.raises(BackendUnavailable) as err:
+        detect_backend("auto", nvml=fake)
+    assert message in err.value.message
+    assert "--backend sim" in err.value.hint
+    if fake.init_error is None:
+        assert fake.shutdown  # the NVML session it opened is closed again
+
+
+def test_auto_on_this_machine_uses_nvml_or_says_plainly_why_not() -> None:
+    try:
+        backend = detect_backend("auto")
+    except BackendUnavailable as e:
+        assert e.message.startswith("--backend auto")
+        assert "--backend sim" in e.hint
+        return
+    try:
+        assert isinstance(backend, NvmlBackend) and backend.gpus()
+    finally:
+        backend.close()
+
+
+def test_explicit_kinds() -> None:
+    sim = detect_backend("sim", "t4")
+    assert isinstance(sim, SimBackend) and sim.name == "sim:t4"
+    assert detect_backend("sim").name == "sim:dgx-h100"
+    nvml = detect_backend("nvml", nvml=FakeNvml([]))
+    assert isinstance(nvml, NvmlBackend) and nvml.gpus() == ()  # explicit nvml may start with no GPU yet
+    with pytest.raises(ConfigError) as err:
+        detect_backend("cuda")
+    assert "expected one of auto, nvml, sim, got 'cuda'" in err.value.message
