@@ -16,7 +16,9 @@ import pytest
 
 from gpunode import cli
 from gpunode.config import environment_variables
+from gpunode.devices.select import detect_backend
 from gpunode.devices.sim import SimBackend
+from gpunode.errors import GpunodeError
 
 EXAMPLES = Path(__file__).parent.parent / "gpunode" / "examples"
 INVALID = Path(__file__).parent / "data" / "configs" / "invalid"
@@ -264,6 +266,17 @@ def test_unknown_profile_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "dgx-b300" in err and "\nHINT: " in err
 
 
+def nvml_loads() -> bool:
+    """Whether this machine has a working NVIDIA driver (then the no-GPU test does not apply)."""
+    try:
+        backend = detect_backend("nvml")
+    except GpunodeError:
+        return False
+    backend.close()
+    return True
+
+
+@pytest.mark.skipif(nvml_loads(), reason="NVML works here; this test is for nodes without an NVIDIA driver")
 @pytest.mark.parametrize("backend", ["nvml", "auto"])
 def test_no_gpu_here_exits_1_and_suggests_the_simulator(
     capsys: pytest.CaptureFixture[str], backend: str
