@@ -168,7 +168,9 @@ class HealthTracker:
         if probe.reachable and probe.ecc_sbe_volatile is not None:
             samples = ev.sbe_samples
             if samples and probe.ecc_sbe_volatile < samples[-1][1]:
-                samples.clear()  # the counter went back: the GPU was reset
+                # The counter went back: the GPU was reset, the errors before it no longer count.
+                samples.clear()
+                ev.sbe_events.clear()
             samples.append((now, probe.ecc_sbe_volatile))
         self._set_probe_outcome(ev, problem, now)
         self._check_sbe(probe.uuid, now)
