@@ -311,6 +311,17 @@ def test_cli_errors_are_gpunode_errors(node: tuple[SimBackend, ControlServer], s
     assert "HINT:" in str(nobody.value)
 
 
+def test_cli_parser_dispatches_to_run_cli() -> None:
+    args = cli("sim", "lose", "--socket", "/run/x.sock", "--gpu", "GPU-abc")
+    assert args.func is run_cli
+    assert (args.command, args.sim_command, args.gpu, args.socket) == (
+        "sim",
+        "lose",
+        "GPU-abc",
+        "/run/x.sock",
+    )
+
+
 def test_cli_requires_a_socket_and_an_action() -> None:
     with pytest.raises(SystemExit):
         cli("sim", "list")

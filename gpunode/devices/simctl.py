@@ -401,7 +401,10 @@ def call_control(
 
 
 def register_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    """Add the `sim` command group (fault injection into a running simulated node) to a CLI."""
+    """Add the `sim` command group (fault injection into a running simulated node) to a CLI.
+
+    The parsed arguments carry func=run_cli and sim_command (the action).
+    """
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--socket", required=True, metavar="PATH", help="control socket of the simulated node"
@@ -415,6 +418,7 @@ def register_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         help="inject faults into a running simulated node",
         description="Drive the fault injection of an agent running with --backend sim, over its control socket.",
     )
+    sim.set_defaults(func=run_cli)
     actions = sim.add_subparsers(dest="sim_command", required=True, metavar="ACTION")
     actions.add_parser("list", parents=[common], help="list the GPUs and their fault state")
     p = actions.add_parser("xid", parents=[common, gpu], help="report an XID error")
