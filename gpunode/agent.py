@@ -23,7 +23,7 @@ from gpunode import sdnotify
 from gpunode.config import Config
 from gpunode.deviceplugin import PluginManager, socket_name
 from gpunode.devices.base import Backend, DeviceEvent, EventKind
-from gpunode.errors import BackendUnavailable, GpunodeError
+from gpunode.errors import BackendUnavailable, ConfigError, GpunodeError
 from gpunode.inventory import Inventory, build_inventory
 from gpunode.state import DeviceState
 
@@ -104,7 +104,8 @@ class Agent:
         if self._backend is None:
             from gpunode.devices.select import detect_backend
 
-            self._backend = detect_backend(self.config.backend, self.config.sim_profile)
+            sim_profile = self.config.sim_profile if self.config.backend == "sim" else None
+            self._backend = detect_backend(self.config.backend, sim_profile)
         inventory = build_inventory(self.backend.gpus(), self.config)
         for warning in inventory.warnings:
             log.warning("%s", warning)
@@ -183,7 +184,11 @@ class Agent:
         except GpunodeError as exc:
             log.warning("rediscovery failed: %s", exc.message)
             return
-        inventory = build_inventory(gpus, self.config, strict=False)
+        try:
+            inventory = build_inventory(gpus, self.config, strict=False)
+        except ConfigError as exc:
+            log.error("rediscovery: the configuration no longer fits the GPUs, keeping the last inventory: %s", exc)
+            return
         before = {d.id for d in self.state.snapshot().inventory.devices}
         self.state.set_inventory(inventory)
         after = {d.id for d in inventory.devices}

@@ -78,7 +78,7 @@ def preferred_allocation(
 ) -> list[str]:
     """Choose `size` device IDs out of `available` (keeping `must_include`) with gpunode.placement."""
     from gpunode import placement
-    from gpunode.nodestate import placement_node
+    from gpunode.nodeview import placement_node
 
     if size <= 0:
         return []
