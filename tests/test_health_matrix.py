@@ -274,3 +274,74 @@ def test_fault_marks_exactly_the_right_devices_and_evicts_exactly_their_pods(
             assert node.monitor.unhealthy == {}
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("outage", ["down", "hanging"])
+def test_api_server_outage_does_not_hold_up_list_and_watch(directory: Path, outage: str) -> None:
+    async def scenario() -> None:
+        node = Node("dgx-h100", {}, directory)
+        async with node.running():
+            await node.wait(
+                lambda: node.remediator.journal.records("annotate-node") != [], "the first annotation"
+            )
+            if outage == "down":
+                node.api.stop()
+            else:
+                node.api.hang(".", 30.0)
+            node.backend.inject_xid(node.gpu(4).uuid, 79)
+            await node.wait(
+                lambda: node.unhealthy_seen() == node.devices_of(node.gpu(4).uuid), "the unhealthy GPU"
+            )
+            assert [r for r in node.remediator.journal.records("evict") if r.result == "requested"] == []
+            if outage == "down":
+                node.api.start()
+            else:
+                node.api.clear_faults()
+            await node.wait(lambda: node.api.evictions() == [("team", "g4")], "the eviction after the outage")
+
+    asyncio.run(scenario())
+
+
+def test_dry_run_marks_devices_but_evicts_nothing(directory: Path) -> None:
+    async def scenario() -> None:
+        node = Node("dgx-h100", {"gpunode": {"remediation": {"dryRun": True}}}, directory)
+        async with node.running():
+            node.backend.inject_xid(node.gpu(6).uuid, 95)
+            await node.wait(
+                lambda: node.unhealthy_seen() == node.devices_of(node.gpu(6).uuid), "the unhealthy GPU"
+            )
+            await node.wait(
+                lambda: (
+                    [r.pod for r in node.remediator.journal.records("evict") if r.result == "dry-run"]
+                    == ["g6"]
+                ),
+                "the dry-run record",
+            )
+            await node.wait(lambda: len(node.api.events()) == 2, "the node and pod Events")
+            assert all(e["message"].startswith("[dry-run]") for e in node.api.events())
+            assert node.api.evictions() == []
+            assert "gpunode.io/unhealthy-gpus" not in node.api.node(NODE)["metadata"]["annotations"]
+
+    asyncio.run(scenario())
+
+
+def test_a_flapping_gpu_evicts_each_pod_once(directory: Path) -> None:
+    async def scenario() -> None:
+        node = Node("dgx-h100", {}, directory)
+        async with node.running():
+            node.api.set_termination(60.0)  # evicted pods keep terminating for the whole test
+            gpu = node.gpu(7).uuid
+            for _ in range(3):
+                node.backend.inject_xid(gpu, 79)
+                await node.wait(lambda: node.unhealthy_seen() == node.devices_of(gpu), "the unhealthy GPU")
+                await node.wait(lambda: node.unhealthy_seen() == set(), "the recovery")
+            await node.wait(
+                lambda: (
+                    len([r for r in node.remediator.journal.records("evict") if r.result == "skipped"]) == 2
+                ),
+                "the repeats to be skipped",
+            )
+            assert node.api.evictions() == [("team", "g7")]
+            assert node.monitor.counters().became_unhealthy == {gpu: 3}
+
+    asyncio.run(scenario())

@@ -218,12 +218,9 @@ class KubeRemediator:
             if desired == applied or not self.config.mark_node or not self.node_name:
                 continue
             value = json.dumps(desired, sort_keys=True) if desired else None
-            record: dict[str, Any] = {
-                "action": "annotate-node",
-                "detail": f"{ANNOTATION}={value or '(removed)'}",
-            }
+            what = f"{ANNOTATION}={value or '(removed)'}"
             if self.config.dry_run:
-                self.journal.add(ActionRecord(**record, result="dry-run", dry_run=True))
+                self.journal.add(ActionRecord("annotate-node", "dry-run", detail=what, dry_run=True))
                 applied = desired
                 continue
             try:
@@ -232,13 +229,13 @@ class KubeRemediator:
                     deadline=self._clock() + self.config.retry_max_s,
                 )
             except KubeError as exc:
-                self.journal.add(ActionRecord(**record, result="failed", detail=exc.message))
+                self.journal.add(ActionRecord("annotate-node", "failed", detail=f"{what}: {exc.message}"))
                 await asyncio.sleep(backoff.next_delay())
                 self._node_dirty.set()
                 continue
             backoff = Backoff(self.config.retry_initial_s, self.config.retry_max_s)
             applied = desired
-            self.journal.add(ActionRecord(**record, result="done", attempts=attempts))
+            self.journal.add(ActionRecord("annotate-node", "done", attempts=attempts, detail=what))
 
     def _annotate(self, value: str | None, client: KubeClient) -> None:
         client.patch_node_annotations(self.node_name, {ANNOTATION: value})

@@ -63,6 +63,7 @@ class _State:
     pdb_blocks: dict[tuple[str, str], int | None] = field(default_factory=dict)
     failures: list[_Failure] = field(default_factory=list)
     hangs: list[_Hang] = field(default_factory=list)
+    termination_s: float = 0.0
     version: int = 1
 
 
@@ -348,6 +349,11 @@ class ApiServerStandIn:
             self._state.hangs.clear()
             self._state.pdb_blocks.clear()
 
+    def set_termination(self, seconds: float) -> None:
+        """Evicted pods stay this long, terminating (deletionTimestamp set), before they are gone."""
+        with self._cond:
+            self._state.termination_s = seconds
+
     def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
         deadline = time.monotonic() + timeout
         with self._cond:
@@ -459,8 +465,28 @@ class ApiServerStandIn:
                 )
             del st.pdb_blocks[key]
         if "All" not in ((body.get("deleteOptions") or {}).get("dryRun") or []):
-            del st.pods[key]
+            self._terminate(key)
         return 201, _status(201, "", ""), {}
+
+    def _terminate(self, key: tuple[str, str]) -> None:
+        """Delete a pod: at once, or (with a termination delay) mark it terminating and delete it later."""
+        st = self._state
+        if not st.termination_s:
+            del st.pods[key]
+            return
+        pod = st.pods[key]
+        pod["metadata"]["deletionTimestamp"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        uid = pod["metadata"]["uid"]
+
+        def remove() -> None:
+            with self._cond:
+                if st.pods.get(key, {}).get("metadata", {}).get("uid") == uid:
+                    del st.pods[key]
+                    self._cond.notify_all()
+
+        timer = threading.Timer(st.termination_s, remove)
+        timer.daemon = True
+        timer.start()
 
     def _patch_node(
         self, name: str, method: str, body: Any, content_type: str, *, status: bool
