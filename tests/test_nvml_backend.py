@@ -801,6 +801,24 @@ def test_processes_merge_compute_and_graphics_and_follow_mig_devices() -> None:
         backend.processes("GPU-unknown")
 
 
+class OldDriverNvml(FakeNvml):
+    """A driver without the v3 process calls: nvidia-ml-py refuses the unversioned ones."""
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: Any) -> list[Any]:
+        raise pynvml.NVMLLibraryMismatchError("Unversioned function called ...")
+
+    def nvmlDeviceGetComputeRunningProcesses_v2(self, h: Any) -> list[Any]:
+        return self._procs(h, "nvmlDeviceGetComputeRunningProcesses_v2", False)
+
+
+def test_processes_fall_back_to_the_v2_call_on_an_older_driver() -> None:
+    gpus = dgx_h100()[:1]
+    gpus[0].processes = [(300, 2**30)]
+    backend = NvmlBackend(nvml=OldDriverNvml(gpus))
+    uuid = backend.gpus()[0].uuid
+    assert [(p.pid, p.used_memory_bytes) for p in backend.processes(uuid)] == [(300, 2**30)]
+
+
 # -- probe -------------------------------------------------------------------------------------
 
 

@@ -174,7 +174,10 @@ class NvmlBackend:
         merged: dict[tuple[int, str | None], GpuProcess] = {}
         for h, mig_uuid in sources:
             for fn in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
-                for p in self._q.call(fn, h, uuid=uuid) or ():
+                rows = self._q.call(fn, h, uuid=uuid)
+                if rows is None:  # a driver without the v3 call: the v2 struct has the same fields
+                    rows = self._q.call(f"{fn}_v2", h, uuid=uuid)
+                for p in rows or ():
                     used = p.usedGpuMemory if isinstance(p.usedGpuMemory, int) else None
                     key = (int(p.pid), mig_uuid)
                     old = merged.get(key)

@@ -12,13 +12,16 @@ It translates NVML's return codes into gpunode's error tree:
     anything else                                -> BackendError naming the call
 
 A call whose function the installed nvidia-ml-py does not have answers None,
-as FUNCTION_NOT_FOUND would. The helper holds the NVML module it is given
+as FUNCTION_NOT_FOUND would, and so does an unversioned call that nvidia-ml-py
+refuses because the driver lacks its newest version (NVMLLibraryMismatchError).
+A ctypes or OS error inside the bindings becomes a BackendError. The helper holds the NVML module it is given
 (pynvml, or a fake in tests); it never imports pynvml itself (nvml.py does).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from ctypes import ArgumentError
 from typing import Any
 
 from gpunode.errors import BackendError, BackendUnavailable, GpuLostError
@@ -77,6 +80,7 @@ class NvmlQuery:
         func = getattr(self.nv, fn, None)
         if func is None:
             return None  # the installed nvidia-ml-py predates this call: same as FUNCTION_NOT_FOUND
+        mismatch = getattr(self.nv, "NVMLLibraryMismatchError", None) or ()
         try:
             return func(*args, **kw)
         except self.nv.NVMLError as e:
@@ -84,6 +88,11 @@ class NvmlQuery:
             if code in ABSENT or code in absent:
                 return None
             raise self.translate(fn, code, str(e), uuid) from None
+        except mismatch:
+            return None  # an unversioned call the driver lacks: the caller tries an older version
+        except (ArgumentError, TypeError, ValueError, OSError) as e:
+            where = f" for GPU {uuid}" if uuid else ""
+            raise BackendError(f"NVML call {fn} failed{where}: {type(e).__name__}: {e}") from None
 
     def init(self) -> None:
         """nvmlInit, where every failure means the backend cannot be used at all."""
