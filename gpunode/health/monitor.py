@@ -85,7 +85,7 @@ class HealthMonitor:
                 self._lost[gpu] += 1
             if not self.config.enabled:
                 return
-            self._refresh_topology()
+            self._refresh_topology()  # MIG attribution needs the current GPUs
             self._tracker.record_event(event, self._clock())
             self._publish_locked()
 
@@ -201,6 +201,7 @@ class HealthMonitor:
             self._tracker.set_topology(gpus)
 
     def _publish_locked(self) -> None:
+        self._refresh_topology()
         verdicts = self._tracker.evaluate(self._clock())
         before = self._unhealthy
         self._unhealthy = verdicts
