@@ -75,7 +75,9 @@ class FakeNvml:
         self, gpus: list[FakeGpu], *, init_error: int | None = None, driver: str = "550.90.07"
     ) -> None:
         for name in dir(pynvml):
-            if name.startswith(("NVML_", "nvmlEventType", "nvmlMemory_v2", "c_nvml", "NVMLError")):
+            if name.startswith(
+                ("NVML_", "nvmlEventType", "nvmlMemory_v2", "c_nvml", "NVMLError", "NVMLLibrary")
+            ):
                 setattr(self, name, getattr(pynvml, name))
         self.NVMLError = pynvml.NVMLError
         self.gpus = gpus
