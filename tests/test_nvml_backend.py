@@ -909,6 +909,17 @@ def test_an_event_from_a_lost_gpu_still_names_it() -> None:
     assert event is not None and (event.gpu_uuid, event.xid) == (gpus[1].uuid, 79)
 
 
+def test_gpm_samples_of_a_gpu_that_left_are_freed() -> None:
+    fake = FakeNvml(dgx_h100()[:2])
+    backend = NvmlBackend(nvml=fake)
+    for gpu in backend.gpus():
+        backend.sample(gpu.uuid)
+    assert len(fake.gpm_live) == 2
+    fake.gpus.pop()
+    backend.gpus()
+    assert len(fake.gpm_live) == 1
+
+
 def test_close_releases_everything_nvml_gave() -> None:
     fake = FakeNvml(a100_mig())
     backend = NvmlBackend(nvml=fake)

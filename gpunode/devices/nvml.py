@@ -158,6 +158,7 @@ class NvmlBackend:
             self._handles = {u: h for u, h in self._handles.items() if h is not None}
             self._known = {g.index: g for g in gpus}
             self._mig = {g.uuid: self._mig.get(g.uuid, ()) for g in gpus}
+        self._gpm.retain({g.uuid for g in gpus})
         return gpus
 
     def sample(self, uuid: str) -> GpuSample:

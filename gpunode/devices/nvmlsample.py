@@ -139,6 +139,14 @@ class GpmState:
             if int(m.nvmlReturn) == 0
         }
 
+    def retain(self, uuids: set[str]) -> None:
+        """Free the samples of GPUs that are gone."""
+        with self._lock:
+            for key in [k for k in self._prev if k[0] not in uuids]:
+                self._q.call("nvmlGpmSampleFree", self._prev.pop(key))
+            for uuid in [u for u in self._supported if u not in uuids]:
+                del self._supported[uuid]
+
     def free_all(self) -> None:
         with self._lock:
             for sample in self._prev.values():
