@@ -124,6 +124,7 @@ def json_patch(target: dict[str, Any], ops: list[dict[str, Any]]) -> dict[str, A
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go out in separate writes; do not wait for ACKs
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
