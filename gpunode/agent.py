@@ -17,7 +17,8 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from gpunode import sdnotify
 from gpunode.config import Config
@@ -67,6 +68,10 @@ class Agent:
         self._reload_async: asyncio.Event | None = None
         self._rediscover_async: asyncio.Event | None = None
         self.event_listeners: list[Callable[[DeviceEvent], None]] = []
+        self.health: Any = None  # gpunode.health.HealthMonitor once running
+        self.remediator: Any = None
+        self.metrics: Any = None  # gpunode.metrics.MetricsCollector once running
+        self.metrics_ready: asyncio.Event | None = None
 
     @property
     def backend(self) -> Backend:
@@ -141,6 +146,8 @@ class Agent:
                 tg.create_task(self._reloader(), name="reloader")
                 tg.create_task(self._rediscoverer(), name="rediscoverer")
                 tg.create_task(self._sim_control(), name="sim-control")
+                self._start_health(tg)
+                self._start_metrics(tg)
                 await plugins_ready.wait()
                 sdnotify.notify("READY=1")
                 interval = sdnotify.watchdog_interval_s()
@@ -187,7 +194,9 @@ class Agent:
         try:
             inventory = build_inventory(gpus, self.config, strict=False)
         except ConfigError as exc:
-            log.error("rediscovery: the configuration no longer fits the GPUs, keeping the last inventory: %s", exc)
+            log.error(
+                "rediscovery: the configuration no longer fits the GPUs, keeping the last inventory: %s", exc
+            )
             return
         before = {d.id for d in self.state.snapshot().inventory.devices}
         self.state.set_inventory(inventory)
@@ -258,13 +267,83 @@ class Agent:
                 except Exception:
                     log.exception("event listener failed")
 
-    async def _sim_control(self) -> None:
-        path = self.config.sim_control_socket
-        if path is None or not self.backend.name.startswith("sim"):
+    def unhealthy_devices(self) -> dict[str, str]:
+        """Device ID -> reason for every advertised device that is unhealthy now (for the metrics)."""
+        assert self.state is not None
+        snap = self.state.snapshot()
+        out: dict[str, str] = {}
+        for resource in snap.resources():
+            for st in snap.statuses(resource):
+                if not st.healthy:
+                    out[st.device.id] = st.reason
+        return out
+
+    def _start_health(self, tg: asyncio.TaskGroup) -> None:
+        from gpunode.health import HealthConfig, HealthMonitor, RemediationConfig
+        from gpunode.health.remediation import build_remediator
+
+        assert self.state is not None
+        health_cfg = self.config.sections.get("health") or HealthConfig()
+        rem_cfg = self.config.sections.get("remediation") or RemediationConfig()
+        if rem_cfg.mode == "kubernetes" and not self.config.node_name:
+            log.warning(
+                "remediation: no node name (set NODE_NAME or --node-name), so no pod is evicted; "
+                "devices are still marked unhealthy"
+            )
+            rem_cfg = replace(rem_cfg, mode="off")
+        remediator = build_remediator(
+            rem_cfg,
+            backend=self.backend,
+            node_name=self.config.node_name,
+            pod_resources_socket=str(self.config.pod_resources_socket),
+        )
+        self.health = HealthMonitor(
+            backend=self.backend, state=self.state, config=health_cfg, remediator=remediator
+        )
+        self.remediator = remediator
+        self.event_listeners.append(self.health.handle_event)
+        tg.create_task(self.health.run(), name="health")
+        if remediator is not None:
+            tg.create_task(remediator.run(), name="remediation")
+
+    def _start_metrics(self, tg: asyncio.TaskGroup) -> None:
+        from gpunode.metrics import MetricsCollector, MetricsConfig, serve_metrics
+        from gpunode.podresources import PodAttribution
+
+        assert self.state is not None
+        state = self.state
+        cfg = self.config.sections.get("metrics") or MetricsConfig()
+        if not cfg.enabled:
             return
+        attribution = PodAttribution(
+            cfg.pod_resources_socket or str(self.config.pod_resources_socket), ttl_s=cfg.attribution_ttl_s
+        )
+        self.metrics = MetricsCollector(
+            backend=self.backend,
+            hostname=self.config.node_name,
+            config=cfg,
+            inventory=lambda: state.snapshot().inventory,
+            health=self.unhealthy_devices,
+            attribution=attribution,
+            regions_root=self.config.state_dir / "memcap",
+        )
+        self.event_listeners.append(self.metrics.record_event)
+        tg.create_task(self.metrics.run(), name="metrics-collector")
+        self.metrics_ready = asyncio.Event()
+        tg.create_task(
+            serve_metrics(collector=self.metrics, listen=cfg.listen, ready=self.metrics_ready),
+            name="metrics-server",
+        )
+
+    async def _sim_control(self) -> None:
+        from gpunode.devices.sim import SimBackend
         from gpunode.devices.simctl import serve_control
 
-        handle = await asyncio.to_thread(serve_control, self.backend, path)
+        path = self.config.sim_control_socket
+        backend = self.backend
+        if path is None or not isinstance(backend, SimBackend):
+            return
+        handle = await asyncio.to_thread(serve_control, backend, path)
         log.info("simulated node control socket: %s (try `gpunode sim list --socket %s`)", path, path)
         try:
             await asyncio.Event().wait()

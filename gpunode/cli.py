@@ -94,6 +94,8 @@ def _print_ready(agent: Any) -> None:
     kubelet = agent.config.kubelet_socket
     if not kubelet.exists():
         lines.append(f"  waiting for the kubelet at {kubelet}; plugins register as soon as it appears")
+    if agent.metrics is not None:
+        lines.append(f"  metrics: http://{agent.metrics.config.listen}/metrics (DCGM-compatible)")
     if agent.config.sim_control_socket:
         lines.append(
             f"  inject faults: gpunode sim xid --socket {agent.config.sim_control_socket} --gpu 0 --code 79"
@@ -192,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _optional_registrations() -> list[Callable[[Any], None]]:
+def _optional_registrations() -> list[Callable[[Any], object]]:
     """Subcommands owned by other modules."""
     from gpunode.devices.simctl import register_cli as register_sim
 

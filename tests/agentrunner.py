@@ -16,6 +16,7 @@ def make_config(kubelet_dir: Path, state_dir: Path, doc: dict[str, Any] | None =
     """A validated Config from an NVIDIA-style document, with the test's directories."""
     data = dict(doc or {})
     section = dict(data.get("gpunode", {}))
+    section.setdefault("metrics", {"listen": "127.0.0.1:0"})
     section.update({"kubeletDir": str(kubelet_dir), "stateDir": str(state_dir)}, **own)
     data["gpunode"] = section
     return parse_config(data, "test-config.yaml")
