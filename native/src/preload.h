@@ -1,0 +1,250 @@
+/*
+ * preload.h: what the parts of libgpunode-preload.so share: the hook table,
+ * the hot state read on every allocation, the lock-free pointer table and
+ * the inline accounting fast path.
+ *
+ * Must not: be included by anything outside native/src (the region header is
+ * the only public contract); declare anything exported except the hooks.
+ */
+#ifndef GPUNODE_PRELOAD_H
+#define GPUNODE_PRELOAD_H
+
+#include "cuda_types.h"
+#include "gpunode_memcap.h"
+
+#include <stdatomic.h>
+#include <stdint.h>
+
+#define GN_EXPORT __attribute__((visibility("default")))
+#define GN_LIKELY(x) __builtin_expect(!!(x), 1)
+#define GN_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#define GN_COLD __attribute__((cold, noinline))
+
+/* ---- the hook table (expanded from hooks.def) ---- */
+
+enum gn_library { GN_LIB_CUDA, GN_LIB_NVML };
+enum gn_stream { GN_STREAM_ANY, GN_STREAM_LEGACY, GN_STREAM_PTSZ };
+
+enum gn_hook_id {
+#define GN_HOOK(name, library, base, since, stream) GN_ID_##name,
+#define GN_CALL(name, library, base, since, stream) GN_ID_##name,
+#include "hooks.def"
+#undef GN_HOOK
+#undef GN_CALL
+    GN_ID_COUNT
+};
+
+struct gn_hook_info {
+    const char *name;
+    const char *base;
+    void *hook; /* NULL for entry points we only call */
+    int library;
+    int since;
+    int stream;
+};
+
+extern const struct gn_hook_info gn_hooks[GN_ID_COUNT];
+extern _Atomic(void *) gn_real[GN_ID_COUNT];
+
+void *gn_resolve_real(int id);
+int gn_find_hook(const char *name);
+int gn_is_hook_address(const void *p);
+
+/* The driver's function for a hook id, resolved once. */
+static inline void *gn_real_fn(int id)
+{
+    void *p = atomic_load_explicit(&gn_real[id], memory_order_acquire);
+    if (GN_UNLIKELY(!p))
+        p = gn_resolve_real(id);
+    return p;
+}
+
+#define GN_REAL(name) ((__typeof__(&name))gn_real_fn(GN_ID_##name))
+
+/* ---- logging ---- */
+
+enum { GN_LOG_OFF = 0, GN_LOG_ERROR = 1, GN_LOG_WARN = 2, GN_LOG_INFO = 3, GN_LOG_DEBUG = 4 };
+extern int gn_log_level;
+void gn_log_setup(void);
+void gn_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3), cold));
+const char *gn_format_bytes(char *buf, size_t len, uint64_t bytes);
+#define GN_LOG(level, ...)                                                                                         \
+    do {                                                                                                           \
+        if (GN_UNLIKELY((level) <= gn_log_level))                                                                  \
+            gn_log((level), __VA_ARGS__);                                                                          \
+    } while (0)
+
+/* ---- the hot state ---- */
+
+enum gn_phase {
+    GN_PHASE_UNINIT = 0,       /* nothing looked at yet */
+    GN_PHASE_READY = 1,        /* region loaded, this process holds a slot */
+    GN_PHASE_UNREGISTERED = 2, /* region loaded, no slot yet (first use, or after fork) */
+    GN_PHASE_OPEN = 3,         /* fail-open: pass everything through uncounted */
+    GN_PHASE_CLOSED = 4,       /* fail-closed: refuse every allocation */
+};
+
+/* What an accounting step decided. */
+enum gn_verdict {
+    GN_TRACK = 0, /* reserved: call the driver, then track or roll back */
+    GN_PASS = 1,  /* call the driver without accounting */
+    GN_DENY = 2,  /* return CUDA_ERROR_OUT_OF_MEMORY without calling the driver */
+    GN_FAIL = 3,  /* return the CUresult the step produced */
+};
+
+struct gn_hot {
+    _Atomic int phase;
+    uint32_t device_count;
+    struct gpunode_memcap_usage *usage;
+    struct gpunode_memcap_slot *slot;
+    uint64_t limit_bytes[GPUNODE_MEMCAP_MAX_DEVICES];
+};
+
+extern struct gn_hot gn_hot;
+
+int gn_enter_slow(void);
+int gn_device_index(int ordinal, unsigned *dev, CUresult *err);
+int gn_reserve_cold(unsigned dev, uint64_t bytes);
+int gn_query_device(int ordinal, unsigned *dev);
+int gn_query_nvml_device(nvmlDevice_t device, unsigned *dev);
+CUresult gn_missing(int id);
+
+/* Reserve bytes for an allocation on the device with CUDA ordinal `ordinal`
+ * (-1: the current context's device). No syscall, no lock. */
+static inline int gn_reserve(uint64_t bytes, int ordinal, unsigned *dev_out, CUresult *err)
+{
+    if (GN_UNLIKELY(atomic_load_explicit(&gn_hot.phase, memory_order_acquire) != GN_PHASE_READY)) {
+        int verdict = gn_enter_slow();
+        if (verdict != GN_TRACK)
+            return verdict;
+    }
+    unsigned dev = 0;
+    if (GN_UNLIKELY(gn_hot.device_count != 1)) {
+        int verdict = gn_device_index(ordinal, &dev, err);
+        if (verdict != GN_TRACK)
+            return verdict;
+    }
+    *dev_out = dev;
+    if (GN_LIKELY(gpunode_memcap_try_add(&gn_hot.usage->used_bytes[dev], bytes, gn_hot.limit_bytes[dev]))) {
+        atomic_fetch_add_explicit(&gn_hot.slot->used_bytes[dev], bytes, memory_order_relaxed);
+        return GN_TRACK;
+    }
+    return gn_reserve_cold(dev, bytes);
+}
+
+static inline void gn_unreserve(unsigned dev, uint64_t bytes)
+{
+    atomic_fetch_sub_explicit(&gn_hot.usage->used_bytes[dev], bytes, memory_order_relaxed);
+    atomic_fetch_sub_explicit(&gn_hot.slot->used_bytes[dev], bytes, memory_order_relaxed);
+}
+
+/* ---- the pointer table: allocation key -> (bytes, device, kind) ---- */
+
+#define GN_TABLE_BITS 18
+#define GN_TABLE_SIZE (1u << GN_TABLE_BITS)
+#define GN_TABLE_PROBES 64
+#define GN_KEY_EMPTY 0ULL
+#define GN_KEY_TOMB (~0ULL)
+#define GN_KEY_BUSY (~0ULL - 1)
+#define GN_MAX_TRACKED_BYTES ((1ULL << 48) - 1)
+
+enum gn_kind { GN_KIND_MEM = 1, GN_KIND_VMM = 2, GN_KIND_ARRAY = 3, GN_KIND_MIPMAP = 4 };
+
+struct gn_entry {
+    _Atomic uint64_t key;
+    _Atomic uint64_t val;
+};
+
+extern struct gn_entry gn_table[GN_TABLE_SIZE];
+
+static inline uint64_t gn_pack(uint64_t bytes, unsigned dev, unsigned kind)
+{
+    return bytes | (uint64_t)dev << 48 | (uint64_t)kind << 56;
+}
+static inline uint64_t gn_val_bytes(uint64_t val)
+{
+    return val & GN_MAX_TRACKED_BYTES;
+}
+static inline unsigned gn_val_dev(uint64_t val)
+{
+    return (unsigned)(val >> 48) & 0xff;
+}
+static inline unsigned gn_val_kind(uint64_t val)
+{
+    return (unsigned)(val >> 56);
+}
+
+static inline uint32_t gn_hash(uint64_t key)
+{
+    return (uint32_t)((key * 0x9E3779B97F4A7C15ULL) >> (64 - GN_TABLE_BITS));
+}
+
+/* Insert: claim an empty or deleted entry (BUSY while the value is written,
+ * so no reader pairs the key with a stale value). Keys are unique while
+ * live: the driver does not hand out a pointer or handle twice. */
+static inline int gn_table_put(uint64_t key, uint64_t val)
+{
+    if (GN_UNLIKELY(key == GN_KEY_EMPTY || key >= GN_KEY_BUSY))
+        return 0;
+    uint32_t i = gn_hash(key);
+    for (unsigned n = 0; n < GN_TABLE_PROBES; n++, i = (i + 1) & (GN_TABLE_SIZE - 1)) {
+        uint64_t k = atomic_load_explicit(&gn_table[i].key, memory_order_relaxed);
+        if ((k == GN_KEY_EMPTY || k == GN_KEY_TOMB) &&
+            atomic_compare_exchange_strong_explicit(&gn_table[i].key, &k, GN_KEY_BUSY, memory_order_acquire,
+                                                    memory_order_relaxed)) {
+            atomic_store_explicit(&gn_table[i].val, val, memory_order_relaxed);
+            atomic_store_explicit(&gn_table[i].key, key, memory_order_release);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Remove and return the entry for key of the given kind; exactly one of two
+ * racing removers wins. */
+static inline int gn_table_take(uint64_t key, unsigned kind, uint64_t *val)
+{
+    uint32_t i = gn_hash(key);
+    for (unsigned n = 0; n < GN_TABLE_PROBES; n++, i = (i + 1) & (GN_TABLE_SIZE - 1)) {
+        uint64_t k = atomic_load_explicit(&gn_table[i].key, memory_order_acquire);
+        if (k == GN_KEY_EMPTY)
+            return 0;
+        if (k == key) {
+            uint64_t v = atomic_load_explicit(&gn_table[i].val, memory_order_relaxed);
+            if (gn_val_kind(v) == kind) {
+                if (!atomic_compare_exchange_strong_explicit(&gn_table[i].key, &k, GN_KEY_TOMB,
+                                                             memory_order_relaxed, memory_order_relaxed))
+                    return 0;
+                *val = v;
+                return 1;
+            }
+        }
+    }
+    return 0;
+}
+
+void gn_table_reset(void);
+void gn_lost_tracking(const char *what, uint64_t key, uint64_t bytes);
+
+/* After the driver freed (or failed to free) a tracked allocation. */
+static inline void gn_settle_free(CUresult r, uint64_t key, uint64_t val)
+{
+    if (GN_LIKELY(r == CUDA_SUCCESS))
+        gn_unreserve(gn_val_dev(val), gn_val_bytes(val));
+    else if (GN_UNLIKELY(!gn_table_put(key, val)))
+        gn_lost_tracking("restore after a failed free", key, gn_val_bytes(val));
+}
+
+CUresult gn_denied(int verdict, CUresult err, const char *what, uint64_t bytes);
+
+/* ---- dlsym ---- */
+
+typedef void *(*gn_dlsym_fn)(void *, const char *);
+gn_dlsym_fn gn_real_dlsym(void);
+
+/* ---- arrays ---- */
+
+uint64_t gn_array_bytes(uint64_t width, uint64_t height, uint64_t depth, int format, unsigned channels,
+                        unsigned flags, unsigned levels);
+
+#endif /* GPUNODE_PRELOAD_H */
