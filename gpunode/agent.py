@@ -16,7 +16,7 @@ import contextlib
 import logging
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -72,6 +72,7 @@ class Agent:
         self.remediator: Any = None
         self.metrics: Any = None  # gpunode.metrics.MetricsCollector once running
         self.metrics_ready: asyncio.Event | None = None
+        self.publisher: Any = None  # gpunode.publish.NodeStatePublisher when publishing
 
     @property
     def backend(self) -> Backend:
@@ -148,6 +149,7 @@ class Agent:
                 tg.create_task(self._sim_control(), name="sim-control")
                 self._start_health(tg)
                 self._start_metrics(tg)
+                self._start_publisher(tg)
                 await plugins_ready.wait()
                 sdnotify.notify("READY=1")
                 interval = sdnotify.watchdog_interval_s()
@@ -334,6 +336,48 @@ class Agent:
             serve_metrics(collector=self.metrics, listen=cfg.listen, ready=self.metrics_ready),
             name="metrics-server",
         )
+
+    def _start_publisher(self, tg: asyncio.TaskGroup) -> None:
+        """Annotate this node's Node object with its GPU state, for the scheduler extender."""
+        from gpunode.health import RemediationConfig
+        from gpunode.kube import KubeClient
+        from gpunode.podresources import list_container_devices
+        from gpunode.publish import NodeStatePublisher
+
+        assert self.state is not None
+        if not self.config.publish_node_state:
+            return
+        if not self.config.node_name:
+            log.info("node state: no node name (NODE_NAME), so the GPU-state annotation is not published")
+            return
+        rem_cfg = self.config.sections.get("remediation") or RemediationConfig()
+        socket_path = str(self.config.pod_resources_socket)
+        clients: list[KubeClient] = []
+
+        def patch(node: str, annotations: Mapping[str, str | None]) -> None:
+            if not clients:
+                clients.append(
+                    KubeClient.from_environment(
+                        kubeconfig=rem_cfg.kubeconfig, request_timeout_s=rem_cfg.request_timeout_s
+                    )
+                )
+            clients[0].patch_node_annotations(node, annotations)
+
+        async def holders() -> dict[str, str]:
+            out: dict[str, str] = {}
+            for c in await list_container_devices(socket_path, timeout_s=5.0):
+                for dev in c.device_ids:
+                    out[dev] = f"{c.namespace}/{c.pod}"
+            return out
+
+        self.publisher = NodeStatePublisher(
+            state=self.state,
+            node_name=self.config.node_name,
+            patch=patch,
+            read_holders=holders,
+            interval_s=self.config.publish_interval_s,
+        )
+        tg.create_task(self.publisher.run(), name="node-state-publisher")
 
     async def _sim_control(self) -> None:
         from gpunode.devices.sim import SimBackend

@@ -173,6 +173,8 @@ class Config:
     replica_memory_cap: str | int | None = None  # None, "equal", or bytes
     fractional: Fractional = field(default_factory=Fractional)
     rediscover_interval_s: float = 30.0
+    publish_node_state: bool = True  # annotate the Node with its GPU state for the scheduler extender
+    publish_interval_s: float = 60.0
     # Sections parsed by their owning modules; values are their config objects.
     sections: Mapping[str, Any] = field(default_factory=dict)
     # Setting -> the environment variable or flag that set it (settings from the file are absent).
@@ -365,6 +367,7 @@ def parse_config(data: object, source: str) -> Config:
         )
 
     own = top.section("gpunode")
+    node_state = own.section("nodeState")
     cfg = replace(
         cfg,
         backend=own.choice("backend", BACKENDS, "auto"),
@@ -379,7 +382,10 @@ def parse_config(data: object, source: str) -> Config:
         replica_memory_cap=own.parse("replicaMemoryCap", _parse_replica_cap, None),
         fractional=_parse_fractional(own.section("fractional")),
         rediscover_interval_s=own.duration("rediscoverInterval", 30.0),
+        publish_node_state=node_state.get("enabled", bool, True),
+        publish_interval_s=node_state.duration("interval", 60.0),
     )
+    node_state.finish()
     _check_resource_names(cfg)
     parsers = _section_parsers()
     sections = {name: parser(own.raw(name, {}), own.key_path(name)) for name, parser in parsers.items()}
