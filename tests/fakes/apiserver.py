@@ -15,8 +15,10 @@ agent can see of an API server, nothing more.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import socket
 import threading
 import time
 import uuid
@@ -129,6 +131,17 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
+    def setup(self) -> None:
+        super().setup()
+        with self.server.connections_lock:
+            self.server.connections.add(self.connection)
+
+    def finish(self) -> None:
+        with self.server.connections_lock:
+            self.server.connections.discard(self.connection)
+        with contextlib.suppress(OSError):
+            super().finish()
+
     def _reply(self, code: int, body: Any, headers: dict[str, str] | None = None) -> None:
         data = json.dumps(body).encode()
         self.send_response(code)
@@ -188,7 +201,20 @@ class _Server(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], owner: ApiServerStandIn) -> None:
         self.owner = owner
+        self.connections: set[socket.socket] = set()
+        self.connections_lock = threading.Lock()
         super().__init__(address, _Handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a client that went away (timeout, stop()) is not an error of the stand-in
+
+    def close_connections(self) -> None:
+        """Drop every open (keep-alive) connection, as a server going down does."""
+        with self.connections_lock:
+            conns = list(self.connections)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
 
 
 _REASONS = {
@@ -235,6 +261,7 @@ class ApiServerStandIn:
             return
         self._server.shutdown()
         self._server.server_close()
+        self._server.close_connections()
         self._server = None
 
     def __enter__(self) -> ApiServerStandIn:
