@@ -18,8 +18,9 @@ loopback connection, as Prometheus does, and reports:
 
 Scenarios: dgx-h100 (8 whole H100s, 8 pods each holding one) and h100-mig-64pods
 (8 H100s in 7x 1g.10gb MIG = 56 instances, time-sliced in 2 replicas each,
-64 pods each holding one replica; with gpunode.memcap present every pod also
-has a memory-cap region, so per-pod memory series are served too).
+64 pods each holding one replica). When gpunode.memcap is built, every pod
+also has a memory-cap region with memory held in it by a live process, so
+per-pod memory series are collected and served too.
 """
 
 from __future__ import annotations
@@ -149,22 +150,30 @@ def _pods_for(scenario: str) -> tuple[list[Any], Any]:
     return pods, inventory
 
 
-def _make_regions(root: Path, pods: list[Any], inventory: Any) -> bool:
-    """One memory-cap region per pod through gpunode.memcap, when it is present."""
+def _make_regions(root: Path, pods: list[Any], inventory: Any) -> Any:
+    """One memory-cap region per pod, and one process holding memory in all of them; None without memcap."""
+    import importlib
+
     try:
-        import importlib
-
         memcap: Any = importlib.import_module("gpunode.memcap")
+        importlib.import_module("gpunode._memcap")
     except ImportError:
-        return False
+        return None
     from gpunode.inventory import region_key
+    from tests.fakes import CappedProcess
 
+    holdings = []
     for i, pod in enumerate(pods):
         d = inventory.by_id(pod.device_ids[0])
-        uuid = d.mig_uuid or d.gpu_uuid
-        memcap.create_region(root, region_key(pod.device_ids), devices=[(uuid, 4 << 30, 10 << 30)])
-        memcap.charge_for_test(root / region_key(pod.device_ids), uuid, (i + 1) << 24)
-    return True
+        region = memcap.create_region(
+            root,
+            region_key(pod.device_ids),
+            gpu_uuid=d.mig_uuid or d.gpu_uuid,
+            limit_bytes=4 << 30,
+            device_total_bytes=10 << 30,
+        )
+        holdings.append((region.path, {0: (i + 1) << 24}))
+    return CappedProcess(holdings[0][0], holdings[0][1], also=holdings[1:]).start()
 
 
 def run_scenario(scenario: str, scrapes: int) -> dict[str, Any]:
@@ -174,7 +183,8 @@ def run_scenario(scenario: str, scrapes: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="gpn-bench-", dir="/tmp") as tmp:
         regions = Path(tmp) / "regions"
         regions.mkdir()
-        have_regions = _make_regions(regions, pods, inventory)
+        holder = _make_regions(regions, pods, inventory)
+        have_regions = holder is not None
         port_file = Path(tmp) / "port"
         with PodResourcesStandIn(os.path.join(tmp, "kubelet.sock")) as kubelet:
             kubelet.set_pods(pods)
@@ -206,6 +216,8 @@ def run_scenario(scenario: str, scrapes: int) -> dict[str, Any]:
             finally:
                 child.terminate()
                 child.wait(30)
+                if holder is not None:
+                    holder.stop()
 
 
 def _measure(pid: int, port: int, scrapes: int) -> dict[str, Any]:

@@ -438,3 +438,18 @@ def test_label_values_are_escaped() -> None:
     odd = tuple(replace(g, model='Tesla "T4"\\rev\nB') for g in gpus)
     out = render(snapshot_of(odd, samples))
     assert out.one("DCGM_FI_DEV_GPU_TEMP", gpu="0").labels["modelName"] == 'Tesla "T4"\\rev\nB'
+
+
+def test_container_memory_on_a_mig_device_names_the_instance() -> None:
+    _, gpus, samples = sample_node("a100-mig")
+    mig_gpu = next(g for g in gpus if g.mig_enabled)
+    mig = mig_gpu.mig_devices[5]
+    holder = ContainerDevices("ns", "p", "c", f"nvidia.com/mig-{mig.profile}", (mig.uuid,))
+    regions = [(region_key(holder.device_ids), mig.uuid, 123 * 2**20, 4 * 2**30)]
+    out = render(snapshot_of(gpus, samples, containers=[holder], regions=regions))
+    s = out.one("gpunode_container_memory_used_bytes", pod="p")
+    assert s.value == 123 * 2**20
+    assert (s.labels["UUID"], s.labels["gpu"]) == (mig_gpu.uuid, str(mig_gpu.index)), (
+        "the physical GPU, as DCGM"
+    )
+    assert (s.labels["GPU_I_PROFILE"], s.labels["GPU_I_ID"]) == (mig.profile, str(mig.gi_id))

@@ -35,6 +35,7 @@ from gpunode.devices.sim import SimBackend
 from gpunode.inventory import Inventory, build_inventory, region_key
 from gpunode.metrics import MetricsCollector, MetricsConfig, MetricsServer
 from gpunode.podresources import ContainerDevices, PodAttribution
+from tests.fakes import CappedProcess
 from tests.fakes.podresources import PodResourcesStandIn
 
 DATA = Path(__file__).parent / "data"
@@ -44,6 +45,7 @@ GIB = 2**30
 
 try:
     memcap: Any = importlib.import_module("gpunode.memcap")
+    importlib.import_module("gpunode._memcap")
 except ImportError:
     memcap = None
 
@@ -71,6 +73,7 @@ class Node:
     kubelet: PodResourcesStandIn
     collector: MetricsCollector
     unhealthy: dict[str, str]
+    processes: list[CappedProcess]
     port: int = 0
 
     @property
@@ -224,9 +227,13 @@ def build_h100(sock_dir: str, regions_root: Path) -> Node:
     kubelet = PodResourcesStandIn(os.path.join(sock_dir, "h100.sock")).start()
     kubelet.set_pods(pods)
     unhealthy = {gpus[5].uuid: "XID 79 (GPU has fallen off the bus)"}
+    processes = []
     if memcap is not None:
-        make_region(regions_root, pods[1], g2.uuid, 2 * GIB, g2.memory_total_bytes, used_bytes=1 * GIB)
-        make_region(regions_root, pods[2], g2.uuid, 8 * GIB, g2.memory_total_bytes, used_bytes=6 * GIB)
+        # Each fractional pod has its region and one live process holding memory in it.
+        processes = [
+            capped(regions_root, pods[1], g2.uuid, 2 * GIB, g2.memory_total_bytes, used_bytes=1 * GIB),
+            capped(regions_root, pods[2], g2.uuid, 8 * GIB, g2.memory_total_bytes, used_bytes=6 * GIB),
+        ]
     collector = MetricsCollector(
         backend=backend,
         hostname="node-h100",
@@ -236,16 +243,17 @@ def build_h100(sock_dir: str, regions_root: Path) -> Node:
         attribution=PodAttribution(kubelet.socket_path, ttl_s=1.0),
         regions_root=regions_root if memcap is not None else None,
     )
-    return Node("node-h100", backend, inv, kubelet, collector, unhealthy)
+    return Node("node-h100", backend, inv, kubelet, collector, unhealthy, processes)
 
 
-def make_region(
+def capped(
     root: Path, holder: ContainerDevices, gpu_uuid: str, limit: int, total: int, used_bytes: int
-) -> None:
-    """A memory-cap region for one container, made and filled through gpunode.memcap."""
-    key = region_key(holder.device_ids)
-    memcap.create_region(root, key, devices=[(gpu_uuid, limit, total)])
-    memcap.charge_for_test(root / key, gpu_uuid, used_bytes)
+) -> CappedProcess:
+    """The container's memory-cap region, made as Allocate makes it, and a live process holding memory in it."""
+    region = memcap.create_region(
+        root, region_key(holder.device_ids), gpu_uuid=gpu_uuid, limit_bytes=limit, device_total_bytes=total
+    )
+    return CappedProcess(region.path, {0: used_bytes}).start()
 
 
 def build_a100(sock_dir: str) -> Node:
@@ -268,7 +276,7 @@ def build_a100(sock_dir: str) -> Node:
         inventory=lambda: inv,
         attribution=PodAttribution(kubelet.socket_path, ttl_s=1.0),
     )
-    return Node("node-a100", backend, inv, kubelet, collector, {})
+    return Node("node-a100", backend, inv, kubelet, collector, {}, [])
 
 
 @dataclass
@@ -311,6 +319,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         for node in (h100, a100):
             node.kubelet.stop()
             node.collector.close()
+            for proc in node.processes:
+                proc.stop()
         shutil.rmtree(sock_dir, ignore_errors=True)
 
 
@@ -486,15 +496,19 @@ def test_the_agent_reports_on_itself(cluster: Cluster) -> None:
 
 
 @needs_prometheus
-@pytest.mark.skipif(memcap is None, reason="gpunode.memcap (memory-cap regions) is not in the tree yet")
+@pytest.mark.skipif(memcap is None, reason="gpunode.memcap or its native module gpunode._memcap is not built")
 def test_each_pod_on_a_shared_gpu_has_its_own_memory_and_cap(cluster: Cluster) -> None:
     p = prom(cluster)
-    used = {r["metric"]["pod"]: float(r["value"][1]) for r in p.query("gpunode_container_memory_used_bytes")}
-    limit = {
-        r["metric"]["pod"]: float(r["value"][1]) for r in p.query("gpunode_container_memory_limit_bytes")
+    used = p.query("gpunode_container_memory_used_bytes")
+    limit = p.query("gpunode_container_memory_limit_bytes")
+    assert {r["metric"]["pod"]: float(r["value"][1]) for r in used} == {"notebook": 1 * GIB, "batch": 6 * GIB}
+    assert {r["metric"]["pod"]: float(r["value"][1]) for r in limit} == {
+        "notebook": 2 * GIB,
+        "batch": 8 * GIB,
     }
-    assert used == {"notebook": 1 * GIB, "batch": 6 * GIB}
-    assert limit == {"notebook": 2 * GIB, "batch": 8 * GIB}
+    nb = next(r["metric"] for r in used if r["metric"]["pod"] == "notebook")
+    assert (nb["namespace"], nb["container"], nb["gpu"]) == ("team-a", "jupyter", "2")
+    assert (nb["UUID"], nb["resource"]) == (cluster.h100.gpus[2].uuid, "gpunode.io/gpu-memory")
     gpu2 = p.query('DCGM_FI_DEV_FB_USED{Hostname="node-h100", gpu="2"}')
     assert values(gpu2) == [7168.0], "the GPU's own series stays the GPU's total"
 

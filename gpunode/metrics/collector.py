@@ -54,10 +54,10 @@ _DURATION_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 
 @dataclass(frozen=True)
 class RegionReading:
-    """What the collector takes from one memory-cap region."""
+    """What the collector takes from one device of one memory-cap region."""
 
     key: str
-    gpu_uuid: str
+    device_uuid: str  # a GPU or a MIG device
     used_bytes: int
     limit_bytes: int
 
@@ -364,7 +364,7 @@ class MetricsCollector:
             inventory=inventory,
             unhealthy=unhealthy,
             attribution=attribution,
-            regions=[(r.key, r.gpu_uuid, r.used_bytes, r.limit_bytes) for r in regions],
+            regions=[(r.key, r.device_uuid, r.used_bytes, r.limit_bytes) for r in regions],
         )
         # Rates need the previous sample of the same GPU; a GPU that failed loses its rate once.
         self._prev_samples = dict(samples)
@@ -424,5 +424,10 @@ class MetricsCollector:
                 self._own.region_errors.inc()
                 log.warning("metrics: cannot read memory-cap region %s: %s", region.key, err.message)
                 continue
-            out.append(RegionReading(usage.key, usage.gpu_uuid, usage.used_bytes, usage.limit_bytes))
+            if usage.devices:  # one reading per capped device of the container
+                out.extend(
+                    RegionReading(usage.key, d.uuid, d.used_bytes, d.limit_bytes) for d in usage.devices
+                )
+            else:
+                out.append(RegionReading(usage.key, usage.gpu_uuid, usage.used_bytes, usage.limit_bytes))
         return out

@@ -85,18 +85,21 @@ class _GpunodeFamilies(Collector):
             return
         used = Metric(
             "gpunode_container_memory_used_bytes",
-            "GPU memory used by one container, from its memory-cap region (all its processes, live only).",
+            "GPU memory charged to one container on one device in its memory-cap region (what counts against "
+            "its cap).",
             "gauge",
         )
         limit = Metric(
             "gpunode_container_memory_limit_bytes",
-            "GPU memory cap of one container, from its memory-cap region.",
+            "GPU memory cap of one container on one device, from its memory-cap region.",
             "gauge",
         )
         for c in self._snap.containers:
             labels = {"UUID": c.gpu_uuid, "region": c.region, self._host[0]: self._host[1]}
             if c.gpu_index is not None:
                 labels["gpu"] = str(c.gpu_index)
+            if c.mig is not None:
+                labels.update(GPU_I_PROFILE=c.mig.profile, GPU_I_ID=str(c.mig.gi_id))
             if c.owner is not None:
                 labels.update(
                     resource=c.owner.resource_name,

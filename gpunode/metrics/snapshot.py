@@ -55,11 +55,12 @@ class Entity:
 
 @dataclass(frozen=True)
 class ContainerMemory:
-    """GPU memory used by one container and its cap, from the interposer's region."""
+    """GPU memory one container uses on one device, and its cap there, from the interposer's region."""
 
     region: str
-    gpu_uuid: str
-    gpu_index: int | None
+    gpu_uuid: str  # the physical GPU (the parent, for a MIG device)
+    gpu_index: int | None  # None when the GPU is no longer listed
+    mig: MigDevice | None  # set when the capped device is a MIG device
     used_bytes: int
     limit_bytes: int
     owner: ContainerDevices | None  # None when the kubelet lists no container for the region
@@ -202,8 +203,9 @@ def build_snapshot(
 
     samples holds this collection's sample per GPU UUID (a GPU that could not
     be read is missing, and so are its values); previous_samples the one
-    before, for rates. regions holds (region key, GPU UUID, used bytes, limit
-    bytes) per memory-cap region.
+    before, for rates. regions holds (region key, device UUID, used bytes,
+    limit bytes) per device of each memory-cap region; the device is a GPU or
+    a MIG device.
     """
     owners = find_owners(gpus, inventory, attribution)
     entities: list[Entity] = []
@@ -239,7 +241,7 @@ def build_snapshot(
         collected_at_s=collected_at_s,
         entities=tuple(entities),
         sample_times=sample_times,
-        containers=_container_memory(regions, attribution, inventory, index_of),
+        containers=_container_memory(regions, attribution, inventory, gpus),
         devices=_device_states(inventory, unhealthy or {}, attribution, index_of),
     )
 
@@ -248,25 +250,31 @@ def _container_memory(
     regions: Sequence[tuple[str, str, int, int]],
     attribution: AttributionSnapshot | None,
     inventory: Inventory | None,
-    index_of: Mapping[str, int],
+    gpus: Sequence[Gpu],
 ) -> tuple[ContainerMemory, ...]:
+    where: dict[str, tuple[Gpu, MigDevice | None]] = {g.uuid: (g, None) for g in gpus}
+    where.update({m.uuid: (g, m) for g in gpus for m in g.mig_devices})
     holders: dict[str, ContainerDevices] = {}
     if attribution is not None:
         ours = set(inventory.resources()) if inventory is not None else None
         for c in attribution.containers:
             if ours is None or c.resource_name in ours:
                 holders.setdefault(region_key(c.device_ids), c)
-    return tuple(
-        ContainerMemory(
-            region=key,
-            gpu_uuid=gpu_uuid,
-            gpu_index=index_of.get(gpu_uuid),
-            used_bytes=used,
-            limit_bytes=limit,
-            owner=holders.get(key),
+    out: list[ContainerMemory] = []
+    for key, device_uuid, used, limit in regions:
+        gpu, mig = where.get(device_uuid, (None, None))
+        out.append(
+            ContainerMemory(
+                region=key,
+                gpu_uuid=gpu.uuid if gpu is not None else device_uuid,
+                gpu_index=gpu.index if gpu is not None else None,
+                mig=mig,
+                used_bytes=used,
+                limit_bytes=limit,
+                owner=holders.get(key),
+            )
         )
-        for key, gpu_uuid, used, limit in regions
-    )
+    return tuple(out)
 
 
 def _device_states(
