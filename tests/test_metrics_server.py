@@ -30,7 +30,6 @@ def with_server(collect: bool, body: Callable[[MetricsServer, MetricsCollector],
             return await body(server, collector)
         finally:
             await server.stop()
-            collector.close()
 
     return asyncio.run(scenario())
 
@@ -176,7 +175,6 @@ def test_an_address_in_use_is_a_clear_error() -> None:
             assert "listen" in info.value.hint
         finally:
             holder.close()
-            collector.close()
 
     asyncio.run(scenario())
 
@@ -200,7 +198,6 @@ def test_serve_metrics_runs_until_cancelled() -> None:
             await task
         with pytest.raises(ConnectionRefusedError):
             await asyncio.to_thread(request, port, "GET", "/metrics")
-        collector.close()
 
     asyncio.run(scenario())
 

@@ -318,7 +318,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         serving.stop()
         for node in (h100, a100):
             node.kubelet.stop()
-            node.collector.close()
             for proc in node.processes:
                 proc.stop()
         shutil.rmtree(sock_dir, ignore_errors=True)

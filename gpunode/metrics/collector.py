@@ -20,6 +20,7 @@ decide health (the health provider does).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 import math
@@ -27,7 +28,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -157,7 +157,7 @@ class MetricsCollector:
         self._own.sample_age.set_function(self._sample_age_s)
         self._own.attribution_age.set_function(self._attribution_age_s)
 
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpunode-metrics")
+        self._collect_lock = threading.Lock()  # one collection at a time touches the state below
         self._lock = threading.Lock()  # guards the XID state and the rendered body
         self._snapshot: NodeSnapshot | None = None
         self._last_success_s: float | None = None
@@ -178,20 +178,17 @@ class MetricsCollector:
     async def run(self, *, ready: asyncio.Event | None = None) -> None:
         """Collect every interval until cancelled; `ready` is set after the first attempt."""
         loop = asyncio.get_running_loop()
-        try:
-            while True:
-                started = loop.time()
-                try:
-                    await self.collect_once()
-                except GpunodeError as err:
-                    log.warning("metrics collection failed: %s", err.message)
-                except Exception:
-                    log.exception("metrics collection failed unexpectedly")
-                if ready is not None and not ready.is_set():
-                    ready.set()
-                await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
-        finally:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        while True:
+            started = loop.time()
+            try:
+                await self.collect_once()
+            except GpunodeError as err:
+                log.warning("metrics collection failed: %s", err.message)
+            except Exception:
+                log.exception("metrics collection failed unexpectedly")
+            if ready is not None and not ready.is_set():
+                ready.set()
+            await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
 
     async def collect_once(self) -> NodeSnapshot:
         """One collection; raises BackendError when the GPUs could not even be listed."""
@@ -199,17 +196,11 @@ class MetricsCollector:
         inventory = self._call_provider("inventory", self._inventory)
         health = self._call_provider("health", self._health)
         unhealthy = {str(k): str(v) for k, v in health.items()} if isinstance(health, Mapping) else {}
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._executor,
-            self._collect_blocking,
-            inventory if isinstance(inventory, Inventory) else None,
-            unhealthy,
-            attribution,
+        return await _in_daemon_thread(
+            lambda: self._collect_blocking(
+                inventory if isinstance(inventory, Inventory) else None, unhealthy, attribution
+            )
         )
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
 
     # -- inputs from the agent --------------------------------------------------------------
 
@@ -327,7 +318,8 @@ class MetricsCollector:
         attribution: AttributionSnapshot | None,
     ) -> NodeSnapshot:
         try:
-            return self._collect(inventory, unhealthy, attribution)
+            with self._collect_lock:
+                return self._collect(inventory, unhealthy, attribution)
         except Exception as err:
             self._own.collections.labels(result="failed").inc()
             self._last_error = (
@@ -431,3 +423,36 @@ class MetricsCollector:
             else:
                 out.append(RegionReading(usage.key, usage.gpu_uuid, usage.used_bytes, usage.limit_bytes))
         return out
+
+
+async def _in_daemon_thread(work: Callable[[], NodeSnapshot]) -> NodeSnapshot:
+    """Run blocking backend work in a daemon thread of its own.
+
+    Not a thread pool: a driver call that never returns must neither hold up
+    the agent's exit (pool workers are joined at interpreter exit) nor starve
+    the pool the rest of the agent uses for asyncio.to_thread.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[NodeSnapshot] = loop.create_future()
+
+    def deliver(result: NodeSnapshot | None, error: BaseException | None) -> None:
+        if future.done():  # the awaiting task was cancelled meanwhile
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            assert result is not None
+            future.set_result(result)
+
+    def body() -> None:
+        result: NodeSnapshot | None = None
+        error: BaseException | None = None
+        try:
+            result = work()
+        except BaseException as err:  # handed to the awaiting task, which decides
+            error = err
+        with contextlib.suppress(RuntimeError):  # the loop closed while the driver call hung
+            loop.call_soon_threadsafe(deliver, result, error)
+
+    threading.Thread(target=body, name="gpunode-metrics-collect", daemon=True).start()
+    return await future
