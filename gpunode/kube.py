@@ -23,6 +23,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import urllib3
@@ -30,12 +31,14 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
+from kubernetes.config.incluster_config import InClusterConfigLoader
 
 from gpunode.errors import KubeError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_REQUEST_TIMEOUT_S = 10.0
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 COMPONENT = "gpunode"
 RBAC_HINT = "check the agent's service account RBAC (docs/health.md lists the verbs it needs)"
 
@@ -154,16 +157,25 @@ class KubeClient:
         kubeconfig: str | None = None,
         context: str | None = None,
         request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+        service_account_dir: Path = SERVICE_ACCOUNT_DIR,
+        environ: Mapping[str, str] | None = None,
     ) -> KubeClient:
         """In-cluster service account when no kubeconfig is named and one is mounted, else a kubeconfig.
 
-        Raises KubeError naming both sources when neither can be loaded.
+        In-cluster means KUBERNETES_SERVICE_HOST/PORT in `environ` (the process environment by
+        default) and `token` and `ca.crt` in service_account_dir; the token is re-read as the
+        kubelet rotates it. Raises KubeError naming both sources when neither can be loaded.
         """
         conf = k8s.Configuration()
         in_cluster_error: str | None = None
         if kubeconfig is None:
+            loader = InClusterConfigLoader(
+                token_filename=str(service_account_dir / "token"),
+                cert_filename=str(service_account_dir / "ca.crt"),
+                **({} if environ is None else {"environ": environ}),
+            )
             try:
-                k8s_config.load_incluster_config(client_configuration=conf)
+                loader.load_and_set(conf)
                 return cls(_prepare(conf), request_timeout_s=request_timeout_s)
             except ConfigException as exc:
                 in_cluster_error = str(exc)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kubernetes.config import kube_config
 
 from gpunode.errors import KubeError
 from gpunode.kube import (
@@ -259,3 +262,40 @@ def test_missing_credentials_name_both_sources(tmp_path: Path) -> None:
         KubeClient.from_environment(kubeconfig=str(tmp_path / "absent"))
     assert str(tmp_path / "absent") in err.value.message
     assert "remediation" in err.value.hint
+
+
+def self_signed(directory: Path) -> tuple[str, str]:
+    cert, key = directory / "ca.crt", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return str(cert), str(key)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_in_cluster_service_account_over_tls(tmp_path: Path) -> None:
+    sa = tmp_path / "serviceaccount"
+    sa.mkdir()
+    cert, key = self_signed(sa)
+    (sa / "token").write_text("projected-token")
+    with ApiServerStandIn(tls=(cert, key)) as api:
+        api.add_pod("ns", "p")
+        env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(api.port)}
+        client = KubeClient.from_environment(service_account_dir=sa, environ=env, request_timeout_s=2.0)
+        assert client.host == f"https://127.0.0.1:{api.port}"
+        assert client.get_pod("ns", "p").name == "p"  # the CA from the service account verifies the server
+        assert api.requests("GET")[-1].authorization.lower() == "bearer projected-token"
+        client.close()
+
+
+def test_in_cluster_without_a_token_falls_back_to_kubeconfig_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Whatever kubeconfig the machine running the tests has, this test must not find it.
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "no-kubeconfig"))
+    env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": "6443"}
+    with pytest.raises(KubeError) as err:
+        KubeClient.from_environment(service_account_dir=tmp_path, environ=env, kubeconfig=None)
+    assert "in-cluster service account" in err.value.message and "token" in err.value.message.lower()

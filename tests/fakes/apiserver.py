@@ -19,6 +19,7 @@ import contextlib
 import json
 import re
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -235,7 +236,9 @@ _NODE_STATUS = re.compile(r"^/api/v1/nodes/([^/]+)/status$")
 class ApiServerStandIn:
     """Serves on http://127.0.0.1:<port> until stopped; `url` is the address for KubeClient.for_host."""
 
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, *, tls: tuple[str, str] | None = None) -> None:
+        """tls: (certificate file, key file) to serve HTTPS, as a real API server does."""
+        self._tls = tls
         self._cond = threading.Condition()
         self._state = _State()
         self._port = port
@@ -249,6 +252,10 @@ class ApiServerStandIn:
             raise RuntimeError("the API server stand-in is already running")
         self._server = _Server(("127.0.0.1", self._port), self)
         self._port = self._server.server_address[1]
+        if self._tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*self._tls)
+            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
         )
@@ -274,7 +281,11 @@ class ApiServerStandIn:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._port}"
+        return f"{'https' if self._tls else 'http'}://127.0.0.1:{self._port}"
+
+    @property
+    def port(self) -> int:
+        return self._port
 
     # -- objects ---------------------------------------------------------------------------
 
