@@ -276,6 +276,26 @@ def test_fault_marks_exactly_the_right_devices_and_evicts_exactly_their_pods(
     asyncio.run(scenario())
 
 
+def test_missing_pod_resources_socket_is_reported_and_marking_goes_on(directory: Path) -> None:
+    async def scenario() -> None:
+        node = Node("dgx-h100", {}, directory)
+        async with node.running():
+            node.podres.stop()
+            node.backend.inject_xid(node.gpu(0).uuid, 74)
+            await node.wait(
+                lambda: node.unhealthy_seen() == node.devices_of(node.gpu(0).uuid), "the unhealthy GPU"
+            )
+            await node.wait(
+                lambda: [r.result for r in node.remediator.journal.records("lookup")] == ["failed"],
+                "the report",
+            )
+            assert "pod-resources socket" in node.remediator.journal.records("lookup")[0].detail
+            await node.wait(lambda: node.unhealthy_seen() == set(), "the recovery")
+            assert node.api.evictions() == []
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("outage", ["down", "hanging"])
 def test_api_server_outage_does_not_hold_up_list_and_watch(directory: Path, outage: str) -> None:
     async def scenario() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import os
 import signal
 import subprocess
@@ -246,3 +248,22 @@ def test_a_lost_gpu_cannot_list_processes_but_the_hook_still_runs(tmp_path: Path
     plain = BareMetalRemediator(CONFIG, backend=backend)
     plain.remediate(fault_on(backend, 2))
     assert [r.result for r in plain.journal.records()] == ["failed"]
+
+
+def test_each_action_is_one_json_log_line(children: Children, caplog: pytest.LogCaptureFixture) -> None:
+    backend = SimBackend.from_profile("t4")
+    p = children.sleeper()
+    backend.add_process(backend.gpus()[0].uuid, p.pid, 1 << 20)
+    remediator = BareMetalRemediator(CONFIG, backend=backend)
+    with caplog.at_level(logging.INFO, logger="gpunode.remediation"):
+        remediator.remediate(fault_on(backend, 0))
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gpunode.remediation"]
+    assert [(x["action"], x["result"]) for x in lines] == [
+        ("lookup", "done"),
+        ("sigterm", "done"),
+        ("exit", "done"),
+    ]
+    sigterm = lines[1]
+    assert sigterm["event"] == "remediation" and sigterm["pid"] == p.pid and sigterm["xid"] == 79
+    assert sigterm["gpu_uuid"] == backend.gpus()[0].uuid and sigterm["dry_run"] is False
+    assert isinstance(sigterm["at"], float)
