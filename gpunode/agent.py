@@ -21,6 +21,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gpunode import sdnotify
+from gpunode.allocation import Allocator
+from gpunode.checkpoint import Checkpoint
 from gpunode.config import Config
 from gpunode.deviceplugin import PluginManager, socket_name
 from gpunode.devices.base import Backend, DeviceEvent, EventKind
@@ -73,6 +75,8 @@ class Agent:
         self.metrics: Any = None  # gpunode.metrics.MetricsCollector once running
         self.metrics_ready: asyncio.Event | None = None
         self.publisher: Any = None  # gpunode.publish.NodeStatePublisher when publishing
+        self.region_keeper: Any = None  # gpunode.regions.RegionKeeper when memory caps are in use
+        self.checkpoint = Checkpoint(config.state_dir)
 
     @property
     def backend(self) -> Backend:
@@ -136,7 +140,10 @@ class Agent:
         if handle_signals:
             self._install_signal_handlers()
         self.state = DeviceState(inventory)
-        self.plugins = PluginManager(config=self.config, state=self.state)
+        self.checkpoint = Checkpoint(self.config.state_dir)
+        self._restore_caps(inventory)
+        allocator = Allocator(config=self.config, checkpoint=self.checkpoint)
+        self.plugins = PluginManager(config=self.config, state=self.state, allocator=allocator)
         self._announce(inventory)
         plugins_ready = asyncio.Event()
         try:
@@ -150,6 +157,7 @@ class Agent:
                 self._start_health(tg)
                 self._start_metrics(tg)
                 self._start_publisher(tg)
+                self._start_region_keeper(tg)
                 await plugins_ready.wait()
                 sdnotify.notify("READY=1")
                 interval = sdnotify.watchdog_interval_s()
@@ -336,6 +344,41 @@ class Agent:
             serve_metrics(collector=self.metrics, listen=cfg.listen, ready=self.metrics_ready),
             name="metrics-server",
         )
+
+    def _uses_caps(self, inventory: Inventory) -> bool:
+        return any(d.memory_cap_bytes is not None for d in inventory.devices) or bool(
+            self.checkpoint.records()
+        )
+
+    def _restore_caps(self, inventory: Inventory) -> None:
+        """Load the checkpoint and re-create missing regions, so caps survive an agent restart."""
+        self.checkpoint.load()
+        if not self._uses_caps(inventory):
+            return
+        try:
+            from gpunode.regions import restore_regions
+
+            restore_regions(self.checkpoint, self.config.state_dir / "memcap")
+        except ImportError as exc:
+            log.error("memory caps unavailable (%s): capped devices cannot be allocated", exc)
+
+    def _start_region_keeper(self, tg: asyncio.TaskGroup) -> None:
+        assert self.state is not None
+        if not self._uses_caps(self.state.snapshot().inventory):
+            return
+        from gpunode.podresources import list_container_devices
+        from gpunode.regions import RegionKeeper
+
+        socket_path = str(self.config.pod_resources_socket)
+        frac = self.config.fractional
+        self.region_keeper = RegionKeeper(
+            root=self.config.state_dir / "memcap",
+            checkpoint=self.checkpoint,
+            list_containers=lambda: list_container_devices(socket_path, timeout_s=5.0),
+            interval_s=frac.gc_interval_s,
+            grace_s=frac.gc_grace_s,
+        )
+        tg.create_task(self.region_keeper.run(), name="memcap-regions")
 
     def _start_publisher(self, tg: asyncio.TaskGroup) -> None:
         """Annotate this node's Node object with its GPU state, for the scheduler extender."""

@@ -12,10 +12,12 @@ through gpunode.memcap, with the preload library, the region and optionally an
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpunode.checkpoint import CapRecord, Checkpoint
 from gpunode.config import Config
 from gpunode.devices.base import Gpu
 from gpunode.errors import AllocationError, MemcapError
@@ -107,9 +109,12 @@ def _mig_minors(path: Path) -> dict[str, int]:
 class Allocator:
     """Builds ContainerAllocations; creates memory-cap regions under state_dir/memcap."""
 
-    def __init__(self, *, config: Config, mig_minors_file: Path = MIG_MINORS_FILE) -> None:
+    def __init__(
+        self, *, config: Config, checkpoint: Checkpoint | None = None, mig_minors_file: Path = MIG_MINORS_FILE
+    ) -> None:
         self.config = config
         self.regions_root = config.state_dir / "memcap"
+        self.checkpoint = checkpoint
         self._mig_minors_file = mig_minors_file
 
     def allocate(self, snapshot: Snapshot, resource: str, device_ids: Sequence[str]) -> ContainerAllocation:
@@ -193,7 +198,7 @@ class Allocator:
         visible: Sequence[str],
     ) -> tuple[str, dict[str, str], list[MountSpec]]:
         try:
-            from gpunode import memcap  # type: ignore[attr-defined,unused-ignore]
+            from gpunode import memcap
         except ImportError as exc:
             raise AllocationError(
                 f"memory caps are unavailable: {exc}",
@@ -223,5 +228,18 @@ class Allocator:
             )
         except MemcapError as exc:
             raise AllocationError(f"cannot set up the memory cap: {exc.message}", hint=exc.hint) from None
+        if self.checkpoint is not None:
+            self.checkpoint.add(
+                CapRecord(
+                    key=key,
+                    resource=devices[0].resource,
+                    device_ids=tuple(device_ids),
+                    gpu_uuid=devices[0].target_uuid,
+                    limit_bytes=region.devices[0].limit_bytes,
+                    device_total_bytes=total or limit,
+                    fail_open=self.config.fractional.fail_open,
+                    created=time.time(),
+                )
+            )
         mounts = [MountSpec(m.container_path, str(m.host_path), m.read_only) for m in spec.mounts]
         return key, dict(spec.envs), mounts

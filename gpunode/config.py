@@ -149,6 +149,8 @@ class Fractional:
     unit_bytes: int = GIB
     fail_open: bool = False  # what the interposer does when its region is unusable
     ld_so_preload: bool = False  # also mount /etc/ld.so.preload so clearing LD_PRELOAD does not escape
+    gc_interval_s: float = 60.0  # how often regions of vanished containers are looked for
+    gc_grace_s: float = 600.0  # a region younger than this is kept even if the kubelet does not list it yet
 
 
 @dataclass(frozen=True)
@@ -308,6 +310,8 @@ def _parse_fractional(r: SectionReader) -> Fractional:
         unit_bytes=unit,
         fail_open=r.get("failOpen", bool, False),
         ld_so_preload=r.get("ldSoPreload", bool, False),
+        gc_interval_s=r.duration("gcInterval", 60.0),
+        gc_grace_s=r.duration("gcGrace", 600.0),
     )
     r.finish()
     return frac

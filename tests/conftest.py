@@ -21,3 +21,6 @@ def sockdir() -> Iterator[Path]:
 def kubelet(sockdir: Path) -> Iterator[KubeletStandIn]:
     with KubeletStandIn(sockdir / "device-plugins") as k:
         yield k
+
+
+pytest_plugins = ["tests.native.conftest"]

@@ -1,0 +1,113 @@
+"""The agent's checkpoint of the memory caps it handed out, so a restart loses nothing.
+
+One JSON file (state_dir/checkpoint.json), written atomically (temporary file,
+fsync, rename) after every Allocate that creates a cap. Each record names the
+region key, the resource, the device IDs, the GPU and the limit. On start-up
+the agent re-creates any region whose files vanished, so every container keeps
+its cap; the kubelet (pod-resources) stays the source of truth for which
+containers still exist, and regions of containers it no longer lists are
+garbage-collected after a grace period. A checkpoint that cannot be parsed is
+kept aside (renamed, never deleted) and reported; the agent starts with an
+empty one. This module does file I/O only; it knows nothing of gRPC.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+VERSION = 1
+FILE_NAME = "checkpoint.json"
+
+
+@dataclass(frozen=True)
+class CapRecord:
+    key: str  # memcap region key (inventory.region_key of the device IDs)
+    resource: str
+    device_ids: tuple[str, ...]
+    gpu_uuid: str  # the UUID the cap applies to (MIG UUID for a MIG replica)
+    limit_bytes: int
+    device_total_bytes: int
+    fail_open: bool
+    created: float  # unix seconds
+
+
+class Checkpoint:
+    """Thread-safe view of the checkpoint file."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.path = Path(state_dir) / FILE_NAME
+        self._lock = threading.Lock()
+        self._records: dict[str, CapRecord] = {}
+        self.problem: str | None = None  # why the file on disk could not be used, if so
+
+    def load(self) -> dict[str, CapRecord]:
+        """Read the file; a broken one is renamed aside and reported, never lost."""
+        with self._lock:
+            self._records = {}
+            try:
+                text = self.path.read_text()
+            except FileNotFoundError:
+                return {}
+            try:
+                doc = json.loads(text)
+                if not isinstance(doc, dict) or doc.get("version") != VERSION:
+                    raise ValueError(
+                        f"unknown checkpoint version {doc.get('version') if isinstance(doc, dict) else doc!r}"
+                    )
+                for item in doc.get("caps", []):
+                    rec = CapRecord(**{**item, "device_ids": tuple(item["device_ids"])})
+                    self._records[rec.key] = rec
+            except (ValueError, TypeError, KeyError) as exc:
+                aside = self.path.with_name(f"{FILE_NAME}.corrupt-{int(time.time())}")
+                os.replace(self.path, aside)
+                self.problem = f"{self.path} could not be read ({exc}); kept as {aside.name}"
+                log.error("checkpoint: %s; starting with an empty checkpoint", self.problem)
+                self._records = {}
+            return dict(self._records)
+
+    def records(self) -> dict[str, CapRecord]:
+        with self._lock:
+            return dict(self._records)
+
+    def add(self, record: CapRecord) -> None:
+        with self._lock:
+            if self._records.get(record.key) == record:
+                return
+            existing = self._records.get(record.key)
+            if existing is not None and existing.limit_bytes == record.limit_bytes:
+                return  # the same devices allocated again (container restart): keep the first record
+            self._records[record.key] = record
+            self._write()
+
+    def remove(self, keys: Iterable[str]) -> None:
+        with self._lock:
+            gone = [k for k in keys if self._records.pop(k, None) is not None]
+            if gone:
+                self._write()
+
+    def _write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        doc = {
+            "version": VERSION,
+            "caps": [asdict(r) for r in sorted(self._records.values(), key=lambda r: r.key)],
+        }
+        tmp = self.path.with_name(f".{FILE_NAME}.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        dir_fd = os.open(self.path.parent, os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
