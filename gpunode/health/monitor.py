@@ -2,9 +2,9 @@
 
 Two inputs feed one HealthTracker under a lock: `handle_event` (called by the
 agent's event pump, from any thread, for XID / ECC / lost-GPU events) and the
-probe loop in `run` (every probe interval, each GPU probed in a worker thread
-of its own pool, with a timeout: a driver call that hangs counts as a failed
-probe and is not stacked up). After each input the verdict is recomputed and
+probe loop in `run` (every probe interval, each GPU probed in a daemon thread
+of its own, with a timeout: a driver call that hangs counts as a failed probe,
+is not stacked up, and cannot keep the agent from exiting). After each input the verdict is recomputed and
 published as a level through `DeviceState.set_unhealthy("health", ...)`, which
 re-sends ListAndWatch at once; devices that just turned unhealthy are handed
 to the remediator as Faults (non-blocking). This module never evicts, kills or
@@ -58,7 +58,6 @@ class HealthMonitor:
         self._topology: tuple[Any, ...] | None = None
         self._unhealthy: dict[str, Verdict] = {}
         self._inflight: dict[str, concurrent.futures.Future[GpuProbe]] = {}
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         # counters for the metrics
         self._xids: Counter[tuple[str, int]] = Counter()
         self._sbe: Counter[str] = Counter()
@@ -91,10 +90,6 @@ class HealthMonitor:
 
     async def probe_once(self) -> None:
         """Probe every advertised GPU once (in parallel, each bounded by the probe timeout) and republish."""
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=64, thread_name_prefix="gpunode-probe"
-            )
         gpus = [g.uuid for g in self.state.snapshot().inventory.gpus]
         timeout_s = self.config.probe_timeout_s
         waits: dict[str, asyncio.Future[GpuProbe]] = {}
@@ -104,8 +99,7 @@ class HealthMonitor:
             if previous is not None and not previous.done():
                 hung.append(uuid)  # the last call still hangs: do not stack another one on it
                 continue
-            fut = self._executor.submit(self.backend.probe, uuid)
-            fut.add_done_callback(_retrieve)
+            fut = self._start_probe(uuid)
             self._inflight[uuid] = fut
             waits[uuid] = asyncio.wrap_future(fut)
         if waits:
@@ -154,18 +148,13 @@ class HealthMonitor:
             if ready is not None:
                 ready.set()
             return
-        try:
-            while True:
-                started = self._clock()
-                await self.probe_once()
-                if ready is not None and not ready.is_set():
-                    ready.set()
-                left = self.config.probe_interval_s - (self._clock() - started)
-                await asyncio.sleep(max(left, 0.0))
-        finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=False, cancel_futures=True)
-                self._executor = None
+        while True:
+            started = self._clock()
+            await self.probe_once()
+            if ready is not None and not ready.is_set():
+                ready.set()
+            left = self.config.probe_interval_s - (self._clock() - started)
+            await asyncio.sleep(max(left, 0.0))
 
     # -- outputs ----------------------------------------------------------------------------------
 
@@ -189,7 +178,25 @@ class HealthMonitor:
                 unhealthy={u: v.reason for u, v in self._unhealthy.items()},
             )
 
-    # -- internals (called with self._lock held) ----------------------------------------------------
+    # -- internals ----------------------------------------------------------------------------------
+
+    def _start_probe(self, uuid: str) -> concurrent.futures.Future[GpuProbe]:
+        """Probe in a daemon thread of its own: a driver call that never returns must not keep the
+        agent from exiting (a pool's worker threads are joined at exit)."""
+        fut: concurrent.futures.Future[GpuProbe] = concurrent.futures.Future()
+        fut.add_done_callback(_retrieve)
+
+        def probe() -> None:
+            try:
+                fut.set_result(self.backend.probe(uuid))
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+        fut.set_running_or_notify_cancel()
+        threading.Thread(target=probe, name=f"gpunode-probe-{uuid[:12]}", daemon=True).start()
+        return fut
+
+    # (the methods below are called with self._lock held)
 
     def _refresh_topology(self) -> None:
         gpus = self.state.snapshot().inventory.gpus

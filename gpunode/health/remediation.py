@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 from gpunode.devices.base import Backend
@@ -155,7 +155,7 @@ class KubeRemediator:
             with self._lock:
                 self._loop = self._wake = self._node_dirty = None
 
-    def _spawn(self, coro: asyncio._CoroutineLike[None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
