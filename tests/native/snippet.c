@@ -549,6 +549,38 @@ static int scenario_kinds(unsigned long long limit)
     return 0;
 }
 
+/* The driver picks the pitch: the interposer reserves an estimate (rows of
+ * 512 bytes), then settles on pitch * height; if the real pitch does not
+ * fit under the cap the allocation is undone and refused. */
+static int scenario_pitch(unsigned long long limit, unsigned long long align)
+{
+    start(0);
+    unsigned long long pitch_expected = (1000 + align - 1) / align * align;
+    CUdeviceptr p = 0, q = 0;
+    size_t pitch = 0;
+    CHECK(A.pitch(&p, &pitch, 1000, 64, 4), "cuMemAllocPitch_v2");
+    EXPECT_EQ(pitch, pitch_expected, "pitch");
+    EXPECT_EQ(limit - free_now(), pitch * 64, "bytes accounted for a pitched allocation");
+    unsigned long long remaining = free_now();
+    size_t height = remaining / 1024; /* fits the estimate, not the real pitch when align > 1024 */
+    unsigned long long driver_before = A.used(0), calls_before = A.calls("cuMemAllocPitch_v2");
+    CUresult rc = A.pitch(&q, &pitch, 1000, height, 4);
+    if (pitch_expected > 1024) {
+        if (rc != OOM)
+            FAIL("a pitched allocation past the cap returned %d", rc);
+        EXPECT_EQ(A.calls("cuMemAllocPitch_v2"), calls_before + 1, "driver calls (the estimate fitted)");
+        EXPECT_EQ(A.used(0), driver_before, "driver memory after the rollback");
+    } else {
+        CHECK(rc, "cuMemAllocPitch_v2 up to the cap");
+        CHECK(A.free_(q), "cuMemFree_v2");
+    }
+    EXPECT_EQ(free_now(), remaining, "free after the refused allocation");
+    CHECK(A.free_(p), "cuMemFree_v2");
+    EXPECT_EQ(free_now(), limit, "free at the end");
+    printf("ok pitch %llu\n", pitch_expected);
+    return 0;
+}
+
 static int scenario_expect(int expected, unsigned long long bytes)
 {
     start(0);
@@ -784,7 +816,7 @@ static int scenario_dlsym(void)
 static void usage(void)
 {
     fprintf(stderr, "usage: snippet MODE SCENARIO ARGS\n"
-                    "  cap LIMIT | kinds LIMIT | expect CODE BYTES | hold BYTES | fork LIMIT\n"
+                    "  cap LIMIT | kinds LIMIT | pitch LIMIT ALIGN | expect CODE BYTES | hold BYTES | fork LIMIT\n"
                     "  stress THREADS ITERS SEED LIMIT MAX_CHUNK | multidev LIMIT0 LIMIT1 | dlsym\n");
     exit(2);
 }
@@ -827,6 +859,8 @@ int main(int argc, char **argv)
         return scenario_fork(a3);
     if (strcmp(s, "multidev") == 0 && argc == 5)
         return scenario_multidev(a3, a4);
+    if (strcmp(s, "pitch") == 0 && argc == 5)
+        return scenario_pitch(a3, a4);
     if (strcmp(s, "dlsym") == 0)
         return scenario_dlsym();
     if (strcmp(s, "stress") == 0 && argc == 8)

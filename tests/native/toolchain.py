@@ -18,6 +18,7 @@ from types import ModuleType
 
 TESTS_NATIVE = Path(__file__).resolve().parent
 REPO = TESTS_NATIVE.parents[1]
+SRC_HOOKS = REPO / "native" / "src" / "hooks.def"
 FAKE_CFLAGS = ("-std=gnu11", "-fPIC", "-fvisibility=hidden", "-pthread", "-Wall", "-Wextra", "-Werror")
 
 
