@@ -10,7 +10,7 @@ the collector's and the server's own. This process scrapes over one keep-alive
 loopback connection, as Prometheus does, and reports:
 
   scrape_latency_ms   p50/p90/p99/max wall time of GET /metrics, request sent to body read
-  cpu_ms_per_scrape   the child's CPU time (all threads) during the scrape loop, less the CPU its
+  cpu_ms_per_scrape   the child's user+system CPU during the scrape loop, less the CPU its
                       background collections used meanwhile, divided by the number of scrapes
   cpu_ms_per_collection  the child's CPU per background collection, measured with no scrapes
   rss_mb / peak_rss_mb   the child's resident memory (VmRSS / VmHWM) after the scrape loop
@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 sys.path.insert(0, str(ROOT))
 
 SCENARIOS: dict[str, dict[str, Any]] = {
@@ -56,14 +57,9 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 
 
 def _cpu_s(pid: int) -> float:
-    """CPU time of every thread of the process, from the scheduler's nanosecond accounting."""
-    total_ns = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total_ns += int((task / "schedstat").read_text().split()[0])
-        except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
-            continue
-    return total_ns / 1e9
+    """User + system CPU of the whole process, threads that have ended included (clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS_PER_S
 
 
 def _rss_mb(pid: int) -> tuple[float, float]:
@@ -228,7 +224,7 @@ def _measure(pid: int, port: int, scrapes: int) -> dict[str, Any]:
 
     # Collection cost alone: an idle window of several collections, no scrapes.
     c0, n0 = _cpu_s(pid), _metric(body, "gpunode_metrics_collections_total")
-    time.sleep(8.0)
+    time.sleep(10.0)
     body = _get(conn, "/metrics")
     c1, n1 = _cpu_s(pid), _metric(body, "gpunode_metrics_collections_total")
     per_collection_s = (c1 - c0) / max(n1 - n0, 1)

@@ -98,6 +98,7 @@ def test_a_collection_serves_the_node_and_says_so() -> None:
     assert out.one("gpunode_metrics_collections_total", result="ok").value == 1
     assert out.one("gpunode_metrics_collection_duration_seconds_count").value == 1
     assert out.one("gpunode_metrics_sample_age_seconds").value >= 0
+    assert out.one("process_resident_memory_bytes").value > 10 * MIB, "the agent's own memory is visible"
     assert collector.health_status()[0]
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from gpunode.devices.base import Backend, DeviceEvent, EventKind, Gpu, GpuSample
 from gpunode.errors import BackendError, DeviceNotFound, GpuLostError, GpunodeError, KubeError, MemcapError
@@ -109,6 +109,8 @@ class _OwnMetrics:
             "Memory-cap regions that could not be read during collection.",
             registry=registry,
         )
+        # The agent process itself: resident memory, CPU seconds, open file descriptors.
+        ProcessCollector(registry=registry)
         self.event_counts = Counter(
             "gpunode_metrics_device_events",
             "Device events the collector received from the agent, by kind.",
