@@ -120,9 +120,13 @@ static void setup(void)
     state = map_state(&local_state);
 }
 
-static inline void count(enum fake_fn fn)
+__attribute__((constructor)) static void setup_at_load(void)
 {
     pthread_once(&setup_once, setup);
+}
+
+static inline void count(enum fake_fn fn)
+{
     atomic_fetch_add_explicit(&state->calls[fn], 1, memory_order_relaxed);
 }
 
@@ -159,60 +163,63 @@ static void give_device_memory(int dev, uint64_t bytes)
     atomic_fetch_sub_explicit(&state->used[dev], bytes, memory_order_relaxed);
 }
 
-/* Every object the fake hands out starts with this header. */
+/* Every object the fake hands out has this header just below the address it
+ * returns. Addresses are 256-byte aligned, as the driver's are. */
 struct block {
-    uint64_t magic;
+    void *base; /* what malloc or mmap returned */
     uint64_t bytes;
+    uint64_t magic;
     int dev;
-    int mapped; /* 1: mmap'd, 0: posix_memalign'd */
+    int mapped; /* 1: mmap'd (large or 32-bit), 0: malloc'd */
     size_t length;
 };
 #define BLOCK_MAGIC 0xfacecafe0b10c000ULL
 #define SMALL_LIMIT (1u << 20)
-#define BLOCK_OFFSET 256
+#define ALIGN 256
 
 static void *new_block(uint64_t bytes, int dev, int low32)
 {
     if (!take_device_memory(dev, bytes))
         return NULL;
-    void *base = NULL;
-    size_t length = 0;
     int mapped = low32 || bytes > SMALL_LIMIT;
+    size_t length = (size_t)bytes + ALIGN + sizeof(struct block);
+    void *base;
     if (mapped) {
-        length = BLOCK_OFFSET + (size_t)bytes;
-        base = mmap(NULL, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | (low32 ? MAP_32BIT : 0),
-                    -1, 0);
+        base = mmap(NULL, length, PROT_READ | PROT_WRITE,
+                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | (low32 ? MAP_32BIT : 0), -1, 0);
         if (base == MAP_FAILED)
             base = NULL;
-    } else if (posix_memalign(&base, BLOCK_OFFSET, BLOCK_OFFSET + (size_t)bytes) != 0) {
-        base = NULL;
+    } else {
+        base = malloc(length);
     }
     if (!base) {
         give_device_memory(dev, bytes);
         return NULL;
     }
-    struct block *b = base;
-    b->magic = BLOCK_MAGIC;
+    uintptr_t p = ((uintptr_t)base + sizeof(struct block) + ALIGN - 1) & ~(uintptr_t)(ALIGN - 1);
+    struct block *b = (struct block *)p - 1;
+    b->base = base;
     b->bytes = bytes;
+    b->magic = BLOCK_MAGIC;
     b->dev = dev;
     b->mapped = mapped;
     b->length = length;
-    return (char *)base + BLOCK_OFFSET;
+    return (void *)p;
 }
 
 static int free_block(void *p)
 {
-    if (!p)
+    if (!p || ((uintptr_t)p & (ALIGN - 1)))
         return E_INVALID_VALUE;
-    struct block *b = (struct block *)((char *)p - BLOCK_OFFSET);
+    struct block *b = (struct block *)p - 1;
     if (b->magic != BLOCK_MAGIC)
         return E_INVALID_VALUE;
     b->magic = 0;
     give_device_memory(b->dev, b->bytes);
     if (b->mapped)
-        munmap(b, b->length);
+        munmap(b->base, b->length);
     else
-        free(b);
+        free(b->base);
     return OK;
 }
 
