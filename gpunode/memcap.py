@@ -175,6 +175,10 @@ def preload_library_path() -> Path:
     return resource
 
 
+def _io_error(what: str, exc: OSError, where: Path) -> MemcapError:
+    return MemcapError(f"{what}: {exc}", hint=f"check that {where} exists and the agent may write to it")
+
+
 def _check_key(key: str) -> str:
     if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
         raise MemcapError(
@@ -243,32 +247,24 @@ def _opened(path: Path, *, writable: bool) -> Iterator[Any]:
         m.lib.gpunode_memcap_region_free(region)
 
 
-def _limit_of(region: Any) -> Any:
+def _region_of(handle: Any, path: Path) -> Region:
+    """The Region described by an open handle's (validated) limit part."""
     m = _native()
     limit = m.ffi.new("struct gpunode_memcap_limit *")
-    m.lib.gpunode_memcap_region_copy_limit(region, limit)
-    return limit
-
-
-def _region_from_limit(key: str, path: Path, limit: Any) -> Region:
-    m = _native()
+    m.lib.gpunode_memcap_region_copy_limit(handle, limit)
     devices = tuple(
-        DeviceCap(
-            m.ffi.string(limit.devices[d].uuid).decode(),
-            int(limit.devices[d].limit_bytes),
-            int(limit.devices[d].total_bytes),
-        )
-        for d in range(limit.device_count)
+        DeviceCap(m.ffi.string(d.uuid).decode(), int(d.limit_bytes), int(d.total_bytes))
+        for d in (limit.devices[i] for i in range(limit.device_count))
     )
     fail_open = bool(limit.flags & m.lib.GPUNODE_MEMCAP_FLAG_FAIL_OPEN)
-    return Region(key, path, devices, fail_open, int(limit.generation))
+    return Region(path.name, path, devices, fail_open, int(limit.generation))
 
 
 def load_region(path: str | os.PathLike[str]) -> Region:
     """Open and validate the region directory at path (both files)."""
     path = Path(path)
-    with _opened(path, writable=False) as region:
-        return _region_from_limit(path.name, path, _limit_of(region))
+    with _opened(path, writable=False) as handle:
+        return _region_of(handle, path)
 
 
 def _write_file(path: Path, data: bytes, mode: int) -> None:
@@ -281,18 +277,6 @@ def _write_file(path: Path, data: bytes, mode: int) -> None:
         os.fchmod(fd, mode)
     finally:
         os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _same_caps(existing: Region, devices: tuple[DeviceCap, ...], fail_open: bool) -> bool:
-    return existing.devices == devices and existing.fail_open == fail_open
 
 
 def create_region(
@@ -355,9 +339,7 @@ def create_multi_gpu_region(
         root.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
     except OSError as exc:
-        raise MemcapError(
-            f"cannot create a region under {root}: {exc}", hint=f"check that {root} is writable"
-        ) from exc
+        raise _io_error(f"cannot create a region under {root}", exc, root) from exc
     try:
         _write_file(staging / LIMIT_FILE, bytes(m.ffi.buffer(limit)), LIMIT_FILE_MODE)
         _write_file(staging / USAGE_FILE, bytes(m.ffi.buffer(usage)), USAGE_FILE_MODE)
@@ -367,10 +349,12 @@ def create_multi_gpu_region(
         shutil.rmtree(staging, ignore_errors=True)
         if final.exists():  # created concurrently under the same key
             return _existing(final, caps, fail_open)
-        raise MemcapError(
-            f"cannot create region {final}: {exc}", hint=f"check that {root} is writable"
-        ) from exc
-    _fsync_dir(root)
+        raise _io_error(f"cannot create region {final}", exc, root) from exc
+    dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
     region = Region(key, final, caps, fail_open, int(limit.generation))
     log.debug("created memory-cap region %s: %s", final, caps)
     return region
@@ -378,7 +362,7 @@ def create_multi_gpu_region(
 
 def _existing(path: Path, caps: tuple[DeviceCap, ...], fail_open: bool) -> Region:
     region = load_region(path)
-    if not _same_caps(region, caps, fail_open):
+    if (region.devices, region.fail_open) != (caps, fail_open):
         raise MemcapError(
             f"region {path} already exists with a different cap ({region.devices}, fail_open={region.fail_open})",
             hint="a key names one allocation; remove the old region (remove_region) before reusing its key",
@@ -396,11 +380,10 @@ def read_usage(region_or_dir: Region | str | os.PathLike[str]) -> RegionUsage:
     path = _region_path(region_or_dir)
     report = m.ffi.new("struct gpunode_memcap_report *")
     with _opened(path, writable=False) as handle:
-        limit = _limit_of(handle)
+        region = _region_of(handle, path)
         status = m.lib.gpunode_memcap_report(handle, report)
         if status != m.lib.GPUNODE_MEMCAP_OK:
             raise _status_error(status, path, m.lib.gpunode_memcap_region_errno(handle))
-    region = _region_from_limit(path.name, path, limit)
     count = len(region.devices)
     devices = tuple(
         DeviceUsage(cap.uuid, cap.limit_bytes, int(report.used_bytes[d]))
@@ -453,9 +436,7 @@ def _region_dirs(root: Path) -> Iterator[Path]:
     except FileNotFoundError:
         return
     except OSError as exc:
-        raise MemcapError(
-            f"cannot list regions in {root}: {exc}", hint=f"check that {root} is readable"
-        ) from exc
+        raise _io_error(f"cannot list regions in {root}", exc, root) from exc
     for entry in entries:
         if _KEY_RE.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink():
             yield entry
@@ -484,9 +465,7 @@ def remove_region(root: str | os.PathLike[str], key: str) -> bool:
     except FileNotFoundError:
         return False
     except OSError as exc:
-        raise MemcapError(
-            f"cannot remove region {path}: {exc}", hint=f"check that {root} is writable"
-        ) from exc
+        raise _io_error(f"cannot remove region {path}", exc, root) from exc
     shutil.rmtree(trash, ignore_errors=True)
     log.debug("removed memory-cap region %s", path)
     return True
@@ -497,22 +476,12 @@ def gc_regions(root: str | os.PathLike[str], keep: Iterable[str]) -> tuple[str, 
     root = Path(root)
     keep = set(keep)
     removed = tuple(p.name for p in _region_dirs(root) if p.name not in keep and remove_region(root, p.name))
-    _remove_stale_temps(root)
-    return removed
-
-
-def _remove_stale_temps(root: Path) -> None:
-    try:
-        entries = list(root.iterdir())
-    except OSError:
-        return
     now = time.time()
-    for entry in entries:
-        if not entry.name.startswith(_TEMP_PREFIXES):
-            continue
-        with contextlib.suppress(OSError):
-            if now - entry.lstat().st_mtime > STALE_TEMP_AGE_S:
+    with contextlib.suppress(OSError):
+        for entry in root.iterdir():  # half-made (.tmp-) and half-removed (.trash-) regions
+            if entry.name.startswith(_TEMP_PREFIXES) and now - entry.lstat().st_mtime > STALE_TEMP_AGE_S:
                 shutil.rmtree(entry, ignore_errors=True)
+    return removed
 
 
 def _write_if_changed(path: Path, text: str) -> None:
@@ -567,8 +536,6 @@ def container_spec(
         try:
             _write_if_changed(preload_file, library_in_container + "\n")
         except OSError as exc:
-            raise MemcapError(
-                f"cannot write {preload_file}: {exc}", hint=f"check that {region.path} is writable"
-            ) from exc
+            raise _io_error(f"cannot write {preload_file}", exc, region.path) from exc
         mounts.append(MountSpec("/etc/ld.so.preload", str(preload_file), True))
     return ContainerSpec(envs=envs, mounts=tuple(mounts))
