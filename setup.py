@@ -3,6 +3,7 @@
 Two artifacts come out of every build (``pip install .`` and ``pip install -e .``):
 the CFFI module gpunode._memcap (``cffi_modules``) and the preload library
 gpunode/lib/libgpunode-preload.so (a step added to build_ext), both from native/.
+The sdist carries native/ so that a wheel can be built from it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.sdist import sdist
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "native"))
@@ -36,7 +38,17 @@ class BuildExtWithPreload(build_ext):
         return [*super().get_outputs(), str(self.preload_target())]
 
 
+class SdistWithNative(sdist):
+    """sdist that carries native/ (sources, header, hook list, build scripts), so wheels build from it."""
+
+    def make_distribution(self) -> None:
+        for pattern in ("*.py", "include/*.h", "src/*.c", "src/*.h", "src/*.def", "src/*.in"):
+            self.filelist.extend(str(p.relative_to(ROOT)) for p in sorted((ROOT / "native").glob(pattern)))
+        self.filelist.remove_duplicates()
+        super().make_distribution()
+
+
 setup(
     cffi_modules=["native/build_ffi.py:ffibuilder"],
-    cmdclass={"build_ext": BuildExtWithPreload},
+    cmdclass={"build_ext": BuildExtWithPreload, "sdist": SdistWithNative},
 )
