@@ -265,6 +265,17 @@ def test_python_constants_match_the_header() -> None:
     )
 
 
+def test_built_module_matches_the_header() -> None:
+    """gpunode._memcap was built from the current header (a stale build would disagree on the layout)."""
+    text = HEADER.read_text()
+    numbers = {k: int(v, 0) for k, v in re.findall(r"#define (GPUNODE_MEMCAP_\w+) (0x[0-9a-f]+|\d+)\n", text)}
+    assert numbers["GPUNODE_MEMCAP_LAYOUT_VERSION"] == lib.GPUNODE_MEMCAP_LAYOUT_VERSION
+    assert numbers["GPUNODE_MEMCAP_LIMIT_MAGIC"] == lib.GPUNODE_MEMCAP_LIMIT_MAGIC
+    assert numbers["GPUNODE_MEMCAP_MAX_PROCS"] == lib.GPUNODE_MEMCAP_MAX_PROCS
+    assert lib.gpunode_memcap_usage_size() == 64 + 64 + 128 * numbers["GPUNODE_MEMCAP_MAX_PROCS"]
+    assert ffi.sizeof("struct gpunode_memcap_limit") == 40 + (96 + 16) * numbers["GPUNODE_MEMCAP_MAX_DEVICES"]
+
+
 # ---- the reclaim protocol, driven through gpunode._memcap by stand-in processes ----
 
 HOLDER = """

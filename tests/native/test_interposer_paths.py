@@ -175,3 +175,15 @@ def test_refusal_returns_out_of_memory_constant(native_build: NativeBuild, regio
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert any("refused" in line for line in result.log_lines)
+
+
+def test_installed_library_matches_the_sources(native_build: NativeBuild) -> None:
+    """The package's library (built by pip install) exports what a fresh build of native/ does."""
+
+    def exported(path: Path) -> set[str]:
+        nm = subprocess.run(
+            ["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True
+        )
+        return {line.split()[-1] for line in nm.stdout.splitlines() if line.strip()}
+
+    assert exported(memcap.preload_library_path()) == exported(native_build.preload)
