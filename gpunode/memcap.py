@@ -132,7 +132,11 @@ class DeviceUsage:
 
 @dataclass(frozen=True)
 class RegionUsage:
-    """Usage of a region. limit_bytes and used_bytes are summed over its devices (see devices)."""
+    """Usage of a region. limit_bytes and used_bytes are summed over its devices (see devices).
+
+    used_bytes is what the cap is checked against; reclaimable_bytes is the part held by
+    processes known to be gone, which reclaim_dead (or the next allocating process) returns.
+    """
 
     key: str
     gpu_uuid: str
@@ -141,6 +145,7 @@ class RegionUsage:
     per_process: tuple[ProcessUsage, ...]
     devices: tuple[DeviceUsage, ...] = ()
     registrations: int = 0
+    reclaimable_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -404,6 +409,7 @@ def read_usage(region_or_dir: Region | str | os.PathLike[str]) -> RegionUsage:
         per_process=tuple(processes),
         devices=devices,
         registrations=int(report.registrations),
+        reclaimable_bytes=sum(p.used_bytes for p in processes if not p.alive),
     )
 
 

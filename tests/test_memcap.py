@@ -317,11 +317,11 @@ def test_reclaim_returns_only_dead_processes_usage(tmp_path: Path) -> None:
         before = memcap.read_usage(region)
         assert before.used_bytes == 3 * GIB
         assert sorted((p.used_bytes, p.alive) for p in before.per_process) == [(GIB, True), (2 * GIB, True)]
+        assert before.reclaimable_bytes == 0
         kill(doomed)
-        assert sorted((p.used_bytes, p.alive) for p in memcap.read_usage(region).per_process) == [
-            (GIB, True),
-            (2 * GIB, False),
-        ]
+        dead = memcap.read_usage(region)
+        assert sorted((p.used_bytes, p.alive) for p in dead.per_process) == [(GIB, True), (2 * GIB, False)]
+        assert (dead.used_bytes, dead.reclaimable_bytes) == (3 * GIB, 2 * GIB)
         assert memcap.reclaim_dead(region) == 2 * GIB
         after = memcap.read_usage(region)
         assert after.used_bytes == GIB
