@@ -247,7 +247,9 @@ class Agent:
             sdnotify.notify("RELOADING=1")
             for section in ("health", "remediation", "metrics"):
                 if config.sections.get(section) != self.config.sections.get(section):
-                    log.warning("SIGHUP: gpunode.%s changed; it takes effect when the agent restarts", section)
+                    log.warning(
+                        "SIGHUP: gpunode.%s changed; it takes effect when the agent restarts", section
+                    )
             self.config = config
             assert self.plugins is not None
             self.plugins.config = config

@@ -79,8 +79,6 @@ def node_gpu_state(
     return NodeGpuState(node=node, updated=updated, generation=generation, gpus=tuple(records))
 
 
-
-
 class NodeStatePublisher:
     """Keeps the Node's annotation equal to the agent's view, on change and every interval."""
 
