@@ -1,0 +1,356 @@
+"""The kube-scheduler extender: filter, prioritize and bind over HTTP, deciding through placement.
+
+kube-scheduler (extender protocol v1, k8s.io/kube-scheduler/extender/v1) POSTs
+ExtenderArgs {Pod, Nodes | NodeNames} to /filter and /prioritize, and
+ExtenderBindingArgs {PodName, PodNamespace, PodUID, Node} to /bind when the
+bind verb is configured. Answers use the protocol's field names:
+ExtenderFilterResult {Nodes, NodeNames, FailedNodes, FailedAndUnresolvableNodes,
+Error}, HostPriorityList [{Host, Score}] with scores 0..10, and
+ExtenderBindingResult {Error}. Keys are matched case-insensitively, as Go's JSON
+decoder does.
+
+Each node's GPU state comes from its gpunode.io/gpu-state annotation (see
+nodestate.py); reservations made at bind (and, provisionally, for the best node
+at prioritize) are applied on top until the annotation lists the pod or their
+TTL passes. Bad input never crashes the server and never gets a 500: malformed
+JSON or a wrong shape is a 400 with a JSON message, a node with a missing or
+broken annotation goes to FailedNodes with the reason, a pod with an impossible
+request fails every node in FailedAndUnresolvableNodes with the reason.
+
+The HTTP server is the standard library's ThreadingHTTPServer; serve_extender()
+is the coroutine the CLI runs. Binding talks to the Kubernetes API through
+kubeapi.py's small client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gpunode.errors import GpunodeError, KubeError
+from gpunode.extender_state import (
+    GIB,
+    NodeCache,
+    NodeView,
+    Reservations,
+    WorkloadTracker,
+    apply_reservations,
+    pod_key,
+    request_from_pod,
+)
+from gpunode.placement import (
+    NEEDS_WORKLOAD,
+    InvalidRequest,
+    NodeState,
+    PlacementError,
+    Request,
+    check_policy,
+    score_node,
+    unfit_reason,
+)
+
+log = logging.getLogger(__name__)
+MAX_EXTENDER_PRIORITY = 10  # extenderv1.MaxExtenderPriority
+_RECENT_PODS = 4096
+
+
+class BadRequest(GpunodeError):
+    """An HTTP request the extender cannot read (broken JSON, wrong shape); answered with 400."""
+
+    default_hint = "kube-scheduler sends ExtenderArgs JSON; check the extender's urlPrefix and verbs"
+
+
+class Binder(Protocol):
+    """Binds a pod to a node (and records the GPUs chosen); raises KubeError on failure."""
+
+    def bind(self, *, namespace: str, name: str, uid: str, node: str, gpu_uuids: tuple[str, ...]) -> None: ...
+
+
+@dataclass(frozen=True)
+class ExtenderConfig:
+    policy: str = "gpunode"
+    memory_unit_bytes: int = GIB
+    reservation_ttl_s: float = 60.0
+    provisional_reservations: bool = True
+
+    def __post_init__(self) -> None:
+        check_policy(self.policy)
+        if self.memory_unit_bytes <= 0 or self.reservation_ttl_s <= 0:
+            raise InvalidRequest("memory unit and reservation TTL must be positive")
+
+
+def _field(obj: Mapping[str, Any], name: str) -> Any:
+    """obj[name], matching the key case-insensitively like Go's encoding/json."""
+    if name in obj:
+        return obj[name]
+    lowered = name.lower()
+    for k, v in obj.items():
+        if isinstance(k, str) and k.lower() == lowered:
+            return v
+    return None
+
+
+@dataclass(frozen=True)
+class _Args:
+    pod: Mapping[str, Any]
+    node_objects: list[Any] | None  # Nodes.items when kube-scheduler sends full nodes
+    node_list: Mapping[str, Any] | None
+    node_names: list[str] | None
+
+
+def parse_args(body: object) -> _Args:
+    """ExtenderArgs from decoded JSON; BadRequest when the shape is wrong."""
+    if not isinstance(body, Mapping):
+        raise BadRequest("ExtenderArgs must be a JSON object")
+    pod = _field(body, "Pod")
+    if not isinstance(pod, Mapping):
+        raise BadRequest("ExtenderArgs.Pod is missing or not an object")
+    nodes, names = _field(body, "Nodes"), _field(body, "NodeNames")
+    if nodes is None and names is None:
+        raise BadRequest("ExtenderArgs needs Nodes (a v1.NodeList) or NodeNames")
+    if nodes is not None:
+        items = _field(nodes, "items") if isinstance(nodes, Mapping) else None
+        if items is None and isinstance(nodes, Mapping):
+            items = []
+        if not isinstance(items, list):
+            raise BadRequest("ExtenderArgs.Nodes must be a v1.NodeList with an items list")
+        return _Args(pod=pod, node_objects=items, node_list=nodes, node_names=None)
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise BadRequest("ExtenderArgs.NodeNames must be a list of strings")
+    return _Args(pod=pod, node_objects=None, node_list=None, node_names=names)
+
+
+class Extender:
+    """The protocol logic, without HTTP: dicts in, dicts out; thread safe."""
+
+    def __init__(
+        self,
+        *,
+        config: ExtenderConfig | None = None,
+        nodes: NodeCache | None = None,
+        reservations: Reservations | None = None,
+        workload: WorkloadTracker | None = None,
+        binder: Binder | None = None,
+    ) -> None:
+        self.config = config or ExtenderConfig()
+        self.nodes = nodes or NodeCache()
+        self.reservations = reservations or Reservations(ttl_s=self.config.reservation_ttl_s)
+        self.workload = workload or WorkloadTracker()
+        self.binder = binder
+        self._pods: OrderedDict[str, tuple[str, Request]] = OrderedDict()
+        self._scores: dict[tuple[object, ...], tuple[float, tuple[str, ...]] | None] = {}
+        self._lock = threading.Lock()
+
+    # ----- shared steps ---------------------------------------------------------------------------
+
+    def refresh_nodes(self, nodes: Iterable[object]) -> int:
+        """Feed Node objects into the cache used when kube-scheduler sends only node names."""
+        return self.nodes.update(nodes)
+
+    def _views(self, args: _Args) -> list[NodeView]:
+        if args.node_objects is not None:
+            return [self.nodes.view(n) for n in args.node_objects]
+        assert args.node_names is not None
+        return [self.nodes.get(n) for n in args.node_names]
+
+    def _request(self, pod: Mapping[str, Any]) -> tuple[str, str, Request | None]:
+        uid, key = pod_key(pod)
+        request = request_from_pod(pod, memory_unit_bytes=self.config.memory_unit_bytes)
+        if request is not None:
+            with self._lock:
+                self._pods[uid] = (key, request)
+                self._pods.move_to_end(uid)
+                while len(self._pods) > _RECENT_PODS:
+                    self._pods.popitem(last=False)
+        return uid, key, request
+
+    def _state(self, view: NodeView, uid: str) -> NodeState | None:
+        return apply_reservations(view, self.reservations, skip_pod=uid)
+
+    # ----- filter ---------------------------------------------------------------------------------
+
+    def filter(self, body: object) -> dict[str, Any]:
+        args = parse_args(body)
+        failed: dict[str, str] = {}
+        unresolvable: dict[str, str] = {}
+        views = self._views(args)
+        try:
+            uid, _, request = self._request(args.pod)
+        except PlacementError as exc:
+            reason = f"invalid GPU request: {exc.message}"
+            unresolvable = {v.name: reason for v in views if v.name}
+            return self._filter_result(args, [], failed, unresolvable)
+        if request is None:
+            return self._filter_result(args, [v.name for v in views if v.name], failed, unresolvable)
+        self.workload.observe(request)
+        passing = []
+        for view in views:
+            state = self._state(view, uid)
+            if state is None:
+                failed[view.name or "<unnamed>"] = view.reason
+            elif (why := unfit_reason(state, request)) is not None:
+                failed[view.name] = why
+            else:
+                passing.append(view.name)
+        return self._filter_result(args, passing, failed, unresolvable)
+
+    @staticmethod
+    def _filter_result(
+        args: _Args, passing: list[str], failed: dict[str, str], unresolvable: dict[str, str]
+    ) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "Nodes": None,
+            "NodeNames": None,
+            "FailedNodes": failed,
+            "FailedAndUnresolvableNodes": unresolvable,
+            "Error": "",
+        }
+        if args.node_objects is not None:
+            keep = set(passing)
+            items = [n for n in args.node_objects if isinstance(n, Mapping) and _node_name(n) in keep]
+            node_list = dict(args.node_list or {})
+            node_list["items"] = items
+            out["Nodes"] = node_list
+        else:
+            out["NodeNames"] = passing
+        return out
+
+    # ----- prioritize -----------------------------------------------------------------------------
+
+    def _score(
+        self, view: NodeView, state: NodeState, request: Request, uid: str
+    ) -> tuple[float, tuple[str, ...]] | None:
+        workload = self.workload.workload() if self.config.policy in NEEDS_WORKLOAD else None
+        policy = (
+            self.config.policy
+            if (workload is not None or self.config.policy not in NEEDS_WORKLOAD)
+            else "bestfit"
+        )
+        held = tuple(sorted(r.pod_uid for r in self.reservations.on_node(view.name) if r.pod_uid != uid))
+        key = (view.name, view.fingerprint, held, request, policy, self.workload.version)
+        with self._lock:
+            if key in self._scores:
+                return self._scores[key]
+        choice = score_node(state, request, policy=policy, workload=workload)
+        value = None if choice is None else (choice.score, choice.gpu_uuids)
+        with self._lock:
+            if len(self._scores) > 200_000:
+                self._scores.clear()
+            self._scores[key] = value
+        return value
+
+    def prioritize(self, body: object) -> list[dict[str, Any]]:
+        args = parse_args(body)
+        views = self._views(args)
+        try:
+            uid, key, request = self._request(args.pod)
+        except PlacementError:
+            return [{"Host": v.name, "Score": 0} for v in views if v.name]
+        if request is None:
+            return [{"Host": v.name, "Score": 0} for v in views if v.name]
+        raw: dict[str, float] = {}
+        best: tuple[float, str, tuple[str, ...]] | None = None
+        for view in views:
+            state = self._state(view, uid)
+            if state is None or unfit_reason(state, request) is not None:
+                continue
+            scored = self._score(view, state, request, uid)
+            if scored is None:
+                continue
+            raw[view.name] = scored[0]
+            if best is None or scored[0] > best[0]:
+                best = (scored[0], view.name, scored[1])
+        scores = _scale(raw)
+        if best is not None and self.config.provisional_reservations:
+            self.reservations.reserve(
+                pod_uid=uid, pod_key=key, node=best[1], gpu_uuids=best[2], request=request, final=False
+            )
+        return [{"Host": v.name, "Score": scores.get(v.name, 0)} for v in views if v.name]
+
+    # ----- bind -----------------------------------------------------------------------------------
+
+    def bind(self, body: object) -> dict[str, str]:
+        if not isinstance(body, Mapping):
+            raise BadRequest("ExtenderBindingArgs must be a JSON object")
+        name, namespace = _field(body, "PodName"), _field(body, "PodNamespace") or "default"
+        uid, node = _field(body, "PodUID") or "", _field(body, "Node")
+        if not isinstance(name, str) or not name or not isinstance(node, str) or not node:
+            raise BadRequest("ExtenderBindingArgs needs PodName and Node")
+        if not isinstance(uid, str) or not isinstance(namespace, str):
+            raise BadRequest("ExtenderBindingArgs.PodUID and PodNamespace must be strings")
+        key = f"{namespace}/{name}"
+        uid = uid or key
+        with self._lock:
+            known = self._pods.get(uid)
+        gpus: tuple[str, ...] = ()
+        if known is not None:
+            request = known[1]
+            state = self._state(self.nodes.get(node), uid)
+            if state is None:
+                return {"Error": f"node {node}: {self.nodes.get(node).reason}"}
+            if (why := unfit_reason(state, request)) is not None:
+                return {"Error": f"pod {key} no longer fits node {node}: {why}"}
+            policy = self.config.policy
+            workload = self.workload.workload()
+            if policy in NEEDS_WORKLOAD and workload is None:
+                policy = "bestfit"
+            choice = score_node(state, request, policy=policy, workload=workload)
+            gpus = choice.gpu_uuids if choice is not None else ()
+            self.reservations.reserve(
+                pod_uid=uid, pod_key=key, node=node, gpu_uuids=gpus, request=request, final=True
+            )
+        if self.binder is None:
+            return {
+                "Error": "this extender has no Kubernetes API access to bind with (start it with --kube-api)"
+            }
+        try:
+            self.binder.bind(namespace=namespace, name=name, uid=uid, node=node, gpu_uuids=gpus)
+        except KubeError as exc:
+            self.reservations.release(uid)
+            return {"Error": exc.message}
+        return {"Error": ""}
+
+
+def _node_name(node: Mapping[str, Any]) -> str:
+    meta = node.get("metadata") or {}
+    name = meta.get("name") if isinstance(meta, Mapping) else None
+    return name if isinstance(name, str) else ""
+
+
+def _scale(raw: Mapping[str, float]) -> dict[str, int]:
+    """Policy scores to 0..10 keeping their order: the best node(s) get 10, the worst 0."""
+    if not raw:
+        return {}
+    lo, hi = min(raw.values()), max(raw.values())
+    if hi == lo:
+        return {k: MAX_EXTENDER_PRIORITY for k in raw}
+    return {k: round((v - lo) / (hi - lo) * MAX_EXTENDER_PRIORITY) for k, v in raw.items()}
+
+
+async def serve_extender(
+    *,
+    extender: Extender,
+    host: str,
+    port: int,
+    path_prefix: str = "",
+    ready: asyncio.Event | None = None,
+    bound: list[int] | None = None,
+) -> None:
+    """Serve the extender over HTTP until cancelled; `bound` receives the port actually bound."""
+    from gpunode.extender_http import ExtenderServer
+
+    server = ExtenderServer(extender, host=host, port=port, path_prefix=path_prefix)
+    server.start()
+    if bound is not None:
+        bound.append(server.port)
+    if ready is not None:
+        ready.set()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await asyncio.to_thread(server.stop)

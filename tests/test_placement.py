@@ -1,0 +1,424 @@
+"""Placement: fit, fragmentation, every policy's score and GPU choice, topology, replicas."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from gpunode.errors import GpunodeError
+from gpunode.placement import (
+    POLICIES,
+    GpuState,
+    InvalidRequest,
+    InvalidState,
+    NodeState,
+    Request,
+    TargetPod,
+    TargetWorkload,
+    Unsatisfiable,
+    apply_request,
+    fits,
+    fragmentation,
+    place,
+    preferred_fraction_gpu,
+    preferred_replicas,
+    preferred_whole_gpus,
+    score_node,
+    unfit_reason,
+)
+from gpunode.placement.ours import fill_fragmentation
+
+GIB = 2**30
+
+
+def gpu(i: int, milli: int = 1000, **kw: object) -> GpuState:
+    base: dict[str, object] = dict(
+        uuid=f"GPU-{i}",
+        index=i,
+        model="A100",
+        milli_free=milli,
+        memory_total_bytes=0,
+        memory_free_bytes=0,
+        numa_node=0,
+    )
+    base.update(kw)
+    return GpuState(**base)  # type: ignore[arg-type]
+
+
+def node(*shares: int, cpu: int = 64_000, mem: int = 256 * GIB, name: str = "n1", **kw: object) -> NodeState:
+    return NodeState(
+        name=name,
+        gpus=tuple(gpu(i, s, **kw) for i, s in enumerate(shares)),
+        cpu_milli_free=cpu,
+        memory_free_bytes=mem,
+    )
+
+
+# ----- data validation -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        pytest.param({"gpus": -1}, id="negative-gpus"),
+        pytest.param({"gpu_milli": 1000}, id="whole-gpu-as-milli"),
+        pytest.param({"gpus": 1, "gpu_milli": 500}, id="whole-and-fraction"),
+        pytest.param({"gpus": 1, "mig_profile": "1g.10gb"}, id="whole-and-mig"),
+        pytest.param({"gpu_memory_bytes": GIB, "mig_profile": "1g.10gb"}, id="fraction-and-mig"),
+        pytest.param({"mig_profile": ""}, id="empty-mig-profile"),
+        pytest.param({"gpus": 1, "gpu_models": frozenset()}, id="empty-model-set"),
+        pytest.param({"cpu_milli": -5}, id="negative-cpu"),
+    ],
+)
+def test_invalid_requests_are_refused_with_a_hint(kwargs: dict[str, object]) -> None:
+    with pytest.raises(InvalidRequest) as err:
+        Request(**kwargs)  # type: ignore[arg-type]
+    assert isinstance(err.value, GpunodeError) and isinstance(err.value, ValueError)
+    assert "HINT:" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "kind"),
+    [
+        pytest.param({}, "cpu", id="cpu"),
+        pytest.param({"gpus": 2}, "whole", id="whole"),
+        pytest.param({"gpu_milli": 300}, "fraction", id="milli"),
+        pytest.param({"gpu_memory_bytes": GIB}, "fraction", id="memory"),
+        pytest.param({"mig_profile": "1g.10gb"}, "mig", id="mig"),
+    ],
+)
+def test_request_kind(kwargs: dict[str, object], kind: str) -> None:
+    assert Request(**kwargs).kind == kind  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        pytest.param({"milli_free": 1001}, id="milli-over-capacity"),
+        pytest.param({"memory_total_bytes": GIB, "memory_free_bytes": 2 * GIB}, id="more-free-than-total"),
+        pytest.param({"sharing": "shared"}, id="unknown-sharing"),
+        pytest.param({"nvlink_peers": frozenset({"GPU-0"})}, id="own-peer"),
+        pytest.param({"mig_free": {"1g.10gb": -1}}, id="negative-mig"),
+    ],
+)
+def test_invalid_gpu_states_are_refused(kwargs: dict[str, object]) -> None:
+    with pytest.raises(InvalidState):
+        gpu(0, **kwargs)
+
+
+def test_node_rejects_duplicate_uuids_and_orders_gpus_by_index() -> None:
+    with pytest.raises(InvalidState):
+        NodeState(name="n", gpus=(gpu(0), gpu(0)), cpu_milli_free=0, memory_free_bytes=0)
+    n = NodeState(name="n", gpus=(gpu(2), gpu(0), gpu(1)), cpu_milli_free=0, memory_free_bytes=0)
+    assert [g.index for g in n.gpus] == [0, 1, 2]
+
+
+# ----- fit ----------------------------------------------------------------------------------------------
+
+
+MEM_GPU = {"memory_total_bytes": 16 * GIB, "memory_free_bytes": 16 * GIB}
+
+
+@pytest.mark.parametrize(
+    ("state", "request_", "reason"),
+    [
+        pytest.param(node(1000, 1000), Request(gpus=2), None, id="two-whole-fit"),
+        pytest.param(node(1000, 999), Request(gpus=2), "insufficient whole GPUs", id="partly-used-not-whole"),
+        pytest.param(node(400), Request(gpu_milli=400), None, id="exact-fraction"),
+        pytest.param(node(399), Request(gpu_milli=400), "no GPU with 400 milli-GPU", id="fraction-too-big"),
+        pytest.param(
+            node(1000), Request(gpu_memory_bytes=GIB), "bytes of GPU memory", id="memory-needs-size"
+        ),
+        pytest.param(node(1000, **MEM_GPU), Request(gpu_memory_bytes=4 * GIB), None, id="memory-fits"),
+        pytest.param(node(1000, cpu=1000), Request(gpus=1, cpu_milli=2000), "insufficient CPU", id="cpu"),
+        pytest.param(
+            node(1000, mem=GIB), Request(gpus=1, memory_bytes=2 * GIB), "insufficient memory", id="mem"
+        ),
+        pytest.param(
+            node(1000), Request(gpus=1, gpu_models=frozenset({"H100"})), "no GPU of model", id="model"
+        ),
+        pytest.param(node(1000), Request(gpus=1, gpu_models=frozenset({"a100"})), None, id="model-case"),
+        pytest.param(node(1000, healthy=False), Request(gpus=1), "insufficient whole GPUs", id="unhealthy"),
+        pytest.param(
+            node(1000, sharing="whole"), Request(gpu_milli=10), "no GPU with", id="whole-mode-no-frac"
+        ),
+        pytest.param(
+            node(1000, sharing="time-sliced"), Request(gpus=1), "insufficient whole", id="time-sliced"
+        ),
+        pytest.param(
+            node(1000, sharing="mig", mig_free={"1g.10gb": 1}),
+            Request(mig_profile="1g.10gb"),
+            None,
+            id="mig-fits",
+        ),
+        pytest.param(
+            node(1000, sharing="mig", mig_free={"1g.10gb": 0}),
+            Request(mig_profile="1g.10gb"),
+            "no free MIG",
+            id="mig-used",
+        ),
+        pytest.param(node(0, cpu=0), Request(), None, id="cpu-only-zero"),
+    ],
+)
+def test_fit(state: NodeState, request_: Request, reason: str | None) -> None:
+    got = unfit_reason(state, request_)
+    if reason is None:
+        assert got is None and fits(state, request_)
+    else:
+        assert got is not None and reason in got and not fits(state, request_)
+
+
+def test_model_matching_by_word() -> None:
+    n = NodeState(
+        name="n", gpus=(gpu(0, model="NVIDIA A100-SXM4-80GB"),), cpu_milli_free=1, memory_free_bytes=1
+    )
+    assert fits(n, Request(gpus=1, gpu_models=frozenset({"A100"})))
+    assert not fits(n, Request(gpus=1, gpu_models=frozenset({"A10"})))
+
+
+def test_apply_request_accounts_every_dimension() -> None:
+    n = node(1000, 600, cpu=10_000, mem=10 * GIB, **MEM_GPU)
+    after = apply_request(
+        n, Request(gpu_milli=300, gpu_memory_bytes=4 * GIB, cpu_milli=1500, memory_bytes=GIB), ("GPU-1",)
+    )
+    assert after.gpu("GPU-1").milli_free == 300
+    assert after.gpu("GPU-1").memory_free_bytes == 12 * GIB
+    assert after.gpu("GPU-0") == n.gpu("GPU-0")
+    assert (after.cpu_milli_free, after.memory_free_bytes) == (8500, 9 * GIB)
+    with pytest.raises(InvalidState):
+        apply_request(n, Request(gpus=1), ("GPU-1",))  # partly used: not whole
+    with pytest.raises(InvalidState):
+        apply_request(n, Request(gpus=2), ("GPU-0", "GPU-0"))
+
+
+# ----- fragmentation, hand-worked -------------------------------------------------------------------------
+
+# Target workload: 3 x (1 whole GPU, 8 cores), 1 x (500 milli, 2 cores), 1 x CPU-only.
+WORKLOAD = TargetWorkload(
+    (
+        TargetPod(cpu_milli=8000, gpu_milli=1000, gpus=1, gpu_models=None, weight=3),
+        TargetPod(cpu_milli=2000, gpu_milli=500, gpus=1, gpu_models=None, weight=1),
+        TargetPod(cpu_milli=1000, gpu_milli=0, gpus=0, gpu_models=None, weight=1),
+    )
+)
+
+
+def test_fgd_fragmentation_hand_worked() -> None:
+    # Node: GPUs with 1000, 700 and 300 milli free, 10 cores free. Total free = 2000.
+    #  whole pod: fits (one GPU with 1000, 10 >= 8 cores): fragment = GPUs under 1000 = 700 + 300 = 1000
+    #  500 pod:   fits: fragment = GPUs under 500 = 300
+    #  CPU pod:   asks no GPU: all 2000 free is fragment
+    # weighted: 3*1000 + 1*300 + 1*2000 = 5300 (scaled), i.e. 5300/5 = 1060 milli-GPU
+    n = node(1000, 700, 300, cpu=10_000)
+    assert fragmentation(n, WORKLOAD) == 5300
+    # With 7 cores the whole pod cannot run (lack CPU): all 2000 counts for it: 3*2000 + 300 + 2000
+    assert fragmentation(node(1000, 700, 300, cpu=7_000), WORKLOAD) == 8300
+
+
+def test_fgd_score_hand_worked() -> None:
+    # Place 300 milli (1 core) on the 700-milli GPU of the node above: 1000, 400, 300 free, 9 cores.
+    #  whole: fragment 400 + 300 = 700; 500 pod: fragment 400 + 300 = 700; CPU: 1700
+    #  after = 3*700 + 700 + 1700 = 4500; decrease = 5300 - 4500 = 800 scaled = 160 milli-GPU
+    #  score = floor(100 * sigmoid(0.16)) = floor(53.99) = 53
+    n = node(1000, 700, 300, cpu=10_000)
+    r = Request(gpu_milli=300, cpu_milli=1000)
+    assert fragmentation(apply_request(n, r, ("GPU-1",)), WORKLOAD) == 4500
+    assert WORKLOAD.fgd_score(800) == math.floor(100 / (1 + math.exp(-0.16))) == 53
+    # On the 1000 GPU instead: 700, 700, 300 free: whole cannot run -> 1700; 500: 300; CPU: 1700
+    #  after = 3*1700 + 300 + 1700 = 7100, decrease -1800 scaled = -360 milli -> floor(100*sigmoid(-0.36)) = 41
+    assert WORKLOAD.fgd_score(5300 - 7100) == 41
+    # On the 300 GPU (an exact fit): 1000, 700, 0 free: whole 700; 500 pod: 0; CPU 1700 -> 3800, +1500 -> 57
+    assert fragmentation(apply_request(n, r, ("GPU-2",)), WORKLOAD) == 3800
+    choice = score_node(n, r, policy="fgd", workload=WORKLOAD)
+    assert choice is not None and choice.gpu_uuids == ("GPU-2",) and choice.score == 57
+
+
+@pytest.mark.parametrize(
+    ("decrease_milli", "score"),
+    [
+        pytest.param(0, 50, id="zero"),
+        pytest.param(-10_000, 0, id="large-increase"),
+        pytest.param(3000, 95, id="three-gpus"),
+        pytest.param(40_000, 100, id="saturated"),
+    ],
+)
+def test_fgd_score_matches_sigmoid(decrease_milli: int, score: int) -> None:
+    scaled = decrease_milli * WORKLOAD.total_weight
+    assert WORKLOAD.fgd_score(scaled) == score == int(100 / (1 + math.exp(-decrease_milli / 1000)))
+
+
+def test_fill_fragmentation_sees_cpu_that_fgd_does_not() -> None:
+    # 4 free GPUs, 20 cores: FGD's one-pod test passes for the whole 8-core pod (fragment 0 for it), but only
+    # two such pods fit by CPU, so two GPUs are stranded: fill fragmentation counts 2000 for that shape.
+    n = node(1000, 1000, 1000, 1000, cpu=20_000)
+    assert fragmentation(n, WORKLOAD) == 3 * 0 + 1 * 0 + 1 * 4000
+    #  whole: 2 copies -> 4000 - 2000 = 2000; 500 pod: min(8 by GPU, 10 by CPU) copies = 4000 -> 0; CPU: 4000
+    assert fill_fragmentation(n, WORKLOAD) == 3 * 2000 + 0 + 4000
+
+
+# ----- policies -------------------------------------------------------------------------------------------
+
+
+def test_bestfit_dotprod_spread_packing_scores_hand_worked() -> None:
+    n = node(1000, 1000, 600, 1000, 1000, 1000, 1000, 1000, cpu=64_000)  # 7600 free of 8000
+    r = Request(gpu_milli=500, cpu_milli=16_000)
+    # bestfit: 1 - (0.5 * 48000/128000 + 0.5 * 7100/8000) = 1 - (0.1875 + 0.44375) = 0.36875 -> 36
+    bf = score_node(n, r, policy="bestfit")
+    assert bf is not None and bf.score == 36 and bf.gpu_uuids == ("GPU-2",)
+    sp = score_node(n, r, policy="spread")
+    assert sp is not None and sp.score == 63 and sp.gpu_uuids == ("GPU-0",)
+    # dotprod: <(0.5, 0.95), (0.125, 0.0625)> = 0.0625 + 0.059375 = 0.121875; 100 * (1 - 0.0609375) -> 93
+    dp = score_node(n, r, policy="dotprod")
+    assert dp is not None and dp.score == 93
+    # packing: a shared GPU is used (600 free -> 60% -> 100 - 60//10 = 94)
+    pk = score_node(n, r, policy="packing")
+    assert pk is not None and pk.score == 94 and pk.gpu_uuids == ("GPU-2",)
+    # packing on a fresh node: 33 - 8 free GPUs = 25; on a used node a free GPU: 50 - 1 = 49
+    fresh = score_node(node(*[1000] * 8), r, policy="packing")
+    assert fresh is not None and fresh.score == 25
+    used_free = score_node(node(1000, 300), Request(gpu_milli=500), policy="packing")
+    assert used_free is not None and used_free.score == 49
+
+
+def test_every_policy_returns_none_when_nothing_fits() -> None:
+    for policy in POLICIES:
+        assert score_node(node(100), Request(gpu_milli=500), policy=policy, workload=WORKLOAD) is None
+
+
+def test_workload_policies_need_a_workload() -> None:
+    for policy in ("fgd", "gpunode"):
+        with pytest.raises(InvalidRequest):
+            score_node(node(1000), Request(gpus=1), policy=policy)
+
+
+def test_unknown_policy() -> None:
+    with pytest.raises(InvalidRequest) as err:
+        place([node(1000)], Request(gpus=1), policy="tetris")
+    assert "gpunode" in err.value.hint
+
+
+def test_place_picks_best_node_and_breaks_ties_in_order_or_by_rng() -> None:
+    a, b, c = node(1000, name="a"), node(300, name="b"), node(300, name="c")
+    r = Request(gpu_milli=200)
+    best = place([a, b, c], r, policy="bestfit")
+    assert best is not None and best.node == "b"  # tighter, first of the tie in order
+    seen = {place([a, b, c], r, policy="bestfit", rng=random.Random(s)).node for s in range(40)}  # type: ignore[union-attr]
+    assert seen == {"b", "c"}
+    assert place([node(100)], r, policy="bestfit") is None
+
+
+def test_gpunode_prefers_the_node_that_does_not_strand_gpus_for_lack_of_cpu() -> None:
+    # Two 4-GPU nodes with 48 and 28 free cores. A CPU-only pod of 12 cores leaves 36 cores on the first:
+    # still 4 whole 8-core pods for its 4 GPUs; on the second it leaves 16 cores: 2 pods, a second GPU
+    # stranded. FGD's one-pod test sees nothing (8 cores remain either way); fill fragmentation does.
+    fresh = node(1000, 1000, 1000, 1000, cpu=48_000, name="fresh")
+    hit = node(1000, 1000, 1000, 1000, cpu=28_000, name="hit")
+    r = Request(cpu_milli=12_000)
+    got = place([hit, fresh], r, policy="gpunode", workload=WORKLOAD)
+    assert got is not None and got.node == "fresh"
+    # FGD's one-pod test sees no change on either node (a tie) and keeps the first one given.
+    fgd = place([hit, fresh], r, policy="fgd", workload=WORKLOAD)
+    assert fgd is not None and fgd.node == "hit"
+    assert score_node(hit, r, policy="fgd", workload=WORKLOAD) == score_node(
+        fresh, r, policy="fgd", workload=WORKLOAD
+    )
+
+
+# ----- node-side choices ----------------------------------------------------------------------------------
+
+
+def topo_node() -> NodeState:
+    """8 GPUs: NVLink islands {0,1,2,3} and {4,5,6,7}; NUMA 0 for 0-3 and 1 for 4-7; GPU 1 lacks a link to 2."""
+    islands = [{0, 1, 2, 3}, {4, 5, 6, 7}]
+    gpus = []
+    for i in range(8):
+        island = islands[0] if i < 4 else islands[1]
+        peers = {f"GPU-{j}" for j in island if j != i}
+        if i == 1:
+            peers.discard("GPU-2")
+        if i == 2:
+            peers.discard("GPU-1")
+        gpus.append(gpu(i, numa_node=0 if i < 4 else 1, nvlink_peers=frozenset(peers)))
+    return NodeState(name="dgx", gpus=tuple(gpus), cpu_milli_free=1, memory_free_bytes=1)
+
+
+ALL8 = [f"GPU-{i}" for i in range(8)]
+
+
+@pytest.mark.parametrize(
+    ("count", "available", "must", "expected"),
+    [
+        pytest.param(2, ALL8, [], ("GPU-0", "GPU-1"), id="first-linked-pair"),
+        pytest.param(4, ALL8, [], ("GPU-4", "GPU-5", "GPU-6", "GPU-7"), id="fully-linked-island"),
+        pytest.param(3, ALL8, [], ("GPU-0", "GPU-1", "GPU-3"), id="all-pairs-linked-triple"),
+        pytest.param(2, ["GPU-1", "GPU-2", "GPU-5"], [], ("GPU-1", "GPU-2"), id="same-numa-when-no-link"),
+        pytest.param(2, ["GPU-0", "GPU-5", "GPU-6"], ["GPU-0"], ("GPU-0", "GPU-5"), id="must-include"),
+        pytest.param(8, ALL8, [], tuple(ALL8), id="all"),
+    ],
+)
+def test_preferred_whole_gpus(
+    count: int, available: list[str], must: list[str], expected: tuple[str, ...]
+) -> None:
+    got = preferred_whole_gpus(topo_node(), count=count, available=available, must_include=must)
+    assert got == expected
+    assert got == preferred_whole_gpus(
+        topo_node(), count=count, available=list(reversed(available)), must_include=must
+    )
+
+
+@pytest.mark.parametrize(
+    ("count", "available", "must"),
+    [
+        pytest.param(3, ["GPU-0", "GPU-1"], [], id="too-few"),
+        pytest.param(1, ["GPU-0"], ["GPU-1"], id="must-not-available"),
+        pytest.param(1, ALL8, ["GPU-0", "GPU-1"], id="must-more-than-count"),
+        pytest.param(-1, ALL8, [], id="negative"),
+    ],
+)
+def test_preferred_whole_gpus_errors(count: int, available: list[str], must: list[str]) -> None:
+    with pytest.raises(ValueError):
+        preferred_whole_gpus(topo_node(), count=count, available=available, must_include=must)
+
+
+FREE = {"GPU-a": ["a::0", "a::1", "a::2"], "GPU-b": ["b::0"], "GPU-c": ["c::0", "c::1"]}
+
+
+@pytest.mark.parametrize(
+    ("mode", "count", "must", "expected"),
+    [
+        pytest.param("spread", 3, [], ("a::0", "a::1", "c::0"), id="spread"),
+        pytest.param("pack", 3, [], ("b::0", "c::0", "c::1"), id="pack"),
+        pytest.param("spread", 2, ["b::0"], ("b::0", "a::0"), id="must-include"),
+        pytest.param("pack", 0, [], (), id="none"),
+    ],
+)
+def test_preferred_replicas(mode: str, count: int, must: list[str], expected: tuple[str, ...]) -> None:
+    assert preferred_replicas(FREE, count=count, must_include=must, mode=mode) == expected
+
+
+@pytest.mark.parametrize(
+    ("count", "must", "mode"),
+    [
+        pytest.param(7, [], "spread", id="too-many"),
+        pytest.param(1, ["z::9"], "pack", id="unknown-must"),
+        pytest.param(1, [], "fill", id="bad-mode"),
+    ],
+)
+def test_preferred_replicas_errors(count: int, must: list[str], mode: str) -> None:
+    with pytest.raises(Unsatisfiable):
+        preferred_replicas(FREE, count=count, must_include=must, mode=mode)
+
+
+def test_preferred_fraction_gpu_picks_among_candidates_only() -> None:
+    n = node(1000, 350, 600)
+    r = Request(gpu_milli=300)
+    assert preferred_fraction_gpu(n, r, candidates=["GPU-0", "GPU-1", "GPU-2"], policy="bestfit") == "GPU-1"
+    assert preferred_fraction_gpu(n, r, candidates=["GPU-0", "GPU-2"], policy="bestfit") == "GPU-2"
+    assert preferred_fraction_gpu(n, r, candidates=["GPU-0", "GPU-1", "GPU-2"], policy="spread") == "GPU-0"
+    assert preferred_fraction_gpu(n, Request(gpu_milli=700), candidates=["GPU-1", "GPU-2"]) is None
+    # gpunode without a workload falls back to the tightest fitting GPU
+    assert preferred_fraction_gpu(n, r, candidates=["GPU-0", "GPU-1", "GPU-2"]) == "GPU-1"
+    with pytest.raises(InvalidRequest):
+        preferred_fraction_gpu(n, Request(gpus=1), candidates=["GPU-0"])

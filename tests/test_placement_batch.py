@@ -1,0 +1,202 @@
+"""The numpy form (placement.batch) decides exactly as the per-node functions, on random clusters."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpunode.placement import (
+    GpuState,
+    InvalidRequest,
+    InvalidState,
+    NodeState,
+    Request,
+    TargetPod,
+    TargetWorkload,
+    apply_request,
+    fits,
+    place,
+    score_node,
+)
+from gpunode.placement.batch import ClusterArrays
+
+DETERMINISTIC = ("fgd", "gpunode", "bestfit", "packing", "spread", "dotprod")
+MODELS = ("G2", "T4", "P100")
+
+
+def random_cluster(rng: random.Random, n: int = 10) -> list[NodeState]:
+    nodes = []
+    for i in range(n):
+        count = rng.choice([1, 2, 4, 8])
+        model = rng.choice(MODELS)
+        gpus = tuple(
+            GpuState(
+                uuid=f"n{i}-g{j}",
+                index=j,
+                model=model,
+                numa_node=None,
+                memory_total_bytes=0,
+                memory_free_bytes=0,
+                milli_free=rng.choice([0, 90, 190, 300, 530, 540, 1000, 1000, 1000]),
+            )
+            for j in range(count)
+        )
+        nodes.append(
+            NodeState(
+                name=f"n{i}",
+                gpus=gpus,
+                cpu_milli_free=rng.randrange(0, 96_001, 500),
+                memory_free_bytes=rng.randrange(0, 2**36, 2**28),
+            )
+        )
+    return nodes
+
+
+def random_workload(rng: random.Random) -> TargetWorkload:
+    pods = [
+        TargetPod(cpu_milli=rng.choice([2000, 4000, 12000]), gpu_milli=0, gpus=0, gpu_models=None, weight=3)
+    ]
+    for _ in range(rng.randint(2, 7)):
+        whole = rng.random() < 0.5
+        models = frozenset(rng.sample(MODELS, rng.randint(1, 2))) if rng.random() < 0.3 else None
+        pods.append(
+            TargetPod(
+                cpu_milli=rng.choice([0, 3000, 8000, 11300]),
+                gpu_milli=1000 if whole else rng.choice([160, 320, 460, 470, 810]),
+                gpus=rng.choice([1, 2, 8]) if whole else 1,
+                gpu_models=models,
+                weight=rng.randint(1, 50),
+            )
+        )
+    workload = TargetWorkload(tuple(pods))
+    return workload.with_supply({"G2": 40, "T4": 12, "P100": 6})
+
+
+def random_request(rng: random.Random) -> Request:
+    models = frozenset({rng.choice(MODELS)}) if rng.random() < 0.25 else None
+    cpu, mem = rng.choice([0, 1000, 4000, 12000]), rng.choice([0, 2**30, 2**34])
+    kind = rng.random()
+    if kind < 0.2:
+        return Request(cpu_milli=cpu, memory_bytes=mem)
+    if kind < 0.55:
+        return Request(gpus=rng.choice([1, 1, 2, 4]), gpu_models=models, cpu_milli=cpu, memory_bytes=mem)
+    return Request(
+        gpu_milli=rng.choice([50, 160, 300, 460, 810, 999]),
+        gpu_models=models,
+        cpu_milli=cpu,
+        memory_bytes=mem,
+    )
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(min_value=0, max_value=2**32 - 1))
+def test_batch_scores_equal_per_node_scores(seed: int) -> None:
+    rng = random.Random(seed)
+    nodes = random_cluster(rng)
+    workload = random_workload(rng)
+    cluster = ClusterArrays(nodes, workload=workload)
+    compared = 0
+    for step in range(6):
+        request = random_request(rng)
+        for policy in DETERMINISTIC:
+            feasible, score, gpu = cluster.scores(request, policy)
+            for i in range(len(nodes)):
+                state = cluster.node_state(i)
+                assert feasible[i] == fits(state, request), (policy, i)
+                choice = score_node(state, request, policy=policy, workload=workload)
+                if choice is None:
+                    continue
+                assert score[i] == choice.score, (policy, step, i, score[i], choice.score)
+                compared += 1
+                if request.kind == "fraction":
+                    assert state.gpus[gpu[i]].uuid == choice.gpu_uuids[0], (policy, step, i)
+        # Evolve the cluster with one decision of a random policy, applied on both sides.
+        policy = rng.choice(DETERMINISTIC)
+        priority = np.arange(len(nodes))
+        picked = cluster.choose(request, policy, rng=np.random.default_rng(seed), priority=priority)
+        expected = place(
+            [cluster.node_state(i) for i in range(len(nodes))], request, policy=policy, workload=workload
+        )
+        if picked is None:
+            assert expected is None
+            continue
+        assert expected is not None and expected.node == cluster.names[picked.node]
+        state = cluster.node_state(picked.node)
+        assert tuple(state.gpus[s].uuid for s in picked.gpus) == expected.gpu_uuids
+        cluster.apply(request, picked.node, picked.gpus)
+        assert cluster.node_state(picked.node) == apply_request(state, request, expected.gpu_uuids)
+    assert compared > 0
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(min_value=0, max_value=2**32 - 1))
+def test_batch_never_over_allocates(seed: int) -> None:
+    rng = random.Random(seed)
+    nodes = random_cluster(rng, n=6)
+    cluster = ClusterArrays(nodes, workload=random_workload(rng))
+    gen = np.random.default_rng(seed)
+    for _ in range(40):
+        request = random_request(rng)
+        policy = rng.choice((*DETERMINISTIC, "random"))
+        before = cluster.node_state(0) if len(nodes) else None
+        picked = cluster.choose(request, policy, rng=gen)
+        if picked is None:
+            continue
+        assert fits(cluster.node_state(picked.node), request)
+        cluster.apply(request, picked.node, picked.gpus)
+        assert (cluster.share >= 0).all() and (cluster.share <= 1000).all()
+        assert (cluster.cpu >= 0).all() and (cluster.mem >= 0).all()
+        assert before is not None
+
+
+def test_random_policy_picks_every_fitting_node_and_nothing_else() -> None:
+    nodes = random_cluster(random.Random(7), n=12)
+    cluster = ClusterArrays(nodes)
+    request = Request(gpu_milli=300)
+    feasible = {cluster.names[i] for i in np.flatnonzero(cluster.feasible_in(request, np.arange(12)))}
+    gen = np.random.default_rng(1)
+    seen = set()
+    for _ in range(300):
+        picked = cluster.choose(request, "random", rng=gen)
+        assert picked is not None
+        seen.add(cluster.names[picked.node])
+    assert seen == feasible
+
+
+@pytest.mark.parametrize(
+    "gpu_kw",
+    [
+        pytest.param({"sharing": "whole"}, id="whole-mode"),
+        pytest.param({"healthy": False}, id="unhealthy"),
+        pytest.param({"memory_total_bytes": 2**34, "memory_free_bytes": 2**34}, id="memory-size"),
+    ],
+)
+def test_batch_refuses_nodes_it_does_not_cover(gpu_kw: dict[str, object]) -> None:
+    base: dict[str, object] = dict(
+        uuid="g",
+        index=0,
+        model="A",
+        milli_free=1000,
+        memory_total_bytes=0,
+        memory_free_bytes=0,
+        numa_node=None,
+    )
+    base.update(gpu_kw)
+    node = NodeState(name="n", gpus=(GpuState(**base),), cpu_milli_free=1, memory_free_bytes=1)  # type: ignore[arg-type]
+    with pytest.raises(InvalidState):
+        ClusterArrays([node])
+
+
+def test_batch_refuses_requests_it_does_not_cover() -> None:
+    cluster = ClusterArrays(random_cluster(random.Random(1), n=2))
+    for request in (Request(mig_profile="1g.10gb"), Request(gpu_memory_bytes=2**30)):
+        with pytest.raises(InvalidRequest):
+            cluster.scores(request, "bestfit")
+    with pytest.raises(InvalidRequest):
+        cluster.scores(Request(gpus=1), "fgd")  # no workload given
+    with pytest.raises(InvalidRequest):
+        cluster.scores(Request(gpus=1), "tetris")
