@@ -138,9 +138,12 @@ class Extender:
         binder: Binder | None = None,
     ) -> None:
         self.config = config or ExtenderConfig()
-        self.nodes = nodes or NodeCache()
-        self.reservations = reservations or Reservations(ttl_s=self.config.reservation_ttl_s)
-        self.workload = workload or WorkloadTracker()
+        # `is None`, not `or`: an empty cache or reservation book has len() 0 and is falsy.
+        self.nodes = NodeCache() if nodes is None else nodes
+        self.reservations = (
+            Reservations(ttl_s=self.config.reservation_ttl_s) if reservations is None else reservations
+        )
+        self.workload = WorkloadTracker() if workload is None else workload
         self.binder = binder
         self._pods: OrderedDict[str, tuple[str, Request]] = OrderedDict()
         self._scores: dict[tuple[object, ...], tuple[float, tuple[str, ...]] | None] = {}
@@ -159,7 +162,10 @@ class Extender:
         return [self.nodes.get(n) for n in args.node_names]
 
     def _request(self, pod: Mapping[str, Any]) -> tuple[str, str, Request | None]:
-        uid, key = pod_key(pod)
+        try:
+            uid, key = pod_key(pod)
+        except InvalidRequest as exc:
+            raise BadRequest(exc.message) from exc
         request = request_from_pod(pod, memory_unit_bytes=self.config.memory_unit_bytes)
         if request is not None:
             with self._lock:

@@ -140,7 +140,9 @@ class ExtenderServer:
             self._server = _Server((host, port), extender, path_prefix)
         except OSError as exc:
             raise ConfigError(f"--listen {host}:{port}: cannot listen: {exc}") from exc
-        self._thread = threading.Thread(target=self._server.serve_forever, name="extender-http", daemon=True)
+        self._thread = threading.Thread(
+            target=lambda: self._server.serve_forever(poll_interval=0.05), name="extender-http", daemon=True
+        )
 
     @property
     def port(self) -> int:
