@@ -485,7 +485,7 @@ def test_bad_requests_get_4xx_with_a_json_message(
 def test_bind_annotates_the_pod_binds_it_and_reserves_its_gpu(
     served: tuple[Extender, Client, FakeApiServer],
 ) -> None:
-    extender, client, api = served
+    _, client, api = served
     nodes = node_list(v1_node("n1", gpu_state("n1", [1000, 0])))
     pod = v1_pod()
     assert client.post("filter", {"Pod": pod, "Nodes": nodes})[1]["Nodes"]["items"]

@@ -6,6 +6,8 @@ import math
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpunode.errors import GpunodeError
 from gpunode.placement import (
@@ -422,3 +424,76 @@ def test_preferred_fraction_gpu_picks_among_candidates_only() -> None:
     assert preferred_fraction_gpu(n, r, candidates=["GPU-0", "GPU-1", "GPU-2"]) == "GPU-1"
     with pytest.raises(InvalidRequest):
         preferred_fraction_gpu(n, Request(gpus=1), candidates=["GPU-0"])
+
+
+# ----- properties over general nodes ------------------------------------------------------------------------------
+
+
+@st.composite
+def general_gpus(draw: st.DrawFn, i: int) -> GpuState:
+    sharing = draw(st.sampled_from(["fractional", "fractional", "whole", "mig", "time-sliced"]))
+    total = draw(st.sampled_from([0, 16 * GIB, 80 * GIB])) if sharing == "fractional" else 0
+    return GpuState(
+        uuid=f"GPU-{i}",
+        index=i,
+        model=draw(st.sampled_from(["A100", "T4"])),
+        milli_free=draw(st.sampled_from([0, 100, 250, 500, 999, 1000])) if sharing == "fractional" else 1000,
+        memory_total_bytes=total,
+        memory_free_bytes=draw(st.integers(0, total)) if total else 0,
+        numa_node=draw(st.sampled_from([0, 1, None])),
+        healthy=draw(st.integers(0, 4)) > 0,
+        mig_free={"1g.10gb": draw(st.integers(0, 3))} if sharing == "mig" else {},
+        sharing=sharing,  # type: ignore[arg-type]
+    )
+
+
+@st.composite
+def general_nodes(draw: st.DrawFn) -> list[NodeState]:
+    nodes = []
+    for n in range(draw(st.integers(1, 4))):
+        gpus = tuple(draw(general_gpus(i)) for i in range(draw(st.integers(0, 8))))
+        gpus = tuple(GpuState(**{**g.__dict__, "uuid": f"n{n}-{g.uuid}"}) for g in gpus)
+        nodes.append(
+            NodeState(
+                name=f"n{n}",
+                gpus=gpus,
+                cpu_milli_free=draw(st.integers(0, 64_000)),
+                memory_free_bytes=draw(st.integers(0, 64 * GIB)),
+            )
+        )
+    return nodes
+
+
+requests = st.one_of(
+    st.builds(Request, cpu_milli=st.integers(0, 8000)),
+    st.builds(Request, gpus=st.integers(1, 4), cpu_milli=st.integers(0, 8000)),
+    st.builds(Request, gpu_milli=st.integers(1, 999), gpu_memory_bytes=st.sampled_from([0, GIB, 20 * GIB])),
+    st.builds(Request, gpu_memory_bytes=st.sampled_from([GIB, 40 * GIB])),
+    st.builds(Request, mig_profile=st.just("1g.10gb")),
+    st.builds(Request, gpus=st.just(1), gpu_models=st.just(frozenset({"T4"}))),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(nodes=general_nodes(), request_=requests, policy=st.sampled_from(sorted(POLICIES)))
+def test_every_placement_fits_and_never_over_allocates(
+    nodes: list[NodeState], request_: Request, policy: str
+) -> None:
+    placed = place(nodes, request_, policy=policy, workload=WORKLOAD, rng=random.Random(0))
+    if placed is None:
+        assert not any(fits(n, request_) for n in nodes)
+        return
+    target = next(n for n in nodes if n.name == placed.node)
+    assert fits(target, request_)
+    after = apply_request(target, request_, placed.gpu_uuids)  # raises if the GPUs cannot take it
+    assert after.cpu_milli_free >= 0 and after.memory_free_bytes >= 0
+    for g in after.gpus:
+        assert 0 <= g.milli_free <= 1000 and 0 <= g.memory_free_bytes <= g.memory_total_bytes
+        assert all(v >= 0 for v in g.mig_free.values())
+    used = [target.gpu(u) for u in placed.gpu_uuids]
+    if request_.kind == "whole":
+        assert len(set(placed.gpu_uuids)) == request_.gpus and all(g.fully_free for g in used)
+    if request_.kind == "fraction":
+        assert used[0].milli_free >= request_.gpu_milli and used[0].sharing == "fractional"
+    if request_.gpu_models:
+        assert all(g.model in request_.gpu_models for g in used)
