@@ -4,6 +4,8 @@
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 ensure_apt_packages gcc libc6-dev pkg-config libsystemd-dev prometheus valgrind systemd
 ensure_venv "[test,systemd]"
+echo ">> helm (for the chart tests)"
+bash "$ROOT/scripts/get-helm.sh" || echo "!! no helm: the chart tests will be skipped" >&2
 cd "$ROOT"
 echo ">> ruff"; "$VENV/bin/ruff" check gpunode tests bench plugin native
 echo ">> mypy"; "$VENV/bin/mypy"
