@@ -293,7 +293,7 @@ def test_daemonset_contract() -> None:
         assert mounts[name].get("readOnly", False) is read_only, name
     assert volumes["config"]["configMap"]["name"] == f"{FULLNAME}-config"
     assert mounts["config"] == {"name": "config", "mountPath": "/etc/gpunode", "readOnly": True}
-    assert "driver-root" not in volumes
+    assert "driver-root" not in volumes and "hostNetwork" not in pod
     assert pod["serviceAccountName"] == f"{FULLNAME}-agent"
     assert out.named("ServiceAccount", f"{FULLNAME}-agent")
 
@@ -306,13 +306,16 @@ def test_daemonset_contract() -> None:
                      and "tolerations" not in pod and pod["affinity"]["nodeAffinity"], id="custom-node-selector"),
         pytest.param(VALUE_SETS["privileged-off"], lambda pod, c: c["securityContext"] == {
             "privileged": False, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
-            "readOnlyRootFilesystem": True} and pod["runtimeClassName"] == "nvidia", id="privileged-off"),
+            "readOnlyRootFilesystem": True} and pod["runtimeClassName"] == "nvidia"
+            and "dev" not in {v["name"] for v in pod["volumes"]}, id="privileged-off"),
         pytest.param(VALUE_SETS["driver-container"], lambda pod, c: {"name": "driver-root", "hostPath": {
             "path": "/run/nvidia/driver", "type": "Directory"}} in pod["volumes"] and {
             "name": "driver-root", "mountPath": "/driver-root", "readOnly": True} in c["volumeMounts"]
             and any(e["name"] == "LD_LIBRARY_PATH" and "/driver-root/usr/lib" in e["value"] for e in c["env"]),
             id="driver-container"),
         pytest.param(VALUE_SETS["bare-metal-remediation"], lambda pod, c: pod["hostPID"] is True, id="bare-metal-hostpid"),
+        pytest.param(VALUE_SETS["host-network"], lambda pod, c: pod["hostNetwork"] is True
+                     and pod["dnsPolicy"] == "ClusterFirstWithHostNet", id="host-network"),
     ],
 )  # fmt: skip
 def test_daemonset_follows_its_values(values: dict[str, Any], check: Any) -> None:
