@@ -443,6 +443,8 @@ def test_agent_cluster_role_grants_exactly_what_the_configuration_needs(
     out = render({"config": {"gpunode": own}})
     assert granted(out, f"{FULLNAME}-agent") == expected
     bindings = [b for b in out.kinds("ClusterRoleBinding") if b["metadata"]["name"] == f"{FULLNAME}-agent"]
+    token = out.daemonset()["spec"]["template"]["spec"]["automountServiceAccountToken"]
+    assert token is (expected is not None)
     if expected is None:
         assert not bindings
         return
