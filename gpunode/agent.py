@@ -18,6 +18,7 @@ import signal
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from gpunode import sdnotify
@@ -143,6 +144,7 @@ class Agent:
         self.checkpoint = Checkpoint(self.config.state_dir)
         self._restore_caps(inventory)
         allocator = Allocator(config=self.config, checkpoint=self.checkpoint)
+        allocator.preload_lib = self._stage_preload(inventory)
         self.plugins = PluginManager(config=self.config, state=self.state, allocator=allocator)
         self._announce(inventory)
         plugins_ready = asyncio.Event()
@@ -354,6 +356,17 @@ class Agent:
         return any(d.memory_cap_bytes is not None for d in inventory.devices) or bool(
             self.checkpoint.records()
         )
+
+    def _stage_preload(self, inventory: Inventory) -> Path | None:
+        if not self._uses_caps(inventory):
+            return None
+        try:
+            from gpunode.regions import stage_preload_library
+
+            return stage_preload_library(self.config.state_dir)
+        except (ImportError, OSError, GpunodeError) as exc:
+            log.error("memory caps unavailable (%s): capped devices cannot be allocated", exc)
+            return None
 
     def _restore_caps(self, inventory: Inventory) -> None:
         """Load the checkpoint and re-create missing regions, so caps survive an agent restart."""

@@ -115,6 +115,9 @@ class Allocator:
         self.config = config
         self.regions_root = config.state_dir / "memcap"
         self.checkpoint = checkpoint
+        self.preload_lib: Path | None = (
+            None  # the host copy of the interposer (regions.stage_preload_library)
+        )
         self._mig_minors_file = mig_minors_file
 
     def allocate(self, snapshot: Snapshot, resource: str, device_ids: Sequence[str]) -> ContainerAllocation:
@@ -223,6 +226,7 @@ class Allocator:
             )
             spec = memcap.container_spec(
                 region,
+                preload_lib=self.preload_lib,
                 visible_device=",".join(visible),
                 ld_so_preload=self.config.fractional.ld_so_preload,
             )

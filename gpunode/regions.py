@@ -26,6 +26,32 @@ from gpunode.podresources import ContainerDevices
 log = logging.getLogger(__name__)
 
 
+def stage_preload_library(state_dir: Path) -> Path:
+    """Copy the interposer into state_dir/lib (atomically, only when it changed) and return that path.
+
+    The kubelet mounts the library into workload containers from a host path; the
+    package's own copy may live inside the agent's container image, which the host
+    cannot see, while the state directory is a host directory mounted at the same path.
+    """
+    import os
+    import shutil
+
+    from gpunode import memcap
+
+    source = memcap.preload_library_path()
+    target = state_dir / "lib" / source.name
+    data = source.read_bytes()
+    if target.is_file() and target.read_bytes() == data:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    shutil.copyfile(source, tmp)
+    tmp.chmod(0o755)
+    os.replace(tmp, target)  # containers that mapped the old file keep it; new ones get the new one
+    log.info("memory caps: interposer staged at %s", target)
+    return target
+
+
 def restore_regions(checkpoint: Checkpoint, root: Path) -> list[str]:
     """Re-create the checkpointed regions whose directories are missing; the keys restored."""
     from gpunode import memcap
