@@ -36,12 +36,14 @@ from gpunode.errors import GpunodeError, KubeError
 from gpunode.extender_state import (
     GIB,
     NodeCache,
+    NodeTable,
     NodeView,
     Reservations,
     WorkloadTracker,
     apply_reservations,
     pod_key,
     request_from_pod,
+    reserved_state,
 )
 from gpunode.placement import (
     NEEDS_WORKLOAD,
@@ -49,6 +51,7 @@ from gpunode.placement import (
     NodeState,
     PlacementError,
     Request,
+    TargetWorkload,
     check_policy,
     score_node,
     unfit_reason,
@@ -57,6 +60,23 @@ from gpunode.placement import (
 log = logging.getLogger(__name__)
 MAX_EXTENDER_PRIORITY = 10  # extenderv1.MaxExtenderPriority
 _RECENT_PODS = 4096
+_CACHE_LIMIT = 500_000  # cached verdicts before the caches are dropped and rebuilt
+_UNSET: Any = object()
+
+
+@dataclass(frozen=True)
+class _Context:
+    uid: str
+    reserved: frozenset[str]
+    workload: TargetWorkload | None
+    policy: str
+    version: int
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    reason: str | None  # None: fits
+    scored: tuple[float, tuple[str, ...]] | None  # (policy score, GPUs) when asked and it fits
 
 
 class BadRequest(GpunodeError):
@@ -144,9 +164,11 @@ class Extender:
             Reservations(ttl_s=self.config.reservation_ttl_s) if reservations is None else reservations
         )
         self.workload = WorkloadTracker() if workload is None else workload
+        self.table = NodeTable()
         self.binder = binder
         self._pods: OrderedDict[str, tuple[str, Request]] = OrderedDict()
-        self._scores: dict[tuple[object, ...], tuple[float, tuple[str, ...]] | None] = {}
+        self._fits: dict[tuple[object, ...], object] = {}
+        self._scores: dict[tuple[object, ...], object] = {}
         self._lock = threading.Lock()
 
     # ----- shared steps ---------------------------------------------------------------------------
@@ -178,6 +200,50 @@ class Extender:
     def _state(self, view: NodeView, uid: str) -> NodeState | None:
         return apply_reservations(view, self.reservations, skip_pod=uid)
 
+    def _context(self, uid: str) -> _Context:
+        """What every node's evaluation in one request shares: reserved nodes, workload, policy."""
+        workload = self.workload.workload() if self.config.policy in NEEDS_WORKLOAD else None
+        policy = self.config.policy
+        if policy in NEEDS_WORKLOAD and workload is None:
+            policy = "bestfit"  # nothing to measure fragmentation against yet
+        return _Context(uid, self.reservations.nodes(), workload, policy, self.workload.version)
+
+    def _evaluate(self, view: NodeView, request: Request, ctx: _Context, *, score: bool) -> _Verdict:
+        """Fit (and the policy's score) of one node, cached until its annotation or reservations change."""
+        if view.state is None:
+            return _Verdict(view.reason or "no usable GPU state", None)
+        state = view.state
+        held: tuple[str, ...] = ()
+        if view.name in ctx.reserved:
+            live = [
+                r for r in self.reservations.on_node(view.name, reflected=view.pods) if r.pod_uid != ctx.uid
+            ]
+            if live:
+                held = tuple(sorted(r.pod_uid for r in live))
+                state = reserved_state(state, live)
+        key = (view.name, view.fingerprint, held, request)
+        with self._lock:
+            reason = self._fits.get(key, _UNSET)
+        if reason is _UNSET:
+            reason = unfit_reason(state, request)
+            with self._lock:
+                if len(self._fits) > _CACHE_LIMIT:
+                    self._fits.clear()
+                self._fits[key] = reason
+        if reason is not None or not score:
+            return _Verdict(reason, None)  # type: ignore[arg-type]
+        score_key = (*key, ctx.policy, ctx.version)
+        with self._lock:
+            scored = self._scores.get(score_key, _UNSET)
+        if scored is _UNSET:
+            choice = score_node(state, request, policy=ctx.policy, workload=ctx.workload)
+            scored = None if choice is None else (choice.score, choice.gpu_uuids)
+            with self._lock:
+                if len(self._scores) > _CACHE_LIMIT:
+                    self._scores.clear()
+                self._scores[score_key] = scored
+        return _Verdict(None, scored)  # type: ignore[arg-type]
+
     # ----- filter ---------------------------------------------------------------------------------
 
     def filter(self, body: object) -> dict[str, Any]:
@@ -194,16 +260,33 @@ class Extender:
         if request is None:
             return self._filter_result(args, [v.name for v in views if v.name], failed, unresolvable)
         self.workload.observe(request)
+        ctx = self._context(uid)
+        handled = self._batch(views, request, ctx)
         passing = []
-        for view in views:
-            state = self._state(view, uid)
-            if state is None:
-                failed[view.name or "<unnamed>"] = view.reason
-            elif (why := unfit_reason(state, request)) is not None:
-                failed[view.name] = why
-            else:
+        for pos, view in enumerate(views):
+            if handled.get(pos, (False, 0.0))[0]:
                 passing.append(view.name)
+                continue
+            verdict = self._evaluate(view, request, ctx, score=False)
+            if verdict.reason is None:
+                passing.append(view.name)
+            else:
+                failed[view.name or "<unnamed>"] = verdict.reason
         return self._filter_result(args, passing, failed, unresolvable)
+
+    def _batch(self, views: list[NodeView], request: Request, ctx: _Context) -> dict[int, tuple[bool, float]]:
+        """Fit and score of the nodes the batch form covers: {position: (fits, score)}."""
+        return self.table.verdicts(
+            views,
+            request,
+            uid=ctx.uid,
+            known=self.nodes.views,
+            reservations=self.reservations,
+            reserved=ctx.reserved,
+            workload=ctx.workload,
+            version=ctx.version,
+            policy=ctx.policy,
+        )
 
     @staticmethod
     def _filter_result(
@@ -228,28 +311,6 @@ class Extender:
 
     # ----- prioritize -----------------------------------------------------------------------------
 
-    def _score(
-        self, view: NodeView, state: NodeState, request: Request, uid: str
-    ) -> tuple[float, tuple[str, ...]] | None:
-        workload = self.workload.workload() if self.config.policy in NEEDS_WORKLOAD else None
-        policy = (
-            self.config.policy
-            if (workload is not None or self.config.policy not in NEEDS_WORKLOAD)
-            else "bestfit"
-        )
-        held = tuple(sorted(r.pod_uid for r in self.reservations.on_node(view.name) if r.pod_uid != uid))
-        key = (view.name, view.fingerprint, held, request, policy, self.workload.version)
-        with self._lock:
-            if key in self._scores:
-                return self._scores[key]
-        choice = score_node(state, request, policy=policy, workload=workload)
-        value = None if choice is None else (choice.score, choice.gpu_uuids)
-        with self._lock:
-            if len(self._scores) > 200_000:
-                self._scores.clear()
-            self._scores[key] = value
-        return value
-
     def prioritize(self, body: object) -> list[dict[str, Any]]:
         args = parse_args(body)
         views = self._views(args)
@@ -259,23 +320,37 @@ class Extender:
             return [{"Host": v.name, "Score": 0} for v in views if v.name]
         if request is None:
             return [{"Host": v.name, "Score": 0} for v in views if v.name]
+        ctx = self._context(uid)
+        handled = self._batch(views, request, ctx)
         raw: dict[str, float] = {}
-        best: tuple[float, str, tuple[str, ...]] | None = None
-        for view in views:
-            state = self._state(view, uid)
-            if state is None or unfit_reason(state, request) is not None:
-                continue
-            scored = self._score(view, state, request, uid)
-            if scored is None:
-                continue
-            raw[view.name] = scored[0]
-            if best is None or scored[0] > best[0]:
-                best = (scored[0], view.name, scored[1])
+        best: NodeView | None = None
+        for pos, view in enumerate(views):
+            got = handled.get(pos)
+            if got is not None:
+                if not got[0]:
+                    continue
+                value = got[1]
+            else:
+                scored = self._evaluate(view, request, ctx, score=True).scored
+                if scored is None:
+                    continue
+                value = scored[0]
+            raw[view.name] = value
+            if best is None or value > raw[best.name]:
+                best = view
         scores = _scale(raw)
         if best is not None and self.config.provisional_reservations:
-            self.reservations.reserve(
-                pod_uid=uid, pod_key=key, node=best[1], gpu_uuids=best[2], request=request, final=False
-            )
+            state = self._state(best, uid)
+            choice = score_node(state, request, policy=ctx.policy, workload=ctx.workload) if state else None
+            if choice is not None:
+                self.reservations.reserve(
+                    pod_uid=uid,
+                    pod_key=key,
+                    node=best.name,
+                    gpu_uuids=choice.gpu_uuids,
+                    request=request,
+                    final=False,
+                )
         return [{"Host": v.name, "Score": scores.get(v.name, 0)} for v in views if v.name]
 
     # ----- bind -----------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from gpunode.placement import (
     TargetWorkload,
     apply_request,
 )
+from gpunode.placement.batch import ClusterArrays, check_batchable
 
 RESOURCE_GPU = "nvidia.com/gpu"
 RESOURCE_GPU_MEMORY = "gpunode.io/gpu-memory"
@@ -198,6 +199,7 @@ class NodeView:
     reason: str = ""
     annotation: NodeGpuState | None = None
     fingerprint: str = ""  # changes whenever the annotation text changes
+    pods: frozenset[str] = frozenset()  # namespace/name of the pods the annotation lists
 
 
 def _allocatable(node: Mapping[str, Any], key: str, scale: int) -> int:
@@ -254,9 +256,8 @@ class NodeCache:
             )
         except NodeStateError as exc:
             return NodeView(name, None, f"unusable {ANNOTATION_KEY} annotation: {exc.message}")
-        return NodeView(
-            name, state, annotation=annotation, fingerprint=f"{annotation.generation}:{hash(text)}"
-        )
+        fingerprint = f"{annotation.generation}:{hash(text)}"
+        return NodeView(name, state, annotation=annotation, fingerprint=fingerprint, pods=annotation.pods())
 
     def update(self, nodes: Iterable[object]) -> int:
         """Feed Node objects (a refresher's list); returns how many were taken."""
@@ -268,6 +269,11 @@ class NodeCache:
         if cached is None:
             return NodeView(name, None, "node unknown to the extender's cache (no refresh has seen it yet)")
         return cached[1]
+
+    def views(self) -> list[NodeView]:
+        """Every node view in the cache."""
+        with self._lock:
+            return [view for _, view in self._views.values()]
 
     def forget(self, names: Iterable[str]) -> None:
         with self._lock:
@@ -349,20 +355,19 @@ class Reservations:
         with self._lock:
             return self._by_pod.get(pod_uid)
 
+    def nodes(self) -> frozenset[str]:
+        """The nodes that hold reservations now (expired ones included until next looked at)."""
+        with self._lock:
+            return frozenset(self._by_node)
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._by_pod)
 
 
-def apply_reservations(view: NodeView, reservations: Reservations, *, skip_pod: str = "") -> NodeState | None:
-    """The node state with its live reservations (except the pod's own) taken out of the free share."""
-    if view.state is None:
-        return None
-    reflected = view.annotation.pods() if view.annotation is not None else frozenset()
-    state = view.state
-    for r in reservations.on_node(view.name, reflected=reflected):
-        if r.pod_uid == skip_pod:
-            continue
+def reserved_state(state: NodeState, live: Iterable[Reservation]) -> NodeState:
+    """The node state with these reservations taken out of its free share."""
+    for r in live:
         try:
             state = apply_request(state, r.request, r.gpu_uuids)
         except InvalidState:
@@ -372,10 +377,25 @@ def apply_reservations(view: NodeView, reservations: Reservations, *, skip_pod: 
     return state
 
 
-class WorkloadTracker:
-    """The target workload: the most frequent GPU request shapes among the last `window` pods seen."""
+def apply_reservations(view: NodeView, reservations: Reservations, *, skip_pod: str = "") -> NodeState | None:
+    """The node state with its live reservations (except the pod's own) taken out of the free share."""
+    if view.state is None:
+        return None
+    live = [r for r in reservations.on_node(view.name, reflected=view.pods) if r.pod_uid != skip_pod]
+    return reserved_state(view.state, live)
 
-    REFRESH_EVERY = 100  # pods observed between two recomputations of the workload
+
+class WorkloadTracker:
+    """The target workload: a fixed one (from a trace), or learned from the pods seen.
+
+    Learning keeps the request shapes of the last `window` pods and, every
+    REFRESH_EVERY pods, takes the most frequent shapes covering `popularity` of
+    them, weighted in per-mille of the window. The version (part of every cached
+    score's key) only moves when that result changes, so a steady workload does
+    not invalidate the extender's caches.
+    """
+
+    REFRESH_EVERY = 500
 
     def __init__(
         self,
@@ -383,13 +403,14 @@ class WorkloadTracker:
         window: int = 10_000,
         popularity: float = 0.95,
         seed: TargetWorkload | None = None,
+        learn: bool | None = None,
         memory_reference_bytes: int = 80 * GIB,
     ) -> None:
         self._lock = threading.Lock()
         self._recent: deque[tuple[int, int, int, frozenset[str] | None]] = deque(maxlen=window)
         self._popularity = popularity
-        self._seed = seed
         self._cached: TargetWorkload | None = seed
+        self._learn = seed is None if learn is None else learn
         self._unseen = 0
         self.memory_reference_bytes = memory_reference_bytes
         self.version = 0
@@ -409,28 +430,126 @@ class WorkloadTracker:
 
     def observe(self, request: Request) -> None:
         shape = self.shape(request)
-        if shape is None:
+        if shape is None or not self._learn:
             return
         with self._lock:
             self._recent.append(shape)
             self._unseen += 1
 
+    def _learned(self) -> TargetWorkload | None:
+        counts = Counter(self._recent)
+        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0][:3]))
+        chosen, covered, total = [], 0, len(self._recent)
+        for (cpu, milli, gpus, models), n in ranked:
+            if covered >= self._popularity * total:
+                break
+            weight = max(1, round(1000 * n / total))
+            chosen.append(
+                TargetPod(cpu_milli=cpu, gpu_milli=milli, gpus=gpus, gpu_models=models, weight=weight)
+            )
+            covered += n
+        return TargetWorkload(tuple(chosen)) if chosen else None
+
     def workload(self) -> TargetWorkload | None:
-        """The workload to score against; None when nothing was seen and no seed was given."""
+        """The workload to score against; None when nothing was seen and none was given."""
         with self._lock:
-            stale = self._cached is None or self._cached is self._seed
-            if self._unseen and (stale or self._unseen >= self.REFRESH_EVERY):
-                counts = Counter(self._recent)
-                ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0][:3]))
-                chosen, covered = [], 0
-                for (cpu, milli, gpus, models), n in ranked:
-                    if covered >= self._popularity * len(self._recent):
-                        break
-                    chosen.append(
-                        TargetPod(cpu_milli=cpu, gpu_milli=milli, gpus=gpus, gpu_models=models, weight=n)
-                    )
-                    covered += n
-                self._cached = TargetWorkload(tuple(chosen)) if chosen else self._seed
+            if self._learn and self._unseen and (self._cached is None or self._unseen >= self.REFRESH_EVERY):
+                learned = self._learned()
                 self._unseen = 0
-                self.version += 1
+                if learned is not None and learned != self._cached:
+                    self._cached = learned
+                    self.version += 1
             return self._cached
+
+
+class NodeTable:
+    """The nodes the extender knows, in placement's batch form, to fit and score thousands at once.
+
+    Rows hold each node's annotation state with its live reservations applied;
+    a row is reloaded when its annotation or reservations change, and the table
+    is rebuilt when unknown nodes appear or the workload changes. Nodes the batch
+    form does not cover, and a node holding the pod's own reservation, are left
+    to the per-node functions (verdicts() leaves them out).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._table: ClusterArrays | None = None
+        self._keys: dict[str, tuple[str, tuple[str, ...]]] = {}
+        self._outside: set[str] = set()  # names the batch form does not cover
+        self._workload_key: tuple[int, bool] = (-1, False)
+
+    def _rebuild(
+        self,
+        views: Iterable[NodeView],
+        reservations: Reservations,
+        workload: TargetWorkload | None,
+        version: int,
+    ) -> None:
+        states, keys = [], {}
+        self._outside = set()
+        for view in views:
+            if view.state is None or view.name in keys:
+                continue
+            live = reservations.on_node(view.name, reflected=view.pods)
+            state = reserved_state(view.state, live)
+            try:
+                check_batchable(state)
+            except InvalidState:
+                self._outside.add(view.name)
+                continue
+            states.append(state)
+            keys[view.name] = (view.fingerprint, tuple(sorted(r.pod_uid for r in live)))
+        self._table = ClusterArrays(states, workload=workload)
+        self._keys = keys
+        self._workload_key = (version, workload is not None)
+
+    def verdicts(
+        self,
+        views: list[NodeView],
+        request: Request,
+        *,
+        uid: str,
+        known: Callable[[], Iterable[NodeView]],
+        reservations: Reservations,
+        reserved: frozenset[str],
+        workload: TargetWorkload | None,
+        version: int,
+        policy: str,
+    ) -> dict[int, tuple[bool, float]]:
+        """{position in views: (fits, score)} for the views the table covers."""
+        if request.kind == "mig":
+            return {}
+        with self._lock:
+            wanted = (version, workload is not None)
+            names = {v.name for v in views if v.state is not None}
+            table = self._table
+            if (
+                table is None
+                or wanted != self._workload_key
+                or any(n not in self._keys and n not in self._outside for n in names)
+            ):
+                self._rebuild([*known(), *views], reservations, workload, version)
+                table = self._table
+            assert table is not None
+            rows: dict[int, int] = {}
+            for pos, view in enumerate(views):
+                if view.state is None or view.name in self._outside or view.name not in self._keys:
+                    continue
+                live = reservations.on_node(view.name, reflected=view.pods) if view.name in reserved else []
+                if any(r.pod_uid == uid for r in live):
+                    continue  # its own reservation: the per-node path leaves it out
+                key = (view.fingerprint, tuple(sorted(r.pod_uid for r in live)))
+                if self._keys[view.name] != key:
+                    try:
+                        table.replace_node(reserved_state(view.state, live))
+                    except InvalidState:
+                        self._outside.add(view.name)
+                        del self._keys[view.name]
+                        continue
+                    self._keys[view.name] = key
+                rows[pos] = table.index_of(view.name)
+            if not rows:
+                return {}
+            feasible, score, _ = table.scores(request, policy)
+            return {pos: (bool(feasible[row]), float(score[row])) for pos, row in rows.items()}

@@ -636,3 +636,71 @@ def test_serve_extender_coroutine_serves_until_cancelled() -> None:
         return result
 
     assert asyncio.run(scenario()) == (200, {"status": "ok", "nodes": 0})
+
+
+def test_batch_and_per_node_paths_agree_in_the_extender() -> None:
+    """Nodes the batch form covers are scored in bulk; the rest one by one. Both give score_node's values."""
+    from gpunode.extender_state import WorkloadTracker
+    from gpunode.placement import TargetPod, TargetWorkload, score_node
+
+    workload = TargetWorkload(
+        (
+            TargetPod(cpu_milli=8000, gpu_milli=1000, gpus=1, gpu_models=None, weight=5),
+            TargetPod(cpu_milli=2000, gpu_milli=250, gpus=1, gpu_models=None, weight=3),
+            TargetPod(cpu_milli=1000, gpu_milli=0, gpus=0, gpu_models=None, weight=1),
+        )
+    )
+    mixed = json.loads(gpu_state("mixed", [1000, 1000]))
+    mixed["gpus"][1]["sharing"] = "whole"  # two modes on one node: per-node path
+    nodes = [
+        v1_node(f"n{i}", gpu_state(f"n{i}", shares))
+        for i, shares in enumerate([[1000, 1000, 400, 0], [750, 250], [1000] * 8, [100, 900, 500]])
+    ]
+    nodes.append(v1_node("mixed", json.dumps(mixed)))
+    pods = [
+        v1_pod(
+            "a", uid="a", limits={"gpunode.io/gpu-memory": "8"}, annotations={"gpunode.io/gpu-milli": "200"}
+        ),
+        v1_pod("b", uid="b", limits={"nvidia.com/gpu": "2"}),
+        v1_pod("c", uid="c", limits={"gpunode.io/gpu-memory": "30"}),
+    ]
+    for policy in ("gpunode", "fgd", "bestfit", "packing"):
+        extender = Extender(
+            config=ExtenderConfig(policy=policy, provisional_reservations=False),
+            workload=WorkloadTracker(seed=workload),
+        )
+        views = [extender.nodes.view(n) for n in nodes]
+        for pod in pods:
+            request = request_from_pod(pod)
+            assert request is not None
+            ctx = extender._context(pod["metadata"]["uid"])
+            handled = extender._batch(views, request, ctx)
+            assert set(handled) == {0, 1, 2, 3}  # "mixed" is left to the per-node path
+            for pos, (fits, score) in handled.items():
+                choice = score_node(views[pos].state, request, policy=policy, workload=workload)  # type: ignore[arg-type]
+                assert fits == (choice is not None)
+                if choice is not None:
+                    assert score == choice.score, (policy, pod["metadata"]["name"], pos)
+
+
+def test_example_scheduler_configuration_wires_the_extender() -> None:
+    from pathlib import Path
+
+    import yaml
+
+    import gpunode
+
+    text = (Path(gpunode.__file__).parent / "examples" / "kube-scheduler-config.yaml").read_text()
+    config = yaml.safe_load(text)
+    assert config["apiVersion"] == "kubescheduler.config.k8s.io/v1"
+    assert config["kind"] == "KubeSchedulerConfiguration"
+    (extender,) = config["extenders"]
+    assert (extender["filterVerb"], extender["prioritizeVerb"], extender["bindVerb"]) == (
+        "filter",
+        "prioritize",
+        "bind",
+    )
+    managed = {r["name"] for r in extender["managedResources"]}
+    assert {"nvidia.com/gpu", "gpunode.io/gpu-memory", "nvidia.com/mig-1g.10gb"} <= managed
+    assert all(not r["ignoredByScheduler"] for r in extender["managedResources"])
+    assert extender["nodeCacheCapable"] is True and 1 <= extender["weight"] <= 100

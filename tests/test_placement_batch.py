@@ -25,30 +25,47 @@ from gpunode.placement import (
 from gpunode.placement.batch import ClusterArrays
 
 DETERMINISTIC = ("fgd", "gpunode", "bestfit", "packing", "spread", "dotprod")
+GIB = 2**30
 MODELS = ("G2", "T4", "P100")
 
 
 def random_cluster(rng: random.Random, n: int = 10) -> list[NodeState]:
+    """Nodes the batch form covers: one model each; fractional GPUs with or without a memory size, or whole-mode
+    ones; unhealthy, MIG and time-sliced GPUs mixed in."""
     nodes = []
     for i in range(n):
-        count = rng.choice([1, 2, 4, 8])
+        count = rng.choice([0, 1, 2, 4, 8, 8])
         model = rng.choice(MODELS)
-        gpus = tuple(
-            GpuState(
-                uuid=f"n{i}-g{j}",
-                index=j,
-                model=model,
-                numa_node=None,
-                memory_total_bytes=0,
-                memory_free_bytes=0,
-                milli_free=rng.choice([0, 90, 190, 300, 530, 540, 1000, 1000, 1000]),
+        mode = rng.choice(["fractional", "fractional", "whole"])
+        sized = rng.random() < 0.5
+        gpus = []
+        for j in range(count):
+            sharing = mode if rng.random() < 0.85 else rng.choice(["mig", "time-sliced"])
+            total = 16 * GIB if sized and sharing == "fractional" else 0
+            milli = (
+                rng.choice([0, 90, 190, 300, 530, 540, 1000, 1000, 1000]) if sharing == "fractional" else 1000
             )
-            for j in range(count)
-        )
+            free = min(total, rng.choice([0, GIB, 6 * GIB, 16 * GIB, 16 * GIB])) if total else 0
+            if sharing == "whole" and rng.random() < 0.3:
+                milli = 0  # handed out whole
+            gpus.append(
+                GpuState(
+                    uuid=f"n{i}-g{j}",
+                    index=j,
+                    model=model,
+                    numa_node=None,
+                    memory_total_bytes=total,
+                    memory_free_bytes=free,
+                    milli_free=milli,
+                    healthy=rng.random() < 0.9,
+                    sharing=sharing,
+                    mig_free={"1g.10gb": 2} if sharing == "mig" else {},
+                )
+            )
         nodes.append(
             NodeState(
                 name=f"n{i}",
-                gpus=gpus,
+                gpus=tuple(gpus),
                 cpu_milli_free=rng.randrange(0, 96_001, 500),
                 memory_free_bytes=rng.randrange(0, 2**36, 2**28),
             )
@@ -92,7 +109,7 @@ def random_request(rng: random.Random) -> Request:
     )
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(seed=st.integers(min_value=0, max_value=2**32 - 1))
 def test_batch_scores_equal_per_node_scores(seed: int) -> None:
     rng = random.Random(seed)
@@ -148,7 +165,8 @@ def test_batch_never_over_allocates(seed: int) -> None:
             continue
         assert fits(cluster.node_state(picked.node), request)
         cluster.apply(request, picked.node, picked.gpus)
-        assert (cluster.share >= 0).all() and (cluster.share <= 1000).all()
+        assert (cluster.share >= 0).all() and (cluster.share <= 1000).all() and (cluster.milli >= 0).all()
+        assert (cluster.gmem_free >= 0).all() and (cluster.gmem_free <= cluster.gmem_total).all()
         assert (cluster.cpu >= 0).all() and (cluster.mem >= 0).all()
         assert before is not None
 
@@ -167,35 +185,38 @@ def test_random_policy_picks_every_fitting_node_and_nothing_else() -> None:
     assert seen == feasible
 
 
-@pytest.mark.parametrize(
-    "gpu_kw",
-    [
-        pytest.param({"sharing": "whole"}, id="whole-mode"),
-        pytest.param({"healthy": False}, id="unhealthy"),
-        pytest.param({"memory_total_bytes": 2**34, "memory_free_bytes": 2**34}, id="memory-size"),
-    ],
-)
-def test_batch_refuses_nodes_it_does_not_cover(gpu_kw: dict[str, object]) -> None:
+def gpu(j: int, **kw: object) -> GpuState:
     base: dict[str, object] = dict(
-        uuid="g",
-        index=0,
+        uuid=f"g{j}",
+        index=j,
         model="A",
         milli_free=1000,
         memory_total_bytes=0,
         memory_free_bytes=0,
         numa_node=None,
     )
-    base.update(gpu_kw)
-    node = NodeState(name="n", gpus=(GpuState(**base),), cpu_milli_free=1, memory_free_bytes=1)  # type: ignore[arg-type]
+    base.update(kw)
+    return GpuState(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "gpus",
+    [
+        pytest.param((gpu(0), gpu(1, sharing="whole")), id="mixed-modes"),
+        pytest.param((gpu(0), gpu(1, model="B")), id="mixed-models"),
+        pytest.param(tuple(gpu(j) for j in range(9)), id="nine-gpus"),
+    ],
+)
+def test_batch_refuses_nodes_it_does_not_cover(gpus: tuple[GpuState, ...]) -> None:
+    node = NodeState(name="n", gpus=gpus, cpu_milli_free=1, memory_free_bytes=1)
     with pytest.raises(InvalidState):
         ClusterArrays([node])
 
 
 def test_batch_refuses_requests_it_does_not_cover() -> None:
     cluster = ClusterArrays(random_cluster(random.Random(1), n=2))
-    for request in (Request(mig_profile="1g.10gb"), Request(gpu_memory_bytes=2**30)):
-        with pytest.raises(InvalidRequest):
-            cluster.scores(request, "bestfit")
+    with pytest.raises(InvalidRequest):
+        cluster.scores(Request(mig_profile="1g.10gb"), "bestfit")
     with pytest.raises(InvalidRequest):
         cluster.scores(Request(gpus=1), "fgd")  # no workload given
     with pytest.raises(InvalidRequest):

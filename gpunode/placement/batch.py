@@ -1,17 +1,23 @@
-"""The same placement decisions as policies.py, for many nodes at once with numpy.
+"""The same placement decisions as policies.py and ours.py, for many nodes at once with numpy.
 
-The simulator places thousands of pods on a thousand-node cluster per run; asking
-the per-node functions for every node and pod is too slow for that. ClusterArrays
-keeps the cluster as arrays (free CPU, memory and per-GPU free share, plus the
-per-node fragmentation terms of the target workload) and scores all nodes of one
-request in a few array operations. Scores are cached per request shape and node
-and recomputed only for nodes that changed since.
+The simulator places thousands of pods on a thousand-node cluster per run, and
+the extender scores thousands of nodes per pod; asking the per-node functions
+for every node is too slow for either. ClusterArrays keeps the cluster as arrays
+(free CPU and memory; per GPU: allocatable share, free compute and memory, and
+which requests it serves) plus, per node and typical pod shape, the aggregates
+both fragmentation measures are made of. A candidate placement changes one GPU
+(or a few whole ones), so its effect on those aggregates is computed
+incrementally, for every node and GPU at once. Scores are cached per request and
+policy and recomputed only for nodes that changed since.
 
-It covers the nodes the simulator builds: healthy GPUs in `fractional` mode, one
-model per node, no GPU memory size (requests by compute share or whole GPUs), no
-topology. For those, every decision equals the per-node functions' decision
-(tests/test_placement_batch.py checks it on random states); anything else is
-refused with InvalidState. Randomness only through the numpy Generator passed in.
+Covered: nodes whose GPUs all have one model and whose usable GPUs are all
+`fractional` or all `whole` (MIG, time-sliced and unhealthy GPUs may be mixed
+in: nothing here lands on them), requests for whole GPUs, fractions (by compute
+and/or memory) and CPU. Not covered (InvalidState / InvalidRequest, so callers
+fall back to the per-node functions): other nodes, MIG requests. Within that
+range every decision equals the per-node functions' decision, scores to the
+last bit (tests/test_placement_batch.py). Randomness only through the numpy
+Generator passed in.
 """
 
 from __future__ import annotations
@@ -22,14 +28,15 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from gpunode.placement.fit import model_matches
+from gpunode.placement.fit import allocatable_share, apply_request, model_matches
 from gpunode.placement.frag import TargetWorkload
-from gpunode.placement.model import MILLI_PER_GPU, GpuState, InvalidRequest, InvalidState, NodeState, Request
+from gpunode.placement.model import MILLI_PER_GPU, InvalidRequest, InvalidState, NodeState, Request
 from gpunode.placement.ours import FRACTION_FIT_WEIGHT, SCARCITY_WEIGHT, TIE_SCALE
 from gpunode.placement.policies import MAX_SCORE, MAX_SPEC_CPU_MILLI, MAX_SPEC_GPU_MILLI
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
+FloatArray = npt.NDArray[np.float64]
 MAX_GPUS = 8
 BATCH_POLICIES = ("fgd", "bestfit", "packing", "spread", "random", "dotprod", "gpunode")
 
@@ -53,95 +60,183 @@ class _ScoreCache:
         self.gpu = np.zeros(n, dtype=np.int64)
 
 
+def check_batchable(node: NodeState) -> None:
+    """InvalidState unless the node is one the batch form covers (see the module docstring)."""
+    if len(node.gpus) > MAX_GPUS:
+        raise InvalidState(f"node {node.name}: batch form covers up to {MAX_GPUS} GPUs")
+    if len({g.model for g in node.gpus}) > 1:
+        raise InvalidState(f"node {node.name}: batch form needs one GPU model per node")
+    if len({g.sharing for g in node.gpus if g.healthy and g.sharing in ("whole", "fractional")}) > 1:
+        raise InvalidState(f"node {node.name}: batch form needs its usable GPUs all whole or all fractional")
+
+
 class ClusterArrays:
     """A cluster as arrays, with vectorised fit, score and apply for one request at a time."""
 
     def __init__(self, nodes: Sequence[NodeState], *, workload: TargetWorkload | None = None) -> None:
-        if not nodes:
-            raise InvalidState("a cluster needs at least one node")
-        self.names = tuple(n.name for n in nodes)
-        self.uuids = tuple(tuple(g.uuid for g in n.gpus) for n in nodes)
-        self._templates = tuple(n.gpus for n in nodes)
-        self._labels = tuple(n.labels for n in nodes)
         n = len(nodes)
-        self.cpu = np.array([x.cpu_milli_free for x in nodes], dtype=np.int64)
-        self.mem = np.array([x.memory_free_bytes for x in nodes], dtype=np.int64)
-        self.share = np.zeros((n, MAX_GPUS), dtype=np.int64)
-        self.gpu_count = np.zeros(n, dtype=np.int64)
-        models: list[str] = []
-        for i, node in enumerate(nodes):
-            if len(node.gpus) > MAX_GPUS:
-                raise InvalidState(f"node {node.name}: at most {MAX_GPUS} GPUs per node in batch form")
-            for j, g in enumerate(node.gpus):
-                self._check_gpu(node, g)
-                self.share[i, j] = g.milli_free
-            self.gpu_count[i] = len(node.gpus)
-            node_models = {g.model for g in node.gpus}
-            if len(node_models) > 1:
-                raise InvalidState(f"node {node.name}: batch form needs one GPU model per node")
-            models.append(node_models.pop() if node_models else "")
-        self.models = tuple(models)
-        self._model_names = tuple(dict.fromkeys(models))
-        self._model_of = np.array([self._model_names.index(m) for m in models], dtype=np.int64)
+        self.names = tuple(x.name for x in nodes)
+        self._index = {name: i for i, name in enumerate(self.names)}
+        self._templates: list[NodeState] = list(nodes)
+        self.cpu = np.zeros(n, dtype=np.int64)
+        self.mem = np.zeros(n, dtype=np.int64)
+        self.share = np.zeros((n, MAX_GPUS), dtype=np.int64)  # allocatable share (0 where nothing lands)
+        self.milli = np.zeros((n, MAX_GPUS), dtype=np.int64)
+        self.gmem_free = np.zeros((n, MAX_GPUS), dtype=np.int64)
+        self.gmem_total = np.zeros((n, MAX_GPUS), dtype=np.int64)
+        self.ok_any = np.zeros((n, MAX_GPUS), dtype=bool)  # healthy, whole or fractional
+        self.ok_frac = np.zeros((n, MAX_GPUS), dtype=bool)  # healthy, fractional
+        self.gpu_count = np.zeros(n, dtype=np.int64)  # GPUs in whole or fractional mode (packing's node size)
         self.version = np.zeros(n, dtype=np.int64)
+        models = [next(iter({g.model for g in x.gpus}), "") for x in nodes]
+        self._model_names = tuple(dict.fromkeys(models)) or ("",)
+        self._model_of = np.array([self._model_names.index(m) for m in models], dtype=np.int64)
         self._caches: dict[tuple[Request, str], _ScoreCache] = {}
         self._model_ok: dict[frozenset[str] | None, BoolArray] = {}
         self.workload = workload
+        for i, node in enumerate(nodes):
+            self._load_row(i, node)
         if workload is not None:
-            self._init_frag(workload)
+            self._init_shapes(workload)
+            self._refresh_aggregates(np.arange(n))
 
-    @staticmethod
-    def _check_gpu(node: NodeState, g: GpuState) -> None:
-        if g.sharing != "fractional" or not g.healthy or g.memory_total_bytes or g.nvlink_peers:
-            raise InvalidState(
-                f"node {node.name} GPU {g.uuid}: batch form covers healthy fractional GPUs "
-                "without memory size or NVLink only"
+    @property
+    def models(self) -> tuple[str, ...]:
+        return tuple(self._model_names[i] for i in self._model_of)
+
+    def index_of(self, name: str) -> int:
+        return self._index[name]
+
+    def _load_row(self, i: int, node: NodeState) -> None:
+        check_batchable(node)
+        if node.gpus and self._model_names[self._model_of[i]] != node.gpus[0].model:
+            raise InvalidState(f"node {node.name}: a row keeps its GPU model")
+        self.cpu[i], self.mem[i] = node.cpu_milli_free, node.memory_free_bytes
+        for arr in (self.share, self.milli, self.gmem_free, self.gmem_total, self.ok_any, self.ok_frac):
+            arr[i] = 0
+        for j, g in enumerate(node.gpus):
+            self.share[i, j] = allocatable_share(g)
+            self.milli[i, j], self.gmem_free[i, j], self.gmem_total[i, j] = (
+                g.milli_free,
+                g.memory_free_bytes,
+                g.memory_total_bytes,
             )
+            self.ok_any[i, j] = g.healthy and g.sharing in ("whole", "fractional")
+            self.ok_frac[i, j] = g.healthy and g.sharing == "fractional"
+        self.gpu_count[i] = sum(1 for g in node.gpus if g.sharing in ("whole", "fractional"))
 
-    # ----- fragmentation terms -------------------------------------------------------------
+    def replace_node(self, node: NodeState) -> None:
+        """Put a new state for a known node (same name and GPUs); its cached scores go stale."""
+        i = self._index[node.name]
+        self._load_row(i, node)
+        self._templates[i] = node
+        self.version[i] += 1
+        if self.workload is not None:
+            self._refresh_aggregates(np.array([i]))
 
-    def _init_frag(self, workload: TargetWorkload) -> None:
+    # ----- the typical shapes and per-node aggregates -------------------------------------------------
+
+    def _init_shapes(self, workload: TargetWorkload) -> None:
         pods = workload.pods
         self._t_milli = np.array([p.gpu_milli for p in pods], dtype=np.int64)
         self._t_gpus = np.array([p.gpus for p in pods], dtype=np.int64)
         self._t_cpu = np.array([p.cpu_milli for p in pods], dtype=np.int64)
         self._t_weight = np.array([p.weight for p in pods], dtype=np.int64)
-        self._t_access = np.array(
-            [[p.gpus > 0 and model_matches(m, p.gpu_models) for p in pods] for m in self._model_names],
-            dtype=bool,
-        )
-        self._thresholds = np.array(workload.fgd_thresholds, dtype=np.float64)
-        self._pressure = np.array([workload.model_pressure.get(m, 0.0) for m in self._model_names])
-        self._t_total = int(self._t_weight.sum())
         self._t_whole = self._t_milli >= MILLI_PER_GPU
         self._t_milli_safe = np.maximum(self._t_milli, 1)
         self._t_gpus_safe = np.maximum(self._t_gpus, 1)
         self._t_cpu_safe = np.maximum(self._t_cpu, 1)
         self._t_per_copy = self._t_milli * self._t_gpus
-        everyone = np.arange(len(self.names))
-        self.frag = self._frag_of(self.share, self.cpu, everyone)
-        self.fill = self._fill_of(self.share, self.cpu, everyone)
+        self._t_total = int(self._t_weight.sum())
+        self._t_access = np.array(
+            [
+                [p.gpus > 0 and m != "" and model_matches(m, p.gpu_models) for p in pods]
+                for m in self._model_names
+            ],
+            dtype=bool,
+        )
+        self._thresholds = np.array(workload.fgd_thresholds, dtype=np.float64)
+        self._pressure = np.array([workload.model_pressure.get(m, 0.0) for m in self._model_names])
+        n, t = len(self.names), len(pods)
+        self.cnt = np.zeros((n, t), dtype=np.int64)
+        self.sum_ge = np.zeros((n, t), dtype=np.int64)
+        self.copies = np.zeros((n, t), dtype=np.int64)
+        self.total = np.zeros(n, dtype=np.int64)
+        self.frag = np.zeros(n, dtype=np.int64)
+        self.fill = np.zeros(n, dtype=np.int64)
 
-    def _frag_of(self, share: IntArray, cpu: IntArray, nodes: IntArray) -> IntArray:
-        """Fragmentation (scaled) of node states: share [..., G], cpu [...], nodes [...] (for the model)."""
-        ge = share[..., :, None] >= self._t_milli  # [..., G, T]
-        cnt = ge.sum(axis=-2)
-        sum_ge = (share[..., :, None] * ge).sum(axis=-2)
-        total = share.sum(axis=-1)
+    def _usable(self, idx: IntArray) -> BoolArray:
+        """[K, G, T]: which GPU of which node each shape could use (ignoring its free share)."""
+        per_mode = np.where(self._t_whole, self.ok_any[idx][:, :, None], self.ok_frac[idx][:, :, None])
+        return per_mode & self._t_access[self._model_of[idx]][:, None, :]
+
+    def _gpu_terms(self, share: IntArray, usable: BoolArray) -> tuple[IntArray, IntArray, IntArray]:
+        """Per GPU and shape: counts toward cnt, sum_ge and copies. share [..., G] -> [..., G, T]."""
+        ge = usable & (share[..., None] >= self._t_milli)
+        copies = np.where(self._t_whole, ge, share[..., None] // self._t_milli_safe) * usable
+        return ge.astype(np.int64), share[..., None] * ge, copies
+
+    def _refresh_aggregates(self, idx: IntArray) -> None:
+        cnt, sum_ge, copies = self._gpu_terms(self.share[idx], self._usable(idx))
+        self.cnt[idx], self.sum_ge[idx], self.copies[idx] = (
+            cnt.sum(axis=1),
+            sum_ge.sum(axis=1),
+            copies.sum(axis=1),
+        )
+        self.total[idx] = self.share[idx].sum(axis=1)
+        args = (self.total[idx], self.cnt[idx], self.sum_ge[idx], self.copies[idx], self.cpu[idx], idx)
+        self.frag[idx] = self._frag(*args)
+        self.fill[idx] = self._fill(*args)
+
+    def _frag(self, total: IntArray, cnt: IntArray, sum_ge: IntArray, copies: IntArray, cpu: IntArray,
+              nodes: IntArray) -> IntArray:  # fmt: skip
+        """FGD fragmentation (scaled), as placement.frag.fragmentation, from aggregates [..., T]."""
         sat = self._t_access[self._model_of[nodes]] & (cnt >= self._t_gpus) & (cpu[..., None] >= self._t_cpu)
         return total * self._t_total - (sat * sum_ge * self._t_weight).sum(axis=-1)
 
-    # ----- fit --------------------------------------------------------------------------------
+    def _fill(self, total: IntArray, cnt: IntArray, sum_ge: IntArray, copies: IntArray, cpu: IntArray,
+              nodes: IntArray) -> IntArray:  # fmt: skip
+        """Fill fragmentation (scaled), as placement.ours.fill_fragmentation, from aggregates [..., T]."""
+        whole_copies = copies // self._t_gpus_safe
+        fits = np.where(self._t_whole, whole_copies, copies)
+        by_cpu = np.maximum(cpu, 0)[..., None] // self._t_cpu_safe
+        fits = np.where(self._t_cpu > 0, np.minimum(fits, by_cpu), fits)
+        used = np.minimum(fits * self._t_per_copy, total[..., None])
+        return total * self._t_total - (used * self._t_weight).sum(axis=-1)
+
+    # ----- fit ----------------------------------------------------------------------------------------
 
     def _model_mask(self, models: frozenset[str] | None) -> BoolArray:
         if models not in self._model_ok:
-            ok = np.array([model_matches(m, models) and m != "" for m in self.models], dtype=bool)
-            self._model_ok[models] = ok if models is not None else np.ones(len(self.models), dtype=bool)
+            per_model = np.array(
+                [m != "" and model_matches(m, models) for m in self._model_names], dtype=bool
+            )
+            self._model_ok[models] = per_model[self._model_of]
         return self._model_ok[models]
 
-    def _check_request(self, request: Request) -> None:
-        if request.kind == "mig" or request.gpu_memory_bytes:
-            raise InvalidRequest("batch form places whole-GPU, compute-share and CPU requests only")
+    @staticmethod
+    def _check_request(request: Request) -> None:
+        if request.kind == "mig":
+            raise InvalidRequest("batch form places whole-GPU, fractional and CPU requests only")
+
+    def _fraction_fits(self, request: Request, idx: IntArray) -> BoolArray:
+        """[K, G]: which GPUs take the fraction."""
+        ok = self.ok_frac[idx] & (self.milli[idx] >= request.gpu_milli)
+        if request.gpu_memory_bytes:
+            ok &= (self.gmem_total[idx] > 0) & (self.gmem_free[idx] >= request.gpu_memory_bytes)
+        return ok
+
+    def _share_on(self, request: Request, idx: IntArray) -> IntArray:
+        """[K, G]: the share the fraction takes of each GPU (Request.share_on)."""
+        share = np.full((len(idx), MAX_GPUS), request.gpu_milli, dtype=np.int64)
+        if request.gpu_memory_bytes:
+            total = self.gmem_total[idx]
+            by_memory = -(-request.gpu_memory_bytes * MILLI_PER_GPU // np.maximum(total, 1))
+            share = np.where(total > 0, np.maximum(share, by_memory), share)
+        return share
+
+    def _whole_free(self, idx: IntArray) -> BoolArray:
+        return self.ok_any[idx] & (self.share[idx] == MILLI_PER_GPU)
 
     def feasible_in(self, request: Request, idx: IntArray) -> BoolArray:
         """Which of the nodes `idx` the request fits."""
@@ -151,142 +246,153 @@ class ClusterArrays:
             return ok
         ok &= self._model_mask(request.gpu_models)[idx]
         if kind == "fraction":
-            return ok & (self.share[idx] >= request.gpu_milli).any(axis=1)
-        return ok & ((self.share[idx] == MILLI_PER_GPU).sum(axis=1) >= request.gpus)
+            return ok & self._fraction_fits(request, idx).any(axis=1)
+        return ok & (self._whole_free(idx).sum(axis=1) >= request.gpus)
 
-    # ----- scores -----------------------------------------------------------------------------
+    # ----- candidate states -------------------------------------------------------------------------------
 
-    def _gpu_total(self, idx: IntArray) -> IntArray:
-        return self.share[idx].sum(axis=1)
+    def _fraction_after(self, request: Request, idx: IntArray) -> IntArray:
+        """[K, G]: each GPU's allocatable share after the fraction lands on it (where it fits)."""
+        milli = self.milli[idx] - request.gpu_milli
+        free = self.gmem_free[idx] - request.gpu_memory_bytes
+        total = self.gmem_total[idx]
+        by_memory = np.maximum(free, 0) * MILLI_PER_GPU // np.maximum(total, 1)
+        return np.maximum(np.where(total > 0, np.minimum(milli, by_memory), milli), 0)
 
-    def _request_milli(self, request: Request) -> int:
-        return request.gpus * MILLI_PER_GPU if request.kind == "whole" else request.gpu_milli
-
-    def _tightest(self, request: Request, idx: IntArray) -> IntArray:
-        share = self.share[idx]
-        masked = np.where(share >= request.gpu_milli, share, MILLI_PER_GPU + 1)
-        return masked.argmin(axis=1)
-
-    def _emptiest(self, request: Request, idx: IntArray) -> IntArray:
-        share = self.share[idx]
-        masked = np.where(share >= request.gpu_milli, share, -1)
-        return masked.argmax(axis=1)
-
-    def _leftover(self, request: Request, idx: IntArray) -> npt.NDArray[np.float64]:
-        cpu_left = (self.cpu[idx] - request.cpu_milli).astype(np.float64)
-        gpu_left = (self._gpu_total(idx) - self._request_milli(request)).astype(np.float64)
-        return cpu_left / MAX_SPEC_CPU_MILLI * 0.5 + gpu_left / MAX_SPEC_GPU_MILLI * 0.5
-
-    @staticmethod
-    def _clamp(values: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
-        return np.clip(np.trunc(values), 0, MAX_SCORE)
-
-    def _score_bestfit(self, request: Request, idx: IntArray) -> tuple[npt.NDArray[np.float64], IntArray]:
-        return self._clamp((1.0 - self._leftover(request, idx)) * MAX_SCORE), self._tightest(request, idx)
-
-    def _score_spread(self, request: Request, idx: IntArray) -> tuple[npt.NDArray[np.float64], IntArray]:
-        return self._clamp(self._leftover(request, idx) * MAX_SCORE), self._emptiest(request, idx)
-
-    def _score_dotprod(self, request: Request, idx: IntArray) -> tuple[npt.NDArray[np.float64], IntArray]:
-        free_cpu = self.cpu[idx] / MAX_SPEC_CPU_MILLI
-        free_gpu = self._gpu_total(idx) / MAX_SPEC_GPU_MILLI
-        dot = free_cpu * (request.cpu_milli / MAX_SPEC_CPU_MILLI) + free_gpu * (
-            self._request_milli(request) / MAX_SPEC_GPU_MILLI
+    def _candidates(self, request: Request, idx: IntArray) -> tuple[IntArray, ...]:
+        """Aggregates after placing the request: total, cnt, sum_ge, copies, cpu, nodes, shaped [K, C(, T)]."""
+        cpu = np.repeat(
+            (self.cpu[idx] - request.cpu_milli)[:, None], MAX_GPUS if request.kind == "fraction" else 1, 1
         )
-        return self._clamp(MAX_SCORE * (1 - dot / 2)), self._tightest(request, idx)
-
-    def _score_random(self, request: Request, idx: IntArray) -> tuple[npt.NDArray[np.float64], IntArray]:
-        return np.zeros(len(idx)), np.zeros(len(idx), dtype=np.int64)
-
-    def _score_packing(self, request: Request, idx: IntArray) -> tuple[npt.NDArray[np.float64], IntArray]:
-        gpu = self._tightest(request, idx)
-        if request.kind == "cpu":
-            return np.zeros(len(idx)), gpu
-        share = self.share[idx]
-        fully = (share == MILLI_PER_GPU).sum(axis=1)
-        all_free = fully == self.gpu_count[idx]
-        case3 = np.maximum(MAX_SCORE // 3 - fully, fully)
+        nodes = np.repeat(idx[:, None], cpu.shape[1], axis=1)
+        total, cnt, sum_ge, copies = self.total[idx], self.cnt[idx], self.sum_ge[idx], self.copies[idx]
+        if request.kind == "fraction":
+            usable = self._usable(idx)
+            before = self._gpu_terms(self.share[idx], usable)
+            after_share = self._fraction_after(request, idx)
+            after = self._gpu_terms(after_share, usable)
+            delta = [a - b for a, b in zip(after, before, strict=True)]  # [K, G, T]
+            total = total[:, None] - self.share[idx] + after_share
+            return (
+                total,
+                cnt[:, None] + delta[0],
+                sum_ge[:, None] + delta[1],
+                copies[:, None] + delta[2],
+                cpu,
+                nodes,
+            )
         if request.kind == "whole":
-            case2 = np.maximum(MAX_SCORE // 2 - request.gpus, MAX_SCORE // 3)
-            score = np.where(all_free, case3, case2)
-        else:
-            chosen = share[np.arange(len(idx)), gpu]
-            case2 = np.full(len(idx), max(MAX_SCORE // 2 - 1, MAX_SCORE // 3))
-            case1 = np.maximum(MAX_SCORE - (chosen * 100 // MILLI_PER_GPU) // 10, MAX_SCORE // 2)
-            score = np.where(all_free, case3, np.where(chosen == MILLI_PER_GPU, case2, case1))
-        return score.astype(np.float64), gpu
+            g = request.gpus
+            # the GPUs taken are fully free and alike (one mode per node), so which ones does not matter
+            frac_node: BoolArray = np.asarray(self.ok_frac[idx].any(axis=1))
+            taken = np.where(self._t_whole, True, frac_node[:, None]) & self._t_access[self._model_of[idx]]
+            per_gpu_copies = np.where(self._t_whole, 1, MILLI_PER_GPU // self._t_milli_safe)
+            total = total - g * MILLI_PER_GPU
+            cnt = cnt - g * taken
+            sum_ge = sum_ge - g * MILLI_PER_GPU * taken
+            copies = copies - g * per_gpu_copies * taken
+        return (total[:, None], cnt[:, None], sum_ge[:, None], copies[:, None], cpu, nodes)
 
-    def _after(self, request: Request, idx: IntArray) -> tuple[IntArray, IntArray, IntArray]:
-        """Node states after placing the request: share [K, C, G], cpu [K, C], node [K, C].
-
-        C is one candidate per GPU slot for a fraction (slots that do not fit hold
-        meaningless values, masked by the caller), else one candidate.
-        """
-        share = self.share[idx]
-        cpu = self.cpu[idx] - request.cpu_milli
-        kind = request.kind
-        if kind == "fraction":
-            after = share[:, None, :] - request.gpu_milli * np.eye(MAX_GPUS, dtype=np.int64)[None, :, :]
-            cpus = np.repeat(cpu[:, None], MAX_GPUS, axis=1)
-            return np.maximum(after, 0), cpus, np.repeat(idx[:, None], MAX_GPUS, axis=1)
-        if kind == "whole":
-            after = share.copy()
-            rows = np.arange(len(idx))
-            for _ in range(request.gpus):
-                after[rows, (after == MILLI_PER_GPU).argmax(axis=1)] = 0
-            share = after
-        return share[:, None, :], cpu[:, None], idx[:, None]
-
-    def _fill_of(self, share: IntArray, cpu: IntArray, nodes: IntArray) -> IntArray:
-        """Fill-based fragmentation (scaled) of node states, as placement.ours.fill_fragmentation."""
-        total = share.sum(axis=-1)
-        per_gpu = (share[..., :, None] // self._t_milli_safe).sum(axis=-2)
-        full = (share >= MILLI_PER_GPU).sum(axis=-1)[..., None] // self._t_gpus_safe
-        copies = np.where(self._t_whole, full, per_gpu)
-        by_cpu = np.maximum(cpu, 0)[..., None] // self._t_cpu_safe
-        copies = np.where(self._t_cpu > 0, np.minimum(copies, by_cpu), copies)
-        copies = copies * self._t_access[self._model_of[nodes]]
-        used = np.minimum(copies * self._t_per_copy, total[..., None])
-        return total * self._t_total - (used * self._t_weight).sum(axis=-1)
+    # ----- scores -----------------------------------------------------------------------------------------
 
     def _need_workload(self, policy: str) -> None:
         if self.workload is None:
             raise InvalidRequest(f"the {policy} policy needs a target workload")
 
-    def _score_fgd(self, request: Request, idx: IntArray) -> tuple[npt.NDArray[np.float64], IntArray]:
+    def _tightest(self, request: Request, idx: IntArray) -> IntArray:
+        masked = np.where(self._fraction_fits(request, idx), self.share[idx], MILLI_PER_GPU + 1)
+        return masked.argmin(axis=1)
+
+    def _emptiest(self, request: Request, idx: IntArray) -> IntArray:
+        return np.where(self._fraction_fits(request, idx), self.share[idx], -1).argmax(axis=1)
+
+    def _request_milli(self, request: Request, idx: IntArray, gpu: IntArray) -> IntArray:
+        if request.kind == "whole":
+            return np.full(len(idx), request.gpus * MILLI_PER_GPU, dtype=np.int64)
+        if request.kind == "fraction":
+            return self._share_on(request, idx)[np.arange(len(idx)), gpu]
+        return np.zeros(len(idx), dtype=np.int64)
+
+    def _leftover(self, request: Request, idx: IntArray, gpu: IntArray) -> FloatArray:
+        cpu_left = (self.cpu[idx] - request.cpu_milli).astype(np.float64)
+        gpu_left = (self.share[idx].sum(axis=1) - self._request_milli(request, idx, gpu)).astype(np.float64)
+        return cpu_left / MAX_SPEC_CPU_MILLI * 0.5 + gpu_left / MAX_SPEC_GPU_MILLI * 0.5
+
+    @staticmethod
+    def _clamp(values: FloatArray) -> FloatArray:
+        return np.clip(np.trunc(values), 0, MAX_SCORE)
+
+    def _score_bestfit(self, request: Request, idx: IntArray) -> tuple[FloatArray, IntArray]:
+        gpu = self._tightest(request, idx)
+        return self._clamp((1.0 - self._leftover(request, idx, gpu)) * MAX_SCORE), gpu
+
+    def _score_spread(self, request: Request, idx: IntArray) -> tuple[FloatArray, IntArray]:
+        gpu = self._emptiest(request, idx)
+        return self._clamp(self._leftover(request, idx, gpu) * MAX_SCORE), gpu
+
+    def _score_dotprod(self, request: Request, idx: IntArray) -> tuple[FloatArray, IntArray]:
+        gpu = self._tightest(request, idx)
+        free_cpu = self.cpu[idx] / MAX_SPEC_CPU_MILLI
+        free_gpu = self.share[idx].sum(axis=1) / MAX_SPEC_GPU_MILLI
+        want_gpu = self._request_milli(request, idx, gpu) / MAX_SPEC_GPU_MILLI
+        dot = free_cpu * (request.cpu_milli / MAX_SPEC_CPU_MILLI) + free_gpu * want_gpu
+        return self._clamp(MAX_SCORE * (1 - dot / 2)), gpu
+
+    def _score_random(self, request: Request, idx: IntArray) -> tuple[FloatArray, IntArray]:
+        return np.zeros(len(idx)), np.zeros(len(idx), dtype=np.int64)
+
+    def _score_packing(self, request: Request, idx: IntArray) -> tuple[FloatArray, IntArray]:
+        gpu = self._tightest(request, idx)
+        if request.kind == "cpu":
+            return np.zeros(len(idx)), gpu
+        share = self.share[idx]
+        fully = (share == MILLI_PER_GPU).sum(axis=1)
+        case3 = np.maximum(MAX_SCORE // 3 - fully, fully)
+        if request.kind == "whole":
+            case2 = np.full(len(idx), max(MAX_SCORE // 2 - request.gpus, MAX_SCORE // 3))
+            score = np.where(fully == self.gpu_count[idx], case3, case2)
+        else:
+            chosen = share[np.arange(len(idx)), gpu]
+            case2 = np.full(len(idx), max(MAX_SCORE // 2 - 1, MAX_SCORE // 3))
+            case1 = np.maximum(MAX_SCORE - (chosen * 100 // MILLI_PER_GPU) // 10, MAX_SCORE // 2)
+            score = np.where(
+                fully == self.gpu_count[idx], case3, np.where(chosen == MILLI_PER_GPU, case2, case1)
+            )
+        return score.astype(np.float64), gpu
+
+    def _score_fgd(self, request: Request, idx: IntArray) -> tuple[FloatArray, IntArray]:
         self._need_workload("fgd")
-        after = self._frag_of(*self._after(request, idx))
+        after = self._frag(*self._candidates(request, idx))
         scores = np.searchsorted(self._thresholds, self.frag[idx][:, None] - after, side="right")
         if request.kind == "fraction":
-            scores = np.where(self.share[idx] >= request.gpu_milli, scores, -1)
+            scores = np.where(self._fraction_fits(request, idx), scores, -1)
             gpu = scores.argmax(axis=1)
             return scores[np.arange(len(idx)), gpu].astype(np.float64), gpu
         return scores[:, 0].astype(np.float64), np.zeros(len(idx), dtype=np.int64)
 
-    def _score_gpunode(self, request: Request, idx: IntArray) -> tuple[npt.NDArray[np.float64], IntArray]:
+    def _score_gpunode(self, request: Request, idx: IntArray) -> tuple[FloatArray, IntArray]:
         self._need_workload("gpunode")
-        share, cpu, nodes = self._after(request, idx)
-        first = np.searchsorted(
-            self._thresholds, self.frag[idx][:, None] - self._frag_of(share, cpu, nodes), side="right"
-        )
-        second = (self.fill[idx][:, None] - self._fill_of(share, cpu, nodes)) / self._t_total
+        after = self._candidates(request, idx)
+        first = np.searchsorted(self._thresholds, self.frag[idx][:, None] - self._frag(*after), side="right")
+        second = (self.fill[idx][:, None] - self._fill(*after)) / self._t_total
         pressure = self._pressure[self._model_of[idx]]
         if request.kind == "fraction":
-            left = self.share[idx] - request.gpu_milli
-            scarcity = pressure[:, None] * request.gpu_milli
+            share_on = self._share_on(request, idx)
+            left = self.share[idx] - share_on
+            scarcity = (pressure * 1)[:, None] * share_on
             score = first * TIE_SCALE + ((second - FRACTION_FIT_WEIGHT * left) - SCARCITY_WEIGHT * scarcity)
-            score = np.where(left >= 0, score, -np.inf)
+            score = np.where(self._fraction_fits(request, idx), score, -np.inf)
             gpu = score.argmax(axis=1)
             return score[np.arange(len(idx)), gpu], gpu
         scarcity = pressure * request.gpus * MILLI_PER_GPU
-        score = first[:, 0] * TIE_SCALE + (
+        whole_score = first[:, 0] * TIE_SCALE + (
             (second[:, 0] - FRACTION_FIT_WEIGHT * 0) - SCARCITY_WEIGHT * scarcity
         )
-        return score, np.zeros(len(idx), dtype=np.int64)
+        return whole_score.astype(np.float64), np.zeros(len(idx), dtype=np.int64)
 
-    # ----- choose and apply ---------------------------------------------------------------------
+    # ----- choose and apply ---------------------------------------------------------------------------------
 
-    def scores(self, request: Request, policy: str) -> tuple[BoolArray, npt.NDArray[np.float64], IntArray]:
+    def scores(self, request: Request, policy: str) -> tuple[BoolArray, FloatArray, IntArray]:
         """(feasible, score, chosen GPU slot for fractions) for every node, from the cache where valid."""
         if policy not in BATCH_POLICIES:
             raise InvalidRequest(f"unknown policy {policy!r}; known: {', '.join(BATCH_POLICIES)}")
@@ -306,6 +412,22 @@ class ClusterArrays:
             cache.stamp[stale] = self.version[stale]
         return cache.feasible, cache.score, cache.gpu
 
+    def gpu_slots(
+        self, request: Request, policy: str, node: int, rng: np.random.Generator | None = None
+    ) -> tuple[int, ...]:
+        """The GPU slots the policy takes on `node` (whole GPUs: the lowest fully free indices)."""
+        kind = request.kind
+        if kind == "fraction":
+            if policy == "random" and rng is not None:
+                fitting = np.flatnonzero(self._fraction_fits(request, np.array([node]))[0])
+                return (int(fitting[rng.integers(len(fitting))]),)
+            return (int(self.scores(request, policy)[2][node]),)
+        if kind == "whole":
+            return tuple(
+                int(s) for s in np.flatnonzero(self._whole_free(np.array([node]))[0])[: request.gpus]
+            )
+        return ()
+
     def choose(
         self,
         request: Request,
@@ -321,7 +443,7 @@ class ClusterArrays:
         a uniformly random one. The random policy always picks a uniformly random
         fitting node.
         """
-        feasible, score, gpu = self.scores(request, policy)
+        feasible, score, _ = self.scores(request, policy)
         candidates = np.flatnonzero(feasible)
         if not len(candidates):
             return None
@@ -336,46 +458,18 @@ class ClusterArrays:
                 node = int(top[priority[top].argmin()])
             else:
                 node = int(top[rng.integers(len(top))])
-        kind = request.kind
-        if kind == "fraction":
-            if policy == "random":
-                fitting = np.flatnonzero(self.share[node] >= request.gpu_milli)
-                slots: tuple[int, ...] = (int(fitting[rng.integers(len(fitting))]),)
-            else:
-                slots = (int(gpu[node]),)
-        elif kind == "whole":
-            slots = tuple(int(s) for s in np.flatnonzero(self.share[node] == MILLI_PER_GPU)[: request.gpus])
-        else:
-            slots = ()
-        return BatchChoice(node=node, gpus=slots, score=float(score[node]))
+        return BatchChoice(
+            node=node, gpus=self.gpu_slots(request, policy, node, rng), score=float(score[node])
+        )
 
     def apply(self, request: Request, node: int, slots: Sequence[int]) -> None:
         """Account the request on the node (the GPU slots as chosen)."""
-        take = MILLI_PER_GPU if request.kind == "whole" else request.gpu_milli
-        for s in slots:
-            if self.share[node, s] < take:
-                raise InvalidState(f"node {self.names[node]} GPU slot {s} has not {take} milli-GPU free")
-        self.cpu[node] -= request.cpu_milli
-        self.mem[node] -= request.memory_bytes
-        for s in slots:
-            self.share[node, s] -= take
-        self.version[node] += 1
-        if self.workload is not None:
-            self.frag[node] = self._frag_of(self.share[node], self.cpu[node], np.array(node))
-            self.fill[node] = self._fill_of(self.share[node], self.cpu[node], np.array(node))
+        state = self._templates[node]
+        self.replace_node(apply_request(state, request, tuple(state.gpus[s].uuid for s in slots)))
 
     def node_state(self, i: int) -> NodeState:
         """Node i as a NodeState, for the per-node functions."""
-        from dataclasses import replace
-
-        gpus = tuple(replace(g, milli_free=int(self.share[i, j])) for j, g in enumerate(self._templates[i]))
-        return NodeState(
-            name=self.names[i],
-            gpus=gpus,
-            cpu_milli_free=int(self.cpu[i]),
-            memory_free_bytes=int(self.mem[i]),
-            labels=self._labels[i],
-        )
+        return self._templates[i]
 
     def allocated_gpu_milli(self) -> int:
         return int((self.gpu_count * MILLI_PER_GPU).sum() - self.share.sum())
