@@ -195,10 +195,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _optional_registrations() -> list[Callable[[Any], object]]:
-    """Subcommands owned by other modules."""
+    """Subcommands owned by other modules: each registers its parser and the function that runs it."""
     from gpunode.devices.simctl import register_cli as register_sim
+    from gpunode.extender_http import register_extender_cli, run_extender_cli
+    from gpunode.simulator import register_simulate_cli, run_simulate_cli
 
-    return [register_sim]
+    def extender(sub: Any) -> None:
+        register_extender_cli(sub).set_defaults(func=run_extender_cli)
+
+    def simulate(sub: Any) -> None:
+        register_simulate_cli(sub).set_defaults(func=run_simulate_cli)
+
+    return [register_sim, extender, simulate]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
