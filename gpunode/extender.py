@@ -32,6 +32,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from gpunode.errors import GpunodeError, KubeError
 from gpunode.extender_state import (
     GIB,
@@ -181,7 +184,7 @@ class Extender:
         if args.node_objects is not None:
             return [self.nodes.view(n) for n in args.node_objects]
         assert args.node_names is not None
-        return [self.nodes.get(n) for n in args.node_names]
+        return self.nodes.get_many(args.node_names)
 
     def _request(self, pod: Mapping[str, Any]) -> tuple[str, str, Request | None]:
         try:
@@ -261,21 +264,23 @@ class Extender:
             return self._filter_result(args, [v.name for v in views if v.name], failed, unresolvable)
         self.workload.observe(request)
         ctx = self._context(uid)
-        handled = self._batch(views, request, ctx)
-        passing = []
-        for pos, view in enumerate(views):
-            if handled.get(pos, (False, 0.0))[0]:
-                passing.append(view.name)
-                continue
+        positions, fits, _ = self._batch(views, request, ctx)
+        passes = np.zeros(len(views), dtype=bool)
+        passes[positions] = fits
+        for pos in np.flatnonzero(~passes):
+            view = views[pos]
             verdict = self._evaluate(view, request, ctx, score=False)
             if verdict.reason is None:
-                passing.append(view.name)
+                passes[pos] = True
             else:
                 failed[view.name or "<unnamed>"] = verdict.reason
+        passing = [views[i].name for i in np.flatnonzero(passes)]
         return self._filter_result(args, passing, failed, unresolvable)
 
-    def _batch(self, views: list[NodeView], request: Request, ctx: _Context) -> dict[int, tuple[bool, float]]:
-        """Fit and score of the nodes the batch form covers: {position: (fits, score)}."""
+    def _batch(
+        self, views: list[NodeView], request: Request, ctx: _Context
+    ) -> tuple[list[int], npt.NDArray[np.bool_], npt.NDArray[np.float64]]:
+        """Fit and score of the nodes the batch form covers: (positions, fits, scores)."""
         return self.table.verdicts(
             views,
             request,
@@ -321,24 +326,19 @@ class Extender:
         if request is None:
             return [{"Host": v.name, "Score": 0} for v in views if v.name]
         ctx = self._context(uid)
-        handled = self._batch(views, request, ctx)
-        raw: dict[str, float] = {}
-        best: NodeView | None = None
-        for pos, view in enumerate(views):
-            got = handled.get(pos)
-            if got is not None:
-                if not got[0]:
-                    continue
-                value = got[1]
-            else:
-                scored = self._evaluate(view, request, ctx, score=True).scored
-                if scored is None:
-                    continue
-                value = scored[0]
-            raw[view.name] = value
-            if best is None or value > raw[best.name]:
-                best = view
-        scores = _scale(raw)
+        positions, fits, values = self._batch(views, request, ctx)
+        raw = np.full(len(views), np.nan)
+        raw[np.array(positions, dtype=np.int64)[fits]] = values[fits]
+        covered = np.zeros(len(views), dtype=bool)
+        covered[positions] = True
+        for pos in np.flatnonzero(~covered):
+            scored = self._evaluate(views[pos], request, ctx, score=True).scored
+            if scored is not None:
+                raw[pos] = scored[0]
+        scored_at = np.flatnonzero(~np.isnan(raw))
+        best = views[int(scored_at[raw[scored_at].argmax()])] if len(scored_at) else None
+        scores = _scale_array(raw)
+        result = [{"Host": v.name, "Score": int(s)} for v, s in zip(views, scores, strict=True) if v.name]
         if best is not None and self.config.provisional_reservations:
             state = self._state(best, uid)
             choice = score_node(state, request, policy=ctx.policy, workload=ctx.workload) if state else None
@@ -351,7 +351,7 @@ class Extender:
                     request=request,
                     final=False,
                 )
-        return [{"Host": v.name, "Score": scores.get(v.name, 0)} for v in views if v.name]
+        return result
 
     # ----- bind -----------------------------------------------------------------------------------
 
@@ -403,14 +403,18 @@ def _node_name(node: Mapping[str, Any]) -> str:
     return name if isinstance(name, str) else ""
 
 
-def _scale(raw: Mapping[str, float]) -> dict[str, int]:
-    """Policy scores to 0..10 keeping their order: the best node(s) get 10, the worst 0."""
-    if not raw:
-        return {}
-    lo, hi = min(raw.values()), max(raw.values())
+def _scale_array(raw: npt.NDArray[np.float64]) -> npt.NDArray[np.int64]:
+    """Policy scores (NaN: does not fit) to 0..10 keeping their order: best 10, worst fitting 0, NaN 0."""
+    out = np.zeros(len(raw), dtype=np.int64)
+    ok = ~np.isnan(raw)
+    if not ok.any():
+        return out
+    lo, hi = raw[ok].min(), raw[ok].max()
     if hi == lo:
-        return {k: MAX_EXTENDER_PRIORITY for k in raw}
-    return {k: round((v - lo) / (hi - lo) * MAX_EXTENDER_PRIORITY) for k, v in raw.items()}
+        out[ok] = MAX_EXTENDER_PRIORITY
+    else:
+        out[ok] = np.rint((raw[ok] - lo) / (hi - lo) * MAX_EXTENDER_PRIORITY).astype(np.int64)
+    return out
 
 
 async def serve_extender(

@@ -42,6 +42,9 @@ ASSIGNMENT_ANNOTATION = "gpunode.io/gpu-assigned"
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Headers and body go out in two writes; without TCP_NODELAY the second one waits for the
+    # client's delayed ACK (~40 ms on Linux) on every keep-alive request.
+    disable_nagle_algorithm = True
     server: _Server
 
     def log_message(self, format: str, *args: Any) -> None:

@@ -31,6 +31,9 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from gpunode.nodestate import ANNOTATION_KEY, NodeGpuState, NodeStateError, decode
 from gpunode.placement import (
     MILLI_PER_GPU,
@@ -50,6 +53,7 @@ MIG_PREFIX = "nvidia.com/mig-"
 ANNOTATION_GPU_MILLI = "gpunode.io/gpu-milli"
 ANNOTATION_GPU_MODEL = "gpunode.io/gpu-model"
 GIB = 2**30
+_UNKNOWN_NODE = "node unknown to the extender's cache (no refresh has seen it yet)"
 
 _QUANTITY = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))(?:[eE]([+-]?\d+))?([a-zA-Z]*)$")
 _SUFFIXES = {
@@ -264,11 +268,17 @@ class NodeCache:
         return sum(1 for n in nodes if self.view(n).name)
 
     def get(self, name: str) -> NodeView:
+        return self.get_many([name])[0]
+
+    def get_many(self, names: Iterable[str]) -> list[NodeView]:
+        """The cached views of these nodes, in order; an unknown name gets a view that says so."""
         with self._lock:
-            cached = self._views.get(name)
-        if cached is None:
-            return NodeView(name, None, "node unknown to the extender's cache (no refresh has seen it yet)")
-        return cached[1]
+            found = [self._views.get(n) for n in names]
+        names = list(names) if not isinstance(names, list) else names
+        return [
+            c[1] if c is not None else NodeView(n, None, _UNKNOWN_NODE)
+            for n, c in zip(names, found, strict=True)
+        ]
 
     def views(self) -> list[NodeView]:
         """Every node view in the cache."""
@@ -475,7 +485,7 @@ class NodeTable:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._table: ClusterArrays | None = None
-        self._keys: dict[str, tuple[str, tuple[str, ...]]] = {}
+        self._rows: dict[str, tuple[int, str, tuple[str, ...]]] = {}  # name -> (row, fingerprint, held)
         self._outside: set[str] = set()  # names the batch form does not cover
         self._workload_key: tuple[int, bool] = (-1, False)
 
@@ -486,10 +496,11 @@ class NodeTable:
         workload: TargetWorkload | None,
         version: int,
     ) -> None:
-        states, keys = [], {}
+        states: list[NodeState] = []
+        rows: dict[str, tuple[int, str, tuple[str, ...]]] = {}
         self._outside = set()
         for view in views:
-            if view.state is None or view.name in keys:
+            if view.state is None or view.name in rows:
                 continue
             live = reservations.on_node(view.name, reflected=view.pods)
             state = reserved_state(view.state, live)
@@ -498,10 +509,10 @@ class NodeTable:
             except InvalidState:
                 self._outside.add(view.name)
                 continue
+            rows[view.name] = (len(states), view.fingerprint, tuple(sorted(r.pod_uid for r in live)))
             states.append(state)
-            keys[view.name] = (view.fingerprint, tuple(sorted(r.pod_uid for r in live)))
         self._table = ClusterArrays(states, workload=workload)
-        self._keys = keys
+        self._rows = rows
         self._workload_key = (version, workload is not None)
 
     def verdicts(
@@ -516,40 +527,69 @@ class NodeTable:
         workload: TargetWorkload | None,
         version: int,
         policy: str,
-    ) -> dict[int, tuple[bool, float]]:
-        """{position in views: (fits, score)} for the views the table covers."""
+    ) -> tuple[list[int], npt.NDArray[np.bool_], npt.NDArray[np.float64]]:
+        """(positions in views the table covers, whether each fits, its score)."""
+        empty: tuple[list[int], npt.NDArray[np.bool_], npt.NDArray[np.float64]] = (
+            [],
+            np.zeros(0, dtype=bool),
+            np.zeros(0),
+        )
         if request.kind == "mig":
-            return {}
+            return empty
         with self._lock:
-            wanted = (version, workload is not None)
-            names = {v.name for v in views if v.state is not None}
-            table = self._table
-            if (
-                table is None
-                or wanted != self._workload_key
-                or any(n not in self._keys and n not in self._outside for n in names)
-            ):
-                self._rebuild([*known(), *views], reservations, workload, version)
+            positions: list[int] = []
+            rows: list[int] = []
+            table: ClusterArrays | None = None
+            for attempt in (0, 1):
                 table = self._table
-            assert table is not None
-            rows: dict[int, int] = {}
-            for pos, view in enumerate(views):
-                if view.state is None or view.name in self._outside or view.name not in self._keys:
+                if table is None or (version, workload is not None) != self._workload_key:
+                    self._rebuild([*known(), *views], reservations, workload, version)
                     continue
-                live = reservations.on_node(view.name, reflected=view.pods) if view.name in reserved else []
+                positions, rows, unknown = self._collect(views, uid, reservations, reserved, table)
+                if not unknown or attempt == 1:
+                    break
+                self._rebuild([*known(), *views], reservations, workload, version)
+            if not positions or table is None:
+                return empty
+            feasible, score, _ = table.scores(request, policy)
+            index = np.array(rows, dtype=np.int64)
+            return positions, feasible[index], score[index]
+
+    def _collect(
+        self,
+        views: list[NodeView],
+        uid: str,
+        reservations: Reservations,
+        reserved: frozenset[str],
+        table: ClusterArrays,
+    ) -> tuple[list[int], list[int], bool]:
+        positions: list[int] = []
+        rows: list[int] = []
+        unknown = False
+        table_rows, outside = self._rows, self._outside
+        for pos, view in enumerate(views):
+            if view.state is None:
+                continue
+            known_row = table_rows.get(view.name)
+            if known_row is None:
+                unknown = unknown or view.name not in outside
+                continue
+            row, fingerprint, held = known_row
+            if view.name in reserved:
+                live = reservations.on_node(view.name, reflected=view.pods)
                 if any(r.pod_uid == uid for r in live):
                     continue  # its own reservation: the per-node path leaves it out
-                key = (view.fingerprint, tuple(sorted(r.pod_uid for r in live)))
-                if self._keys[view.name] != key:
-                    try:
-                        table.replace_node(reserved_state(view.state, live))
-                    except InvalidState:
-                        self._outside.add(view.name)
-                        del self._keys[view.name]
-                        continue
-                    self._keys[view.name] = key
-                rows[pos] = table.index_of(view.name)
-            if not rows:
-                return {}
-            feasible, score, _ = table.scores(request, policy)
-            return {pos: (bool(feasible[row]), float(score[row])) for pos, row in rows.items()}
+                now_held = tuple(sorted(r.pod_uid for r in live))
+            else:
+                live, now_held = [], ()
+            if fingerprint != view.fingerprint or held != now_held:
+                try:
+                    table.replace_node(reserved_state(view.state, live))
+                except InvalidState:
+                    outside.add(view.name)
+                    del table_rows[view.name]
+                    continue
+                table_rows[view.name] = (row, view.fingerprint, now_held)
+            positions.append(pos)
+            rows.append(row)
+        return positions, rows, unknown

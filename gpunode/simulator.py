@@ -280,7 +280,7 @@ def write_plot(results: Sequence[SeedResult], path: Path, *, title: str = "") ->
     ax.set_xlim(0, 130)
     ax.set_ylim(0, 100)
     ax.grid(linestyle="-.", alpha=0.6)
-    ax.legend()
+    ax.legend(loc="lower left")
     if title:
         ax.set_title(title)
     inset = fig.add_axes((0.62, 0.5, 0.22, 0.3))
