@@ -171,6 +171,7 @@ class Extender:
         self.binder = binder
         self._pods: OrderedDict[str, tuple[str, Request]] = OrderedDict()
         self._fits: dict[tuple[object, ...], object] = {}
+        self._supplied: tuple[tuple[object, ...], TargetWorkload, int] | None = None
         self._scores: dict[tuple[object, ...], object] = {}
         self._lock = threading.Lock()
 
@@ -209,7 +210,20 @@ class Extender:
         policy = self.config.policy
         if policy in NEEDS_WORKLOAD and workload is None:
             policy = "bestfit"  # nothing to measure fragmentation against yet
-        return _Context(uid, self.reservations.nodes(), workload, policy, self.workload.version)
+        version = self.workload.version
+        if workload is not None:
+            workload, version = self._with_supply(workload, version)
+        return _Context(uid, self.reservations.nodes(), workload, policy, version)
+
+    def _with_supply(self, workload: TargetWorkload, version: int) -> tuple[TargetWorkload, int]:
+        """The workload with model pressure for the GPUs the extender knows (recomputed as that changes)."""
+        supply = self.nodes.gpu_supply()
+        key = (version, tuple(sorted(supply.items())))
+        with self._lock:
+            if self._supplied is None or self._supplied[0] != key:
+                serial = self._supplied[2] + 1 if self._supplied is not None else 0
+                self._supplied = (key, workload.with_supply(supply), serial)
+            return self._supplied[1], self._supplied[2]
 
     def _evaluate(self, view: NodeView, request: Request, ctx: _Context, *, score: bool) -> _Verdict:
         """Fit (and the policy's score) of one node, cached until its annotation or reservations change."""

@@ -223,6 +223,7 @@ class NodeCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._views: dict[str, tuple[str, NodeView]] = {}
+        self._supply: Counter[str] = Counter()  # GPUs per model over the cached views
 
     def view(self, node: object) -> NodeView:
         """Decode (or reuse) one v1.Node; never raises for a bad node, the reason says what is wrong."""
@@ -240,8 +241,18 @@ class NodeCache:
             return cached[1]
         view = self._decode(name, node, text)
         with self._lock:
+            old = self._views.get(name)
+            if old is not None and old[1].state is not None:
+                self._supply.subtract(g.model for g in old[1].state.gpus)
+            if view.state is not None:
+                self._supply.update(g.model for g in view.state.gpus)
             self._views[name] = (text or "", view)
         return view
+
+    def gpu_supply(self) -> dict[str, int]:
+        """GPUs per model on the cached nodes."""
+        with self._lock:
+            return {m: n for m, n in self._supply.items() if n > 0}
 
     def _decode(self, name: str, node: Mapping[str, Any], text: object) -> NodeView:
         if text is None:
@@ -288,7 +299,9 @@ class NodeCache:
     def forget(self, names: Iterable[str]) -> None:
         with self._lock:
             for n in names:
-                self._views.pop(n, None)
+                old = self._views.pop(n, None)
+                if old is not None and old[1].state is not None:
+                    self._supply.subtract(g.model for g in old[1].state.gpus)
 
     def __len__(self) -> int:
         with self._lock:

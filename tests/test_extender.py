@@ -704,3 +704,27 @@ def test_example_scheduler_configuration_wires_the_extender() -> None:
     assert {"nvidia.com/gpu", "gpunode.io/gpu-memory", "nvidia.com/mig-1g.10gb"} <= managed
     assert all(not r["ignoredByScheduler"] for r in extender["managedResources"])
     assert extender["nodeCacheCapable"] is True and 1 <= extender["weight"] <= 100
+
+
+def test_the_workload_gets_model_pressure_from_the_nodes_known() -> None:
+    from gpunode.extender_state import WorkloadTracker
+    from gpunode.placement import TargetPod, TargetWorkload
+
+    workload = TargetWorkload(
+        (
+            TargetPod(cpu_milli=1000, gpu_milli=1000, gpus=1, gpu_models=frozenset({"T4"}), weight=3),
+            TargetPod(cpu_milli=1000, gpu_milli=500, gpus=1, gpu_models=None, weight=3),
+        )
+    )
+    extender = Extender(workload=WorkloadTracker(seed=workload))
+    extender.refresh_nodes(
+        [
+            v1_node("a", gpu_state("a", [1000, 1000], model="Tesla T4")),
+            v1_node("b", gpu_state("b", [1000] * 4, model="NVIDIA A100-SXM4-80GB")),
+        ]
+    )
+    ctx = extender._context("uid")
+    assert ctx.workload is not None
+    assert set(ctx.workload.model_pressure) == {"Tesla T4"} and ctx.workload.model_pressure["Tesla T4"] > 0
+    extender.refresh_nodes([v1_node("c", gpu_state("c", [1000, 1000], model="Tesla T4"))])
+    assert extender._context("uid").version != ctx.version  # more T4 supply: new pressure, new cache key
