@@ -39,7 +39,6 @@ from gpunode.errors import GpunodeError, KubeError
 from gpunode.extender_state import (
     GIB,
     NodeCache,
-    NodeTable,
     NodeView,
     Reservations,
     WorkloadTracker,
@@ -48,6 +47,7 @@ from gpunode.extender_state import (
     request_from_pod,
     reserved_state,
 )
+from gpunode.extender_table import NodeTable
 from gpunode.placement import (
     NEEDS_WORKLOAD,
     InvalidRequest,
