@@ -44,7 +44,9 @@ def generate(out: Path) -> list[Path]:
         text = re.sub(r"^import (\w+_pb2) as", r"from gpunode._proto import \1 as", text, flags=re.M)
         path.write_text(text)
     init = out / "__init__.py"
-    init.write_text('"""Generated gRPC stubs for the kubelet APIs (see plugin/generate.py). Do not edit."""\n')
+    init.write_text(
+        '"""Generated gRPC stubs for the kubelet APIs (see plugin/generate.py). Do not edit."""\n'
+    )
     return [init, *written]
 
 
