@@ -91,7 +91,8 @@ def preferred_allocation(
             )
         if st.healthy:
             devices.append(st.device)
-    must = [d for d in must_include]
+    must = list(must_include)
+    by_id = {d.id: d for d in devices}
     if size > len(devices):
         raise AllocationError(
             f"{resource}: {size} devices asked for, only {len(devices)} healthy ones offered"
@@ -117,7 +118,7 @@ def preferred_allocation(
         by_gpu: dict[str, list[str]] = defaultdict(list)
         for d in devices:
             by_gpu[d.gpu_uuid].append(d.id)
-        must_gpus = {snapshot.status(m).device.gpu_uuid for m in must if snapshot.status(m)}  # type: ignore[union-attr]
+        must_gpus = {by_id[m].gpu_uuid for m in must if m in by_id}
         if len(must_gpus) > 1:
             raise AllocationError(
                 f"{resource}: the devices that must be included span GPUs {sorted(must_gpus)}"
@@ -132,7 +133,8 @@ def preferred_allocation(
         if gpu is None:
             raise AllocationError(f"{resource}: no single GPU has {size} free units")
         chosen = [m for m in must if m in by_gpu[gpu]]
-        chosen += [i for i in sorted(by_gpu[gpu]) if i not in chosen][: size - len(chosen)]
+        ordered = sorted(by_gpu[gpu], key=lambda i: (len(i), i))  # ::mem2 before ::mem10
+        chosen += [i for i in ordered if i not in chosen][: size - len(chosen)]
         return chosen
     # MIG devices (one profile per resource): keep must_include, then the lowest IDs on the fewest GPUs.
     chosen = list(must)
