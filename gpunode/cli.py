@@ -95,7 +95,9 @@ def _print_ready(agent: Any) -> None:
     if not kubelet.exists():
         lines.append(f"  waiting for the kubelet at {kubelet}; plugins register as soon as it appears")
     if agent.metrics is not None:
-        lines.append(f"  metrics: http://{agent.metrics.config.listen}/metrics (DCGM-compatible)")
+        listen = agent.metrics.config.listen
+        where = f"localhost{listen}" if listen.startswith(":") else listen
+        lines.append(f"  metrics: http://{where}/metrics (DCGM-compatible)")
     if agent.config.sim_control_socket:
         lines.append(
             f"  inject faults: gpunode sim xid --socket {agent.config.sim_control_socket} --gpu 0 --code 79"

@@ -174,6 +174,7 @@ class MetricsCollector:
         self._xid_unknown: dict[int, int] = {}
         self._xid_version = 0
         self._body: tuple[tuple[int, int], bytes] | None = None
+        self._attribution_error: str | None = None
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -276,11 +277,17 @@ class MetricsCollector:
         if self._attribution is None:
             return None
         try:
-            return await self._attribution.snapshot()
+            snapshot = await self._attribution.snapshot()
         except KubeError as err:
             self._own.attribution_errors.inc()
-            log.warning("metrics: pod attribution unavailable, using the last answer: %s", err.message)
+            if err.message != self._attribution_error:  # once per streak, not every collection
+                log.warning("metrics: pod attribution unavailable, using the last answer: %s", err.message)
+            self._attribution_error = err.message
             return self._attribution.last
+        if self._attribution_error is not None:
+            log.info("metrics: pod attribution is back")
+            self._attribution_error = None
+        return snapshot
 
     def _body_for(self, snap: NodeSnapshot) -> bytes:
         with self._lock:
