@@ -97,8 +97,11 @@ def test_notify_reload_and_clean_stop(sockdir: Path, kubelet: KubeletStandIn, no
         proc.send_signal(signal.SIGHUP)
         notify.wait_for("RELOADING=1")
         notify.wait_for("READY=1")
-        kubelet.wait_for(lambda: len(kubelet.healthy(SHARED)) == 6, what="the reloaded configuration")
-        assert len(kubelet.healthy(GPU)) == 1
+        # Each resource has its own ListAndWatch stream: wait until both carry the new configuration.
+        kubelet.wait_for(
+            lambda: len(kubelet.healthy(SHARED)) == 6 and len(kubelet.healthy(GPU)) == 1,
+            what="the reloaded configuration on both resources",
+        )
 
         config.write_text(
             "version: v1\nsharing: {timeSlicing: {resources: [{name: nvidia.com/gpu, replicas: 1}]}}\n"
