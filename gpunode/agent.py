@@ -141,7 +141,6 @@ class Agent:
         if handle_signals:
             self._install_signal_handlers()
         self.state = DeviceState(inventory)
-        self.checkpoint = Checkpoint(self.config.state_dir)
         self._restore_caps(inventory)
         allocator = Allocator(config=self.config, checkpoint=self.checkpoint)
         allocator.preload_lib = self._stage_preload(inventory)

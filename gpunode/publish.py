@@ -126,17 +126,10 @@ class NodeStatePublisher:
     async def publish_once(self, *, force: bool = False) -> bool:
         """Publish if the content changed (or force); returns whether a PATCH was sent successfully."""
         await self._refresh_holders()
-        content = self.current()
-        if (
-            not force
-            and self.published is not None
-            and replace(content, generation=0, updated=0.0)
-            == replace(self.published, generation=0, updated=0.0)
-        ):
+        content = self.current()  # generation 0, updated 0: only what the annotation says
+        changed = self.published is None or content != replace(self.published, generation=0, updated=0.0)
+        if not changed and not force:
             return False
-        changed = self.published is None or replace(content, generation=0, updated=0.0) != replace(
-            self.published, generation=0, updated=0.0
-        )
         generation = self.generation + 1 if changed else self.generation
         doc = replace(content, generation=generation, updated=time.time())
         await asyncio.to_thread(self._patch, self.node_name, {ANNOTATION_KEY: encode(doc)})
