@@ -216,13 +216,15 @@ class Extender:
         return _Context(uid, self.reservations.nodes(), workload, policy, version)
 
     def _with_supply(self, workload: TargetWorkload, version: int) -> tuple[TargetWorkload, int]:
-        """The workload with model pressure for the GPUs the extender knows (recomputed as that changes)."""
+        """The workload with model and node pressure for the nodes the extender knows (recomputed as they change)."""
         supply = self.nodes.gpu_supply()
-        key = (version, tuple(sorted(supply.items())))
+        capacity_version, capacities = self.nodes.node_capacities()
+        key = (version, tuple(sorted(supply.items())), capacity_version)
         with self._lock:
             if self._supplied is None or self._supplied[0] != key:
                 serial = self._supplied[2] + 1 if self._supplied is not None else 0
-                self._supplied = (key, workload.with_supply(supply), serial)
+                supplied = workload.with_supply(supply, nodes=capacities, demand=self.workload.demand())
+                self._supplied = (key, supplied, serial)
             return self._supplied[1], self._supplied[2]
 
     def _evaluate(self, view: NodeView, request: Request, ctx: _Context, *, score: bool) -> _Verdict:

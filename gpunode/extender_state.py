@@ -37,6 +37,7 @@ from gpunode.placement import (
     MILLI_PER_GPU,
     InvalidRequest,
     InvalidState,
+    NodeCapacity,
     NodeState,
     Request,
     TargetPod,
@@ -221,6 +222,8 @@ class NodeCache:
         self._lock = threading.Lock()
         self._views: dict[str, tuple[str, NodeView]] = {}
         self._supply: Counter[str] = Counter()  # GPUs per model over the cached views
+        self._capacity: dict[str, NodeCapacity] = {}  # what each cached node offers empty (node pressure)
+        self.capacity_version = 0  # moves whenever _capacity changes
 
     def view(self, node: object) -> NodeView:
         """Decode (or reuse) one v1.Node; never raises for a bad node, the reason says what is wrong."""
@@ -243,8 +246,29 @@ class NodeCache:
                 self._supply.subtract(g.model for g in old[1].state.gpus)
             if view.state is not None:
                 self._supply.update(g.model for g in view.state.gpus)
+            self._set_capacity(name, view.state)
             self._views[name] = (text or "", view)
         return view
+
+    def _set_capacity(self, name: str, state: NodeState | None) -> None:
+        """Record what the node offers empty (one GPU model per node; others get no node pressure)."""
+        models = {g.model for g in state.gpus} if state is not None else set()
+        capacity = (
+            NodeCapacity(name, models.pop(), len(state.gpus), state.cpu_milli_free)
+            if state is not None and len(models) == 1
+            else None
+        )
+        if self._capacity.get(name) != capacity:
+            if capacity is None:
+                del self._capacity[name]
+            else:
+                self._capacity[name] = capacity
+            self.capacity_version += 1
+
+    def node_capacities(self) -> tuple[int, tuple[NodeCapacity, ...]]:
+        """(capacity_version, what each cached node with one GPU model offers when empty)."""
+        with self._lock:
+            return self.capacity_version, tuple(self._capacity.values())
 
     def gpu_supply(self) -> dict[str, int]:
         """GPUs per model on the cached nodes."""
@@ -299,6 +323,7 @@ class NodeCache:
                 old = self._views.pop(n, None)
                 if old is not None and old[1].state is not None:
                     self._supply.subtract(g.model for g in old[1].state.gpus)
+                self._set_capacity(n, None)
 
     def __len__(self) -> int:
         with self._lock:
@@ -430,6 +455,7 @@ class WorkloadTracker:
         self._recent: deque[tuple[int, int, int, frozenset[str] | None]] = deque(maxlen=window)
         self._popularity = popularity
         self._cached: TargetWorkload | None = seed
+        self._demand: tuple[TargetPod, ...] | None = None
         self._learn = seed is None if learn is None else learn
         self._unseen = 0
         self.memory_reference_bytes = memory_reference_bytes
@@ -470,13 +496,27 @@ class WorkloadTracker:
             covered += n
         return TargetWorkload(tuple(chosen)) if chosen else None
 
+    def _learned_demand(self) -> tuple[TargetPod, ...]:
+        """Every shape of the window with its count (node pressure spreads this demand)."""
+        counts = Counter(self._recent)
+        return tuple(
+            TargetPod(cpu_milli=cpu, gpu_milli=milli, gpus=gpus, gpu_models=models, weight=n)
+            for (cpu, milli, gpus, models), n in sorted(counts.items(), key=lambda kv: (-kv[1], repr(kv[0])))
+        )
+
     def workload(self) -> TargetWorkload | None:
         """The workload to score against; None when nothing was seen and none was given."""
         with self._lock:
             if self._learn and self._unseen and (self._cached is None or self._unseen >= self.REFRESH_EVERY):
                 learned = self._learned()
+                demand = self._learned_demand() or None
                 self._unseen = 0
-                if learned is not None and learned != self._cached:
-                    self._cached = learned
+                if learned is not None and (learned, demand) != (self._cached, self._demand):
+                    self._cached, self._demand = learned, demand
                     self.version += 1
             return self._cached
+
+    def demand(self) -> tuple[TargetPod, ...] | None:
+        """All the shapes seen with their counts; None (use the typical pods) when not learning."""
+        with self._lock:
+            return self._demand

@@ -26,6 +26,7 @@ import numpy as np
 
 from gpunode.errors import GpunodeError
 from gpunode.placement import MILLI_PER_GPU, GpuState, NodeState, Request, TargetPod, TargetWorkload
+from gpunode.placement.frag import NodeCapacity
 
 MIB = 2**20
 NODE_COLUMNS = ("sn", "cpu_milli", "memory_mib", "gpu", "model")
@@ -198,6 +199,20 @@ def target_workload(pods: Sequence[TracePod], popularity: float = TYPICAL_POPULA
         chosen.append(TargetPod(cpu_milli=cpu, gpu_milli=milli, gpus=num, gpu_models=models, weight=n))
         covered += n
     return TargetWorkload(tuple(chosen))
+
+
+def demand_shapes(pods: Sequence[TracePod]) -> tuple[TargetPod, ...]:
+    """Every pod shape of the list with its count: the demand node pressure spreads over the cluster."""
+    counts = Counter(p.shape for p in pods)
+    return tuple(
+        TargetPod(cpu_milli=cpu, gpu_milli=milli, gpus=num, gpu_models=models, weight=n)
+        for (cpu, milli, num, models), n in sorted(counts.items(), key=lambda kv: (-kv[1], repr(kv[0])))
+    )
+
+
+def node_capacity(node: TraceNode) -> NodeCapacity:
+    """What an empty trace node offers, for node pressure."""
+    return NodeCapacity(name=node.name, model=node.model, gpus=node.gpus, cpu_milli=node.cpu_milli)
 
 
 @dataclass(frozen=True)

@@ -39,9 +39,11 @@ from gpunode.sim_trace import (
     TraceNode,
     TracePod,
     build_arrivals,
+    demand_shapes,
     find_csv,
     load_nodes,
     load_pods,
+    node_capacity,
     node_state,
     pod_list_path,
     request_of,
@@ -154,7 +156,9 @@ def load_trace(trace_dir: Path, pods: str, *, node_file: str = DEFAULT_NODE_FILE
     supply: dict[str, int] = {}
     for n in nodes:
         supply[n.model] = supply.get(n.model, 0) + n.gpus
-    workload = target_workload(pod_list).with_supply(supply)
+    workload = target_workload(pod_list).with_supply(
+        supply, nodes=[node_capacity(n) for n in nodes], demand=demand_shapes(pod_list)
+    )
     return TraceInput(label=pods, nodes=nodes, pods=pod_list, workload=workload)
 
 

@@ -544,7 +544,7 @@ def test_batch_and_per_node_paths_agree_in_the_extender() -> None:
             positions, fits_all, scores = extender._batch(views, request, ctx)
             assert positions == [0, 1, 2, 3]  # "mixed" is left to the per-node path
             for pos, fits, score in zip(positions, fits_all, scores, strict=True):
-                choice = score_node(views[pos].state, request, policy=policy, workload=workload)  # type: ignore[arg-type]
+                choice = score_node(views[pos].state, request, policy=policy, workload=ctx.workload)  # type: ignore[arg-type]
                 assert fits == (choice is not None)
                 if choice is not None:
                     assert score == choice.score, (policy, pod["metadata"]["name"], pos)

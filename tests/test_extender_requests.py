@@ -163,3 +163,35 @@ def test_the_workload_gets_model_pressure_from_the_nodes_known() -> None:
     assert set(ctx.workload.model_pressure) == {"Tesla T4"} and ctx.workload.model_pressure["Tesla T4"] > 0
     extender.refresh_nodes([v1_node("c", gpu_state("c", [1000, 1000], model="Tesla T4"))])
     assert extender._context("uid").version != ctx.version  # more T4 supply: new pressure, new cache key
+
+
+def test_the_workload_gets_node_pressure_from_the_pods_and_nodes_seen() -> None:
+    """Learned shapes (all of them, not only the typical ones) press the kinds of node that fit them."""
+    from gpunode.extender_state import WorkloadTracker
+
+    big = v1_node("big", gpu_state("big", [1000] * 8))
+    big["status"]["allocatable"]["cpu"] = "128"
+    small = v1_node("small", gpu_state("small", [1000] * 8))  # 95.5 cores allocatable
+    tracker = WorkloadTracker(popularity=0.5)
+    extender = Extender(workload=tracker)
+    extender.refresh_nodes([big, small])
+    one = v1_pod("one", uid="one", limits={"nvidia.com/gpu": "1", "cpu": "8"})
+    large = v1_pod("large", uid="large", limits={"nvidia.com/gpu": "8", "cpu": "120"})
+    for _ in range(9):
+        tracker.observe(request_from_pod(one))  # type: ignore[arg-type]
+    tracker.observe(request_from_pod(large))  # type: ignore[arg-type]
+    ctx = extender._context("uid")
+    assert ctx.workload is not None
+    assert [p.gpus for p in ctx.workload.pods] == [1]  # the 8-GPU shape is not typical...
+    pressure = ctx.workload.node_pressure
+    assert pressure["big"] > pressure["small"] > 0  # ...but its demand still presses the only node it fits
+    assert sum(pressure.values()) * 8 == pytest.approx(16)  # the demand fills the 16 GPUs at full load
+    # the 1-GPU pod is steered to the node the 120-core pods do not need
+    filtered = extender.prioritize({"Pod": one, "Nodes": node_list(big, small)})
+    scores = {s["Host"]: s["Score"] for s in filtered}
+    assert scores["small"] > scores["big"]
+    # a node gone from the cache takes its pressure with it, under a new cache key
+    extender.nodes.forget(["big"])
+    after = extender._context("uid")
+    assert after.version != ctx.version and after.workload is not None
+    assert set(after.workload.node_pressure) == {"small"}

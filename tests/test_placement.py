@@ -15,6 +15,7 @@ from gpunode.placement import (
     GpuState,
     InvalidRequest,
     InvalidState,
+    NodeCapacity,
     NodeState,
     Request,
     TargetPod,
@@ -497,3 +498,106 @@ def test_every_placement_fits_and_never_over_allocates(
         assert used[0].milli_free >= request_.gpu_milli and used[0].sharing == "fractional"
     if request_.gpu_models:
         assert all(g.model in request_.gpu_models for g in used)
+
+
+# ----- node pressure (the gpunode policy keeps scarce kinds of node for the pods that need them) -----
+
+
+def test_node_pressure_hand_worked() -> None:
+    """Two kinds of 8-GPU node (96 and 128 cores, 2 nodes each = 16 GPUs each) and one 2-GPU kind (4 nodes = 8 GPUs).
+
+    Demand (GPU-milli weights): a 1-GPU, 8-core shape (weight 20 -> 20,000) fits every
+    kind; an 8-GPU, 120-core shape (weight 1 -> 8,000) fits the 128-core kind only;
+    an 8-GPU, 64-core shape (weight 1 -> 8,000) fits both 8-GPU kinds. Total 36,000
+    against 40 GPUs of capacity, so one unit of demand is 40/36 milli of capacity.
+    """
+    nodes = [
+        NodeCapacity("a1", "G2", 8, 96_000),
+        NodeCapacity("a2", "G2", 8, 96_000),
+        NodeCapacity("b1", "G3", 8, 128_000),
+        NodeCapacity("b2", "G3", 8, 128_000),
+        *(NodeCapacity(f"t{i}", "T4", 2, 104_000) for i in range(4)),
+    ]
+    demand = (
+        TargetPod(cpu_milli=8000, gpu_milli=1000, gpus=1, gpu_models=None, weight=20),
+        TargetPod(cpu_milli=120_000, gpu_milli=1000, gpus=8, gpu_models=None, weight=1),
+        TargetPod(cpu_milli=64_000, gpu_milli=1000, gpus=8, gpu_models=None, weight=1),
+    )
+    workload = TargetWorkload(demand[:1]).with_supply(
+        {"G2": 16, "G3": 16, "T4": 8}, nodes=nodes, demand=demand
+    )
+    scale = 40 / 36  # capacity per unit of demand
+    # load in GPU-milli per kind, then over its supply (milli)
+    g2 = (20_000 * 16 / 40 + 8_000 * 16 / 32) * scale / 16_000
+    g3 = (20_000 * 16 / 40 + 8_000 + 8_000 * 16 / 32) * scale / 16_000
+    t4 = (20_000 * 8 / 40) * scale / 8_000
+    assert workload.node_pressure["a1"] == pytest.approx(g2) and workload.node_pressure[
+        "a2"
+    ] == pytest.approx(g2)
+    assert workload.node_pressure["b1"] == pytest.approx(g3)
+    assert workload.node_pressure["t3"] == pytest.approx(t4)
+    assert g3 > g2 > t4
+    # full load: demand spread over the kinds adds up to the cluster's capacity
+    total = sum(workload.node_pressure[n.name] * n.gpus for n in nodes)
+    assert total == pytest.approx(40)
+    # the model part is unchanged (no shape restricted to a model) and unknown nodes get none
+    assert not workload.model_pressure and workload.pressure("elsewhere", "G2") == 0.0
+    assert workload.pressure("b1", "G3") == pytest.approx(g3)
+    # without nodes there is no node pressure
+    assert not TargetWorkload(demand).with_supply({"G2": 16}).node_pressure
+
+
+@pytest.mark.parametrize(("cpu_pods", "pressed"), [(108, True), (109, False)], ids=["cpu-fits", "cpu-full"])
+def test_node_pressure_is_off_when_the_pods_cpu_would_fill_the_nodes(cpu_pods: int, pressed: bool) -> None:
+    """The nodes have 864 cores. GPU shapes ask 344 cores per 36 GPUs of demand, scaled to the 40 GPUs of
+    capacity: x 40/36. 4-core CPU-only pods: 108 of them bring the total to 776 x 40/36 = 862.2 cores (fits),
+    109 to 780 x 40/36 = 866.7 cores (more than the nodes have: CPU-only pods would take the pressed
+    nodes' cores anyway, so there is no node pressure)."""
+    nodes = [
+        NodeCapacity("a1", "G2", 8, 96_000),
+        NodeCapacity("a2", "G2", 8, 96_000),
+        NodeCapacity("b1", "G3", 8, 128_000),
+        NodeCapacity("b2", "G3", 8, 128_000),
+        *(NodeCapacity(f"t{i}", "T4", 2, 104_000) for i in range(4)),
+    ]
+    demand = (
+        TargetPod(cpu_milli=8000, gpu_milli=1000, gpus=1, gpu_models=None, weight=20),
+        TargetPod(cpu_milli=120_000, gpu_milli=1000, gpus=8, gpu_models=None, weight=1),
+        TargetPod(cpu_milli=64_000, gpu_milli=1000, gpus=8, gpu_models=None, weight=1),
+        TargetPod(cpu_milli=4000, gpu_milli=0, gpus=0, gpu_models=None, weight=cpu_pods),
+    )
+    workload = TargetWorkload(demand).with_supply({"G2": 16, "G3": 16, "T4": 8}, nodes=nodes, demand=demand)
+    assert bool(workload.node_pressure) is pressed
+    if pressed:  # CPU-only shapes put no GPU load anywhere
+        assert sum(workload.node_pressure[n.name] * n.gpus for n in nodes) == pytest.approx(40)
+
+
+def test_gpunode_keeps_the_only_nodes_of_the_largest_pods_for_them() -> None:
+    """A 1-GPU pod goes to the 96-core node, not the 128-core one that alone can run the 120-core 8-GPU pods."""
+
+    def empty(name: str, model: str, cpu: int) -> NodeState:
+        gpus = tuple(
+            GpuState(f"{name}-{j}", j, model, 1000, 0, 0, None, sharing="fractional") for j in range(8)
+        )
+        return NodeState(name, gpus, cpu_milli_free=cpu, memory_free_bytes=2**40)
+
+    nodes = [empty("big", "G3", 128_000), empty("usual", "G2", 96_000)]
+    demand = (
+        TargetPod(cpu_milli=8000, gpu_milli=1000, gpus=1, gpu_models=None, weight=50),
+        TargetPod(cpu_milli=120_000, gpu_milli=1000, gpus=8, gpu_models=None, weight=5),
+    )
+    typical = TargetWorkload(demand[:1])
+    capacities = [NodeCapacity(n.name, n.gpus[0].model, 8, n.cpu_milli_free) for n in nodes]
+    pressed = typical.with_supply({"G2": 8, "G3": 8}, nodes=capacities, demand=demand)
+    assert pressed.node_pressure["big"] > pressed.node_pressure["usual"]
+    request = Request(gpus=1, cpu_milli=8000)
+    # FGD alone sees no difference (both nodes score the same), node order decides
+    big, usual = (score_node(n, request, policy="fgd", workload=typical) for n in nodes)
+    assert big is not None and usual is not None and big.score == usual.score
+    unpressed = place(nodes, request, policy="gpunode", workload=typical)
+    assert unpressed is not None and unpressed.node == "big"  # a tie without node pressure: node order
+    chosen = place(nodes, request, policy="gpunode", workload=pressed)
+    assert chosen is not None and chosen.node == "usual"
+    # the 8-GPU, 120-core pod itself still takes the big node: it fits nowhere else
+    chosen = place(nodes, Request(gpus=8, cpu_milli=120_000), policy="gpunode", workload=pressed)
+    assert chosen is not None and chosen.node == "big"

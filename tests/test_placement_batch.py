@@ -13,6 +13,7 @@ from gpunode.placement import (
     GpuState,
     InvalidRequest,
     InvalidState,
+    NodeCapacity,
     NodeState,
     Request,
     TargetPod,
@@ -73,7 +74,7 @@ def random_cluster(rng: random.Random, n: int = 10) -> list[NodeState]:
     return nodes
 
 
-def random_workload(rng: random.Random) -> TargetWorkload:
+def random_workload(rng: random.Random, nodes: list[NodeState] | None = None) -> TargetWorkload:
     pods = [
         TargetPod(cpu_milli=rng.choice([2000, 4000, 12000]), gpu_milli=0, gpus=0, gpu_models=None, weight=3)
     ]
@@ -90,7 +91,13 @@ def random_workload(rng: random.Random) -> TargetWorkload:
             )
         )
     workload = TargetWorkload(tuple(pods))
-    return workload.with_supply({"G2": 40, "T4": 12, "P100": 6})
+    # Node pressure for most of the nodes (one-model nodes only); the others get their model's alone.
+    capacities = [
+        NodeCapacity(n.name, n.gpus[0].model, len(n.gpus), rng.choice([16_000, 64_000, 96_000, 128_000]))
+        for n in nodes or ()
+        if n.gpus and len({g.model for g in n.gpus}) == 1 and rng.random() < 0.8
+    ]
+    return workload.with_supply({"G2": 40, "T4": 12, "P100": 6}, nodes=capacities)
 
 
 def random_request(rng: random.Random) -> Request:
@@ -114,7 +121,7 @@ def random_request(rng: random.Random) -> Request:
 def test_batch_scores_equal_per_node_scores(seed: int) -> None:
     rng = random.Random(seed)
     nodes = random_cluster(rng)
-    workload = random_workload(rng)
+    workload = random_workload(rng, nodes)
     cluster = ClusterArrays(nodes, workload=workload)
     compared = 0
     for step in range(6):
@@ -154,7 +161,7 @@ def test_batch_scores_equal_per_node_scores(seed: int) -> None:
 def test_batch_never_over_allocates(seed: int) -> None:
     rng = random.Random(seed)
     nodes = random_cluster(rng, n=6)
-    cluster = ClusterArrays(nodes, workload=random_workload(rng))
+    cluster = ClusterArrays(nodes, workload=random_workload(rng, nodes))
     gen = np.random.default_rng(seed)
     for _ in range(40):
         request = random_request(rng)

@@ -98,6 +98,13 @@ def test_load_trace(trace_dir: Path) -> None:
     assert typed.gpu_models in (frozenset({"T4"}), frozenset({"G2", "P100"}))
     assert any(p.num_gpu == 0 and p.gpu_models is None for p in trace.pods)
     assert trace.workload.model_pressure  # typed shapes put pressure on their models
+    # every node gets its kind's pressure; one value per kind (G2 8x96, T4 2x104, P100 2x64)
+    pressure = trace.workload.node_pressure
+    assert set(pressure) == {n.name for n in trace.nodes}
+    assert len({round(v, 9) for v in pressure.values()}) == 3
+    assert sum(pressure[n.name] * n.gpus for n in trace.nodes) == pytest.approx(
+        sum(n.gpus for n in trace.nodes)
+    )
 
 
 @pytest.mark.parametrize(

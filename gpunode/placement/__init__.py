@@ -27,7 +27,7 @@ from gpunode.placement.fit import (
     model_matches,
     unfit_reason,
 )
-from gpunode.placement.frag import TargetPod, TargetWorkload, fragmentation, fragmentation_milli
+from gpunode.placement.frag import NodeCapacity, TargetPod, TargetWorkload, fragmentation, fragmentation_milli
 from gpunode.placement.model import (
     MILLI_PER_GPU,
     SHARING_MODES,
@@ -76,6 +76,7 @@ __all__ = [
     "GpuState",
     "InvalidRequest",
     "InvalidState",
+    "NodeCapacity",
     "NodeChoice",
     "NodeState",
     "Placement",

@@ -156,7 +156,12 @@ class ClusterArrays:
             dtype=bool,
         )
         self._thresholds = np.array(workload.fgd_thresholds, dtype=np.float64)
-        self._pressure = np.array([workload.model_pressure.get(m, 0.0) for m in self._model_names])
+        self._pressure = np.array(
+            [
+                workload.pressure(name, self._model_names[m])
+                for name, m in zip(self.names, self._model_of, strict=True)
+            ]
+        )
         n, t = len(self.names), len(pods)
         self.cnt = np.zeros((n, t), dtype=np.int64)
         self.sum_ge = np.zeros((n, t), dtype=np.int64)
@@ -375,7 +380,7 @@ class ClusterArrays:
         after = self._candidates(request, idx)
         first = np.searchsorted(self._thresholds, self.frag[idx][:, None] - self._frag(*after), side="right")
         second = (self.fill[idx][:, None] - self._fill(*after)) / self._t_total
-        pressure = self._pressure[self._model_of[idx]]
+        pressure = self._pressure[idx]
         if request.kind == "fraction":
             share_on = self._share_on(request, idx)
             left = self.share[idx] - share_on

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -64,16 +64,43 @@ def _thresholds(total_weight: int) -> tuple[float, ...]:
 
 
 @dataclass(frozen=True)
+class NodeCapacity:
+    """What a node offers when empty, as node pressure sees it: GPU model and count, CPU (milli-cores)."""
+
+    name: str
+    model: str
+    gpus: int
+    cpu_milli: int
+
+    @property
+    def node_class(self) -> tuple[str, int, int]:
+        return (self.model, self.gpus, self.cpu_milli)
+
+    def takes(self, pod: TargetPod) -> bool:
+        """Whether a pod of this shape fits the node when the node is empty."""
+        return (
+            0 < pod.gpus <= self.gpus
+            and pod.cpu_milli <= self.cpu_milli
+            and bool(self.model)
+            and model_matches(self.model, pod.gpu_models)
+        )
+
+
+@dataclass(frozen=True)
 class TargetWorkload:
     """The typical pods fragmentation is measured against.
 
     model_pressure (optional) maps a GPU model to the share of that model's GPUs
-    that pods restricted to a few models would take at full load (see
-    with_supply); the gpunode policy keeps such models for those pods.
+    that pods restricted to a few models would take at full load; node_pressure
+    (optional) maps a node name to the load its kind of node (model, GPU count,
+    CPU) would carry at full load if every pod shape spread over the kinds of
+    node it fits (see with_supply). The gpunode policy keeps pressed models and
+    nodes for the pods that need them.
     """
 
     pods: tuple[TargetPod, ...]
     model_pressure: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    node_pressure: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     total_weight: int = field(init=False)
     fgd_thresholds: tuple[float, ...] = field(init=False, repr=False)
 
@@ -84,26 +111,59 @@ class TargetWorkload:
         object.__setattr__(self, "total_weight", total)
         object.__setattr__(self, "fgd_thresholds", _thresholds(total))
         object.__setattr__(self, "model_pressure", MappingProxyType(dict(self.model_pressure)))
+        object.__setattr__(self, "node_pressure", MappingProxyType(dict(self.node_pressure)))
 
     def __hash__(self) -> int:
-        return hash((self.pods, tuple(sorted(self.model_pressure.items()))))
+        return hash((self.pods, tuple(sorted(self.model_pressure.items())), len(self.node_pressure)))
 
     def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, TargetWorkload)
             and self.pods == other.pods
             and dict(self.model_pressure) == dict(other.model_pressure)
+            and dict(self.node_pressure) == dict(other.node_pressure)
         )
 
-    def with_supply(self, gpus_by_model: Mapping[str, int]) -> TargetWorkload:
-        """The workload with model_pressure computed for a cluster with these GPU counts per model.
+    def pressure(self, node: str, model: str) -> float:
+        """The pressure on one GPU of `model` on node `node`: its model's plus its node's."""
+        return self.model_pressure.get(model, 0.0) + self.node_pressure.get(node, 0.0)
 
-        Each shape restricted to some models spreads its GPU demand (weight x GPUs x
-        milli, as a share of all the shapes' GPU demand, times the cluster's GPUs)
-        over the models it accepts, in proportion to their supply; a model's
-        pressure is the demand it receives over its supply. Unrestricted shapes
-        put no pressure on any model.
+    def with_supply(
+        self,
+        gpus_by_model: Mapping[str, int],
+        *,
+        nodes: Sequence[NodeCapacity] = (),
+        demand: Sequence[TargetPod] | None = None,
+    ) -> TargetWorkload:
+        """The workload with model_pressure (and, given nodes, node_pressure) for a cluster.
+
+        Model pressure: each typical shape restricted to some models spreads its GPU
+        demand (weight x GPUs x milli, as a share of all the shapes' GPU demand,
+        times the cluster's GPUs) over the models it accepts, in proportion to
+        their supply; a model's pressure is the demand it receives over its
+        supply. Unrestricted shapes put no pressure on any model.
+
+        Node pressure: nodes are grouped into kinds (model, GPU count, CPU). Every
+        GPU shape of `demand` (all the workload's shapes with their counts, CPU-only
+        ones included; the typical pods when not given) spreads its GPU demand over
+        the kinds of node that could run it when empty, in proportion to their
+        GPUs; a kind's pressure is the demand it receives over its GPUs, and each
+        node gets its kind's. Kinds that only some shapes fit (8-GPU nodes, the few
+        nodes with CPU enough for the largest pods) end up with more pressure than
+        the rest. When the workload's CPU at full GPU load would fill the nodes'
+        CPU, there is no node pressure (CPU-only pods would take the pressed
+        nodes' cores regardless).
         """
+        with_models = self._with_model_pressure(gpus_by_model)
+        if not nodes:
+            return with_models
+        return TargetWorkload(
+            self.pods,
+            model_pressure=with_models.model_pressure,
+            node_pressure=node_pressure(nodes, self.pods if demand is None else demand),
+        )
+
+    def _with_model_pressure(self, gpus_by_model: Mapping[str, int]) -> TargetWorkload:
         supply = {m: n * MILLI_PER_GPU for m, n in gpus_by_model.items() if n > 0 and m}
         capacity = sum(supply.values())
         demand_total = sum(p.weight * p.gpu_milli * p.gpus for p in self.pods)
@@ -124,6 +184,33 @@ class TargetWorkload:
     def fgd_score(self, frag_decrease_scaled: int) -> int:
         """FGD's node score: floor(100 * sigmoid(decrease / 1000 milli-GPU)), decrease in scaled units."""
         return bisect_right(self.fgd_thresholds, frag_decrease_scaled)
+
+
+def node_pressure(nodes: Sequence[NodeCapacity], demand: Sequence[TargetPod]) -> dict[str, float]:
+    """Per node name, its kind's load at full demand (see TargetWorkload.with_supply)."""
+    supply: dict[tuple[str, int, int], int] = {}
+    for node in nodes:
+        if node.gpus > 0 and node.model:
+            supply[node.node_class] = supply.get(node.node_class, 0) + node.gpus * MILLI_PER_GPU
+    capacity = sum(supply.values())
+    shapes = [p for p in demand if p.gpus]
+    demand_total = sum(p.weight * p.gpu_milli * p.gpus for p in shapes)
+    if not capacity or not demand_total:
+        return {}
+    # At full GPU load, would the pods' CPU (CPU-only pods included) fill the nodes' CPU? Then CPU-only
+    # pods, which node pressure does not steer, take the pressed nodes' cores anyway and protecting
+    # those nodes for GPU pods only strands their GPUs: no node pressure.
+    cpu_demand = sum(p.weight * p.cpu_milli for p in demand) * capacity / demand_total
+    if cpu_demand >= sum(n.cpu_milli for n in nodes if n.node_class in supply):
+        return {}
+    load = dict.fromkeys(supply, 0.0)
+    probes = {c: NodeCapacity("", c[0], c[1], c[2]) for c in supply}
+    for pod in shapes:
+        fitting = [c for c, probe in probes.items() if probe.takes(pod)]
+        room = sum(supply[c] for c in fitting)
+        for c in fitting:
+            load[c] += pod.weight * pod.gpu_milli * pod.gpus / demand_total * capacity * supply[c] / room
+    return {n.name: load[n.node_class] / supply[n.node_class] for n in nodes if n.node_class in supply}
 
 
 def serves_target(gpu: GpuState, pod: TargetPod) -> bool:

@@ -22,9 +22,13 @@ measure instead of by node order:
 - The second key is the exact decrease of fill fragmentation (milli-GPU), minus,
   for a fraction, FRACTION_FIT_WEIGHT x the share it leaves free on its GPU
   (pack fractions where they fill a GPU best), minus SCARCITY_WEIGHT x the
-  model pressure of the GPUs taken x the share taken: a model that pods
-  restricted to it would fill on their own (workload.model_pressure) is kept
-  for them, and pods that can run anywhere go elsewhere first.
+  pressure on the GPUs taken x the share taken. Pressure has two parts: the
+  model's (a model that pods restricted to it would fill on their own,
+  workload.model_pressure) and the node's (the load its kind of node, by model,
+  GPU count and CPU, would carry if every shape spread over the kinds of node
+  it fits, workload.node_pressure: the few nodes with CPU enough for the
+  largest 8-GPU pods carry the most). Pressed models and nodes are kept for the
+  pods that need them; pods that can run anywhere go elsewhere first.
 
 The GPU for a fraction is the one with the best (first key, second key); the
 lowest index on ties. The node score is the pair folded into one float,
@@ -81,10 +85,10 @@ def _fold(
     return first * TIE_SCALE + ((second - FRACTION_FIT_WEIGHT * left) - SCARCITY_WEIGHT * scarcity)
 
 
-def _pressure(workload: TargetWorkload, gpus: list[GpuState], share: int) -> float:
-    """Model pressure x share taken, summed over the GPUs taken (grouped by model, for exact sums)."""
+def _pressure(workload: TargetWorkload, node: str, gpus: list[GpuState], share: int) -> float:
+    """Pressure (model + node) x share taken, summed over the GPUs taken (grouped by model, for exact sums)."""
     per_model = Counter(g.model for g in gpus)
-    return sum(workload.model_pressure.get(m, 0.0) * n for m, n in per_model.items()) * share
+    return sum(workload.pressure(node, m) * n for m, n in per_model.items()) * share
 
 
 def gpunode_gpu_score(
@@ -98,7 +102,7 @@ def gpunode_gpu_score(
         after,
         workload,
         left=allocatable_share(gpu) - share,
-        scarcity=_pressure(workload, [gpu], share),
+        scarcity=_pressure(workload, node.name, [gpu], share),
     )
 
 
@@ -133,7 +137,7 @@ def gpunode_choice(
                 best = NodeChoice(score, (gpu.uuid,))
         return best
     gpus = default_gpus(node, request, candidates)
-    scarcity = _pressure(workload, [node.gpu(u) for u in gpus], MILLI_PER_GPU)
+    scarcity = _pressure(workload, node.name, [node.gpu(u) for u in gpus], MILLI_PER_GPU)
     return NodeChoice(
         _fold(before, apply_request(node, request, gpus), workload, left=0, scarcity=scarcity), gpus
     )
