@@ -28,6 +28,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from gpunode.configutil import parse_bytes, parse_duration
 from gpunode.errors import ConfigError, GpunodeError, KubeError
 from gpunode.extender import BadRequest, Extender, ExtenderConfig, serve_extender
@@ -51,7 +53,7 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("%s %s", self.address_string(), format % args)
 
     def _send(self, status: int, payload: object) -> None:
-        body = json.dumps(payload, separators=(",", ":")).encode()
+        body = orjson.dumps(payload)
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -99,8 +101,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         raw = self.rfile.read(length)
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:  # also bad UTF-8 and nesting over 1,024 levels
             self._send(400, {"Error": f"malformed JSON: {exc}"})
             return
         try:

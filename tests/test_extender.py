@@ -359,6 +359,9 @@ def test_an_impossible_request_fails_every_node_as_unresolvable(
     ("method", "path", "raw", "status", "message"),
     [
         pytest.param("POST", "/filter", b"{not json", 400, "malformed JSON", id="malformed"),
+        pytest.param("POST", "/filter", b'{"Pod": "\xff"}', 400, "malformed JSON", id="not-utf8"),
+        pytest.param("POST", "/filter", b"[" * 5000 + b"]" * 5000, 400, "malformed JSON", id="nested-5000"),
+        pytest.param("POST", "/filter", b"", 400, "malformed JSON", id="empty-body"),
         pytest.param("POST", "/prioritize", b"[1, 2]", 400, "must be a JSON object", id="not-object"),
         pytest.param("POST", "/filter", b'{"Nodes": {"items": []}}', 400, "Pod is missing", id="no-pod"),
         pytest.param(
