@@ -472,6 +472,7 @@ def extender_parser() -> argparse.ArgumentParser:
     ("values", "api_rules"),
     [
         pytest.param(VALUE_SETS["extender-on"], None, id="no-api-access"),
+        pytest.param(VALUE_SETS["extender-defaults"], {"nodes": {"list"}}, id="defaults-list-nodes"),
         pytest.param(VALUE_SETS["extender-bind-node-cache"],
                      {"pods": {"patch"}, "pods/binding": {"create"}, "nodes": {"list"}}, id="bind-and-node-cache"),
     ],
