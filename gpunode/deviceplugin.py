@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 API_VERSION = "v1beta1"
 REGISTER_TIMEOUT_S = 5.0
+SERVER_START_TIMEOUT_S = 10.0
+SERVER_STOP_MARGIN_S = 2.0  # asyncio bound beyond gRPC's own grace or deadline
 
 
 def socket_name(resource: str) -> str:
@@ -233,7 +235,7 @@ class PluginServer:
         server = grpc.aio.server()
         pb_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
         server.add_insecure_port(f"unix://{self.socket_path}")
-        await server.start()
+        await asyncio.wait_for(server.start(), SERVER_START_TIMEOUT_S)
         self.server = server
         self.inode = os.stat(self.socket_path).st_ino
 
@@ -245,8 +247,13 @@ class PluginServer:
 
     async def stop(self, grace_s: float = 0.5) -> None:
         if self.server is not None:
-            await self.server.stop(grace_s)
-            self.server = None
+            server, self.server = self.server, None
+            # gRPC's stop waits for handlers to finish; bound it at the asyncio level too, so that a
+            # stream gRPC never reports finished cannot hold up a restart or the agent's exit.
+            try:
+                await asyncio.wait_for(server.stop(grace_s), grace_s + SERVER_STOP_MARGIN_S)
+            except TimeoutError:
+                log.warning("the %s server did not stop within %g s; going on", self.resource, grace_s)
         if self.inode is not None and self.socket_intact():
             with contextlib.suppress(FileNotFoundError):
                 self.socket_path.unlink()
@@ -254,18 +261,23 @@ class PluginServer:
 
 
 async def register(kubelet_socket: Path, server: PluginServer) -> None:
-    """Register one plugin with the kubelet; raises grpc.aio.AioRpcError on failure."""
-    async with grpc.aio.insecure_channel(f"unix://{kubelet_socket}") as channel:
-        stub = pb_grpc.RegistrationStub(channel)
-        await stub.Register(
-            pb.RegisterRequest(
-                version=API_VERSION,
-                endpoint=server.socket_path.name,
-                resource_name=server.resource,
-                options=pb.DevicePluginOptions(get_preferred_allocation_available=True),
-            ),
-            timeout=REGISTER_TIMEOUT_S,
-        )
+    """Register one plugin with the kubelet; raises grpc.aio.AioRpcError or TimeoutError on failure."""
+
+    async def call() -> None:
+        async with grpc.aio.insecure_channel(f"unix://{kubelet_socket}") as channel:
+            stub = pb_grpc.RegistrationStub(channel)
+            await stub.Register(
+                pb.RegisterRequest(
+                    version=API_VERSION,
+                    endpoint=server.socket_path.name,
+                    resource_name=server.resource,
+                    options=pb.DevicePluginOptions(get_preferred_allocation_available=True),
+                ),
+                timeout=REGISTER_TIMEOUT_S,
+            )
+
+    # gRPC's deadline, and an asyncio one over the whole exchange (channel close included).
+    await asyncio.wait_for(call(), REGISTER_TIMEOUT_S + SERVER_STOP_MARGIN_S)
 
 
 def _kubelet_identity(path: Path) -> tuple[int, int] | None:
@@ -323,6 +335,9 @@ class PluginManager:
                 log.warning(
                     "registering %s with the kubelet failed: %s %s", resource, exc.code().name, exc.details()
                 )
+                continue
+            except TimeoutError:
+                log.warning("registering %s with the kubelet: no answer; trying again", resource)
                 continue
             self.registered[resource] = kubelet
             self.registrations += 1

@@ -35,6 +35,7 @@ DEFAULT_SOCKET_PATH = "/var/lib/kubelet/pod-resources/kubelet.sock"
 MAX_RECEIVE_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_TTL_S = 5.0
 
+_CLOSE_MARGIN_S = 2.0  # beyond the call's deadline, for opening and closing the channel
 _CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES),
     # The kubelet serves on a Unix socket; no DNS, no proxies.
@@ -180,12 +181,24 @@ async def list_container_devices(
     within timeout_s, or the call fails.
     """
     _check_socket(socket_path)
-    async with grpc.aio.insecure_channel(f"unix:{socket_path}", options=_CHANNEL_OPTIONS) as channel:
-        stub = pb_grpc.PodResourcesListerStub(channel)
-        try:
-            response = await stub.List(pb.ListPodResourcesRequest(), timeout=timeout_s)
-        except grpc.RpcError as err:
-            raise _translate(err, socket_path, timeout_s) from None
+
+    async def ask() -> pb.ListPodResourcesResponse:
+        async with grpc.aio.insecure_channel(f"unix:{socket_path}", options=_CHANNEL_OPTIONS) as channel:
+            stub = pb_grpc.PodResourcesListerStub(channel)
+            try:
+                return await stub.List(pb.ListPodResourcesRequest(), timeout=timeout_s)
+            except grpc.RpcError as err:
+                raise _translate(err, socket_path, timeout_s) from None
+
+    # gRPC's own deadline, and an asyncio one over the whole exchange (channel set-up and close
+    # included), so that a completion gRPC never reports cannot stall the caller.
+    try:
+        response = await asyncio.wait_for(ask(), timeout_s + _CLOSE_MARGIN_S)
+    except TimeoutError:
+        raise KubeError(
+            f"the kubelet did not answer pod-resources List on {socket_path} within {timeout_s:g} s",
+            hint="check that the kubelet is running and healthy (systemctl status kubelet)",
+        ) from None
     return flatten_list_response(response)
 
 

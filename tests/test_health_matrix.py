@@ -149,7 +149,10 @@ class Node:
             self.kubelet.stop()  # first: the plugins then stop without waiting for open streams
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            _, stuck = await asyncio.wait(tasks, timeout=15)
+            for t in stuck:  # say where a part hangs instead of waiting for the suite's timeout
+                t.print_stack()
+            assert not stuck, f"{len(stuck)} part(s) did not stop within 15 s of being cancelled"
             self.backend.close()
             self.api.stop()
             self.podres.stop()
