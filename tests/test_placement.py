@@ -502,6 +502,20 @@ def test_every_placement_fits_and_never_over_allocates(
 
 # ----- node pressure (the gpunode policy keeps scarce kinds of node for the pods that need them) -----
 
+# Two kinds of 8-GPU node (96 and 128 cores, 2 nodes each) and one 2-GPU kind (4 nodes): 40 GPUs, 864 cores.
+PRESSURE_NODES = (
+    NodeCapacity("a1", "G2", 8, 96_000),
+    NodeCapacity("a2", "G2", 8, 96_000),
+    NodeCapacity("b1", "G3", 8, 128_000),
+    NodeCapacity("b2", "G3", 8, 128_000),
+    *(NodeCapacity(f"t{i}", "T4", 2, 104_000) for i in range(4)),
+)
+PRESSURE_DEMAND = (
+    TargetPod(cpu_milli=8000, gpu_milli=1000, gpus=1, gpu_models=None, weight=20),
+    TargetPod(cpu_milli=120_000, gpu_milli=1000, gpus=8, gpu_models=None, weight=1),
+    TargetPod(cpu_milli=64_000, gpu_milli=1000, gpus=8, gpu_models=None, weight=1),
+)
+
 
 def test_node_pressure_hand_worked() -> None:
     """Two kinds of 8-GPU node (96 and 128 cores, 2 nodes each = 16 GPUs each) and one 2-GPU kind (4 nodes = 8 GPUs).
@@ -511,18 +525,8 @@ def test_node_pressure_hand_worked() -> None:
     an 8-GPU, 64-core shape (weight 1 -> 8,000) fits both 8-GPU kinds. Total 36,000
     against 40 GPUs of capacity, so one unit of demand is 40/36 milli of capacity.
     """
-    nodes = [
-        NodeCapacity("a1", "G2", 8, 96_000),
-        NodeCapacity("a2", "G2", 8, 96_000),
-        NodeCapacity("b1", "G3", 8, 128_000),
-        NodeCapacity("b2", "G3", 8, 128_000),
-        *(NodeCapacity(f"t{i}", "T4", 2, 104_000) for i in range(4)),
-    ]
-    demand = (
-        TargetPod(cpu_milli=8000, gpu_milli=1000, gpus=1, gpu_models=None, weight=20),
-        TargetPod(cpu_milli=120_000, gpu_milli=1000, gpus=8, gpu_models=None, weight=1),
-        TargetPod(cpu_milli=64_000, gpu_milli=1000, gpus=8, gpu_models=None, weight=1),
-    )
+    nodes = PRESSURE_NODES
+    demand = PRESSURE_DEMAND
     workload = TargetWorkload(demand[:1]).with_supply(
         {"G2": 16, "G3": 16, "T4": 8}, nodes=nodes, demand=demand
     )
@@ -531,9 +535,7 @@ def test_node_pressure_hand_worked() -> None:
     g2 = (20_000 * 16 / 40 + 8_000 * 16 / 32) * scale / 16_000
     g3 = (20_000 * 16 / 40 + 8_000 + 8_000 * 16 / 32) * scale / 16_000
     t4 = (20_000 * 8 / 40) * scale / 8_000
-    assert workload.node_pressure["a1"] == pytest.approx(g2) and workload.node_pressure[
-        "a2"
-    ] == pytest.approx(g2)
+    assert workload.node_pressure["a1"] == workload.node_pressure["a2"] == pytest.approx(g2)
     assert workload.node_pressure["b1"] == pytest.approx(g3)
     assert workload.node_pressure["t3"] == pytest.approx(t4)
     assert g3 > g2 > t4
@@ -553,17 +555,9 @@ def test_node_pressure_is_off_when_the_pods_cpu_would_fill_the_nodes(cpu_pods: i
     capacity: x 40/36. 4-core CPU-only pods: 108 of them bring the total to 776 x 40/36 = 862.2 cores (fits),
     109 to 780 x 40/36 = 866.7 cores (more than the nodes have: CPU-only pods would take the pressed
     nodes' cores anyway, so there is no node pressure)."""
-    nodes = [
-        NodeCapacity("a1", "G2", 8, 96_000),
-        NodeCapacity("a2", "G2", 8, 96_000),
-        NodeCapacity("b1", "G3", 8, 128_000),
-        NodeCapacity("b2", "G3", 8, 128_000),
-        *(NodeCapacity(f"t{i}", "T4", 2, 104_000) for i in range(4)),
-    ]
+    nodes = PRESSURE_NODES
     demand = (
-        TargetPod(cpu_milli=8000, gpu_milli=1000, gpus=1, gpu_models=None, weight=20),
-        TargetPod(cpu_milli=120_000, gpu_milli=1000, gpus=8, gpu_models=None, weight=1),
-        TargetPod(cpu_milli=64_000, gpu_milli=1000, gpus=8, gpu_models=None, weight=1),
+        *PRESSURE_DEMAND,
         TargetPod(cpu_milli=4000, gpu_milli=0, gpus=0, gpu_models=None, weight=cpu_pods),
     )
     workload = TargetWorkload(demand).with_supply({"G2": 16, "G3": 16, "T4": 8}, nodes=nodes, demand=demand)
