@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 API_VERSION = "v1beta1"
 REGISTER_TIMEOUT_S = 5.0
 SERVER_START_TIMEOUT_S = 10.0
-SERVER_STOP_MARGIN_S = 2.0  # asyncio bound beyond gRPC's own grace or deadline
+ASYNCIO_MARGIN_S = 2.0  # asyncio bound on a gRPC await, beyond gRPC's own grace or deadline
 
 
 def socket_name(resource: str) -> str:
@@ -251,7 +251,7 @@ class PluginServer:
             # gRPC's stop waits for handlers to finish; bound it at the asyncio level too, so that a
             # stream gRPC never reports finished cannot hold up a restart or the agent's exit.
             try:
-                await asyncio.wait_for(server.stop(grace_s), grace_s + SERVER_STOP_MARGIN_S)
+                await asyncio.wait_for(server.stop(grace_s), grace_s + ASYNCIO_MARGIN_S)
             except TimeoutError:
                 log.warning("the %s server did not stop within %g s; going on", self.resource, grace_s)
         if self.inode is not None and self.socket_intact():
@@ -277,7 +277,7 @@ async def register(kubelet_socket: Path, server: PluginServer) -> None:
             )
 
     # gRPC's deadline, and an asyncio one over the whole exchange (channel close included).
-    await asyncio.wait_for(call(), REGISTER_TIMEOUT_S + SERVER_STOP_MARGIN_S)
+    await asyncio.wait_for(call(), REGISTER_TIMEOUT_S + ASYNCIO_MARGIN_S)
 
 
 def _kubelet_identity(path: Path) -> tuple[int, int] | None:

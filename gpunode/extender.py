@@ -218,11 +218,12 @@ class Extender:
     def _with_supply(self, workload: TargetWorkload, version: int) -> tuple[TargetWorkload, int]:
         """The workload with model and node pressure for the nodes the extender knows (recomputed as they change)."""
         supply = self.nodes.gpu_supply()
-        capacity_version, capacities = self.nodes.node_capacities()
-        key = (version, tuple(sorted(supply.items())), capacity_version)
+        key = (version, tuple(sorted(supply.items())), self.nodes.capacity_version)
         with self._lock:
             if self._supplied is None or self._supplied[0] != key:
                 serial = self._supplied[2] + 1 if self._supplied is not None else 0
+                # the node list is copied only here, when something changed, not on every request
+                _, capacities = self.nodes.node_capacities()
                 supplied = workload.with_supply(supply, nodes=capacities, demand=self.workload.demand())
                 self._supplied = (key, supplied, serial)
             return self._supplied[1], self._supplied[2]

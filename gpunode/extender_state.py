@@ -44,6 +44,7 @@ from gpunode.placement import (
     TargetWorkload,
     apply_request,
 )
+from gpunode.placement.frag import shapes_with_counts
 
 RESOURCE_GPU = "nvidia.com/gpu"
 RESOURCE_GPU_MEMORY = "gpunode.io/gpu-memory"
@@ -498,11 +499,7 @@ class WorkloadTracker:
 
     def _learned_demand(self) -> tuple[TargetPod, ...]:
         """Every shape of the window with its count (node pressure spreads this demand)."""
-        counts = Counter(self._recent)
-        return tuple(
-            TargetPod(cpu_milli=cpu, gpu_milli=milli, gpus=gpus, gpu_models=models, weight=n)
-            for (cpu, milli, gpus, models), n in sorted(counts.items(), key=lambda kv: (-kv[1], repr(kv[0])))
-        )
+        return shapes_with_counts(Counter(self._recent))
 
     def workload(self) -> TargetWorkload | None:
         """The workload to score against; None when nothing was seen and none was given."""

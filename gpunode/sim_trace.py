@@ -25,8 +25,16 @@ from pathlib import Path
 import numpy as np
 
 from gpunode.errors import GpunodeError
-from gpunode.placement import MILLI_PER_GPU, GpuState, NodeState, Request, TargetPod, TargetWorkload
-from gpunode.placement.frag import NodeCapacity
+from gpunode.placement import (
+    MILLI_PER_GPU,
+    GpuState,
+    NodeCapacity,
+    NodeState,
+    Request,
+    TargetPod,
+    TargetWorkload,
+)
+from gpunode.placement.frag import shapes_with_counts
 
 MIB = 2**20
 NODE_COLUMNS = ("sn", "cpu_milli", "memory_mib", "gpu", "model")
@@ -203,11 +211,7 @@ def target_workload(pods: Sequence[TracePod], popularity: float = TYPICAL_POPULA
 
 def demand_shapes(pods: Sequence[TracePod]) -> tuple[TargetPod, ...]:
     """Every pod shape of the list with its count: the demand node pressure spreads over the cluster."""
-    counts = Counter(p.shape for p in pods)
-    return tuple(
-        TargetPod(cpu_milli=cpu, gpu_milli=milli, gpus=num, gpu_models=models, weight=n)
-        for (cpu, milli, num, models), n in sorted(counts.items(), key=lambda kv: (-kv[1], repr(kv[0])))
-    )
+    return shapes_with_counts(Counter(p.shape for p in pods))
 
 
 def node_capacity(node: TraceNode) -> NodeCapacity:

@@ -56,6 +56,17 @@ class TargetPod:
         return self.gpu_milli == MILLI_PER_GPU
 
 
+Shape = tuple[int, int, int, frozenset[str] | None]  # (CPU milli, milli-GPU per GPU, GPUs, models)
+
+
+def shapes_with_counts(counts: Mapping[Shape, int]) -> tuple[TargetPod, ...]:
+    """Every shape with its count as a TargetPod, most frequent first (ties in a fixed order)."""
+    return tuple(
+        TargetPod(cpu_milli=cpu, gpu_milli=milli, gpus=gpus, gpu_models=models, weight=n)
+        for (cpu, milli, gpus, models), n in sorted(counts.items(), key=lambda kv: (-kv[1], repr(kv[0])))
+    )
+
+
 def _thresholds(total_weight: int) -> tuple[float, ...]:
     """Fragmentation changes (scaled) at which FGD's integer score steps from k-1 to k, k = 1..100."""
     scale = MILLI_PER_GPU * total_weight
