@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpunode.agent import Agent
-from gpunode.devices.sim import SimBackend
+from gpunode.node.agent import Agent
+from gpunode.node.devices.simnode.backend import SimBackend
 from tests.agentrunner import RunningAgent, make_config
 from tests.fakes.kubelet import KubeletStandIn, short_socket_dir
 

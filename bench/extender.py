@@ -32,10 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from gpunode.extender import Extender, ExtenderConfig
-from gpunode.extender_http import ExtenderServer
-from gpunode.extender_state import WorkloadTracker
-from gpunode.nodestate import ANNOTATION_KEY, GpuRecord, NodeGpuState, encode
+from gpunode.cluster.extender.core import Extender, ExtenderConfig
+from gpunode.cluster.extender.server import ExtenderServer
+from gpunode.cluster.extender.state import WorkloadTracker
+from gpunode.contract.nodestate import ANNOTATION_KEY, GpuRecord, NodeGpuState, encode
 from gpunode.placement import TargetPod, TargetWorkload
 
 GIB = 2**30

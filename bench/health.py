@@ -32,9 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import tests.test_health_matrix as matrix
+import tests.node.test_health_matrix as matrix
 from tests.fakes.kubelet import short_socket_dir
-from tests.test_health_matrix import NODE, Node
+from tests.node.test_health_matrix import NODE, Node
 
 GPU = "nvidia.com/gpu"
 

@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpunode import memcap  # noqa: E402  (after the repository is on sys.path)
+from gpunode.node import memcap  # noqa: E402  (after the repository is on sys.path)
 from tests.native.toolchain import build_fake_driver, build_native, build_program  # noqa: E402
 
 DEVICE_BYTES = 16 << 30

@@ -18,7 +18,7 @@ loopback connection, as Prometheus does, and reports:
 
 Scenarios: dgx-h100 (8 whole H100s, 8 pods each holding one) and h100-mig-64pods
 (8 H100s in 7x 1g.10gb MIG = 56 instances, time-sliced in 2 replicas each,
-64 pods each holding one replica). When gpunode.memcap is built, every pod
+64 pods each holding one replica). When gpunode.node.memcap is built, every pod
 also has a memory-cap region with memory held in it by a live process, so
 per-pod memory series are collected and served too.
 """
@@ -95,11 +95,11 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def serve(scenario: str, socket_path: str, regions_root: str | None, port_file: str) -> None:
-    from gpunode.config import parse_config
-    from gpunode.devices.sim import SimBackend
-    from gpunode.inventory import build_inventory
-    from gpunode.metrics import MetricsCollector, MetricsConfig, MetricsServer
-    from gpunode.podresources import PodAttribution
+    from gpunode.config.agent import parse_config
+    from gpunode.node.devices.simnode.backend import SimBackend
+    from gpunode.node.inventory import build_inventory
+    from gpunode.node.kubelet.podresources import PodAttribution
+    from gpunode.node.metrics import MetricsCollector, MetricsConfig, MetricsServer
 
     spec = SCENARIOS[scenario]
     backend = SimBackend.from_profile(spec["profile"])
@@ -130,10 +130,10 @@ def serve(scenario: str, socket_path: str, regions_root: str | None, port_file: 
 
 
 def _pods_for(scenario: str) -> tuple[list[Any], Any]:
-    from gpunode.config import parse_config
-    from gpunode.devices.sim import SimBackend
-    from gpunode.inventory import build_inventory
-    from gpunode.podresources import ContainerDevices
+    from gpunode.config.agent import parse_config
+    from gpunode.node.devices.simnode.backend import SimBackend
+    from gpunode.node.inventory import build_inventory
+    from gpunode.node.kubelet.podresources import ContainerDevices
 
     spec = SCENARIOS[scenario]
     backend = SimBackend.from_profile(spec["profile"])
@@ -151,11 +151,11 @@ def _make_regions(root: Path, pods: list[Any], inventory: Any) -> Any:
     import importlib
 
     try:
-        memcap: Any = importlib.import_module("gpunode.memcap")
+        memcap: Any = importlib.import_module("gpunode.node.memcap")
         importlib.import_module("gpunode._memcap")
     except ImportError:
         return None
-    from gpunode.inventory import region_key
+    from gpunode.node.inventory import region_key
     from tests.fakes import CappedProcess
 
     holdings = []

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpunode.simulator import (
+from gpunode.cluster.tracesim.simulate import (
     DEFAULT_POLICIES,
     SimulationSpec,
     parse_seeds,

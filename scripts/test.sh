@@ -7,8 +7,8 @@ ensure_venv "[test,systemd]"
 echo ">> helm (for the chart tests)"
 bash "$ROOT/scripts/get-helm.sh" || echo "!! no helm: the chart tests will be skipped" >&2
 cd "$ROOT"
-echo ">> ruff"; "$VENV/bin/ruff" check gpunode tests bench plugin native
-"$VENV/bin/ruff" format --check gpunode tests bench plugin native
+echo ">> ruff"; "$VENV/bin/ruff" check gpunode tests bench protos native
+"$VENV/bin/ruff" format --check gpunode tests bench protos native
 echo ">> mypy"; "$VENV/bin/mypy"
 echo ">> pytest"
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"

@@ -8,8 +8,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from gpunode.agent import Agent
-from gpunode.config import Config, parse_config
+from gpunode.config.agent import Config, parse_config
+from gpunode.node.agent import Agent
 
 
 def make_config(kubelet_dir: Path, state_dir: Path, doc: dict[str, Any] | None = None, **own: Any) -> Config:

@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 
 from gpunode import cli
-from gpunode.config import environment_variables
-from gpunode.devices.select import detect_backend
-from gpunode.devices.sim import SimBackend
+from gpunode.config.agent import environment_variables
 from gpunode.errors import GpunodeError
+from gpunode.node.devices.select import detect_backend
+from gpunode.node.devices.simnode.backend import SimBackend
 
-EXAMPLES = Path(__file__).parent.parent / "gpunode" / "examples"
+EXAMPLES = Path(__file__).resolve().parents[1] / "gpunode" / "examples"
 INVALID = Path(__file__).parent / "data" / "configs" / "invalid"
 COLUMNS = ("RESOURCE", "DEVICE ID", "GPU", "KIND", "NUMA", "CAP", "WHY")
 

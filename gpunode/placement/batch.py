@@ -16,7 +16,7 @@ in: nothing here lands on them), requests for whole GPUs, fractions (by compute
 and/or memory) and CPU. Not covered (InvalidState / InvalidRequest, so callers
 fall back to the per-node functions): other nodes, MIG requests. Within that
 range every decision equals the per-node functions' decision, scores to the
-last bit (tests/test_placement_batch.py). Randomness only through the numpy
+last bit (tests/shared/test_placement_batch.py). Randomness only through the numpy
 Generator passed in.
 """
 

@@ -1,6 +1,6 @@
 """An HTTP stand-in for the Kubernetes API server on loopback, for the calls the node agent makes.
 
-It serves the handful of core/v1 and policy/v1 paths gpunode.kube uses, with
+It serves the handful of core/v1 and policy/v1 paths gpunode.infra.kube uses, with
 the API server's status codes and metav1.Status bodies: GET a pod, POST a pod
 eviction (201, or 429 while a PodDisruptionBudget blocks it), DELETE a pod
 (UID preconditions answered with 409), POST Events, GET and PATCH a node (JSON

@@ -23,8 +23,8 @@ from types import TracebackType
 
 import grpc
 
-from gpunode._proto import deviceplugin_v1beta1_pb2 as pb
-from gpunode._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+from gpunode.node.kubelet._proto import deviceplugin_v1beta1_pb2 as pb
+from gpunode.node.kubelet._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 
 RESOURCE_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 

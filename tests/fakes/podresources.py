@@ -20,9 +20,9 @@ from types import TracebackType
 
 import grpc
 
-from gpunode._proto import podresources_v1_pb2 as pb
-from gpunode._proto import podresources_v1_pb2_grpc as pb_grpc
-from gpunode.podresources import ContainerDevices
+from gpunode.node.kubelet._proto import podresources_v1_pb2 as pb
+from gpunode.node.kubelet._proto import podresources_v1_pb2_grpc as pb_grpc
+from gpunode.node.kubelet.podresources import ContainerDevices
 
 
 @dataclass(frozen=True)

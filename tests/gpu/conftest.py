@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gpunode.devices.nvml import NvmlBackend
+from gpunode.node.devices.nvml.backend import NvmlBackend
 
 HERE = Path(__file__).parent
 

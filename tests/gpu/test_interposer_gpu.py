@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from gpunode import memcap
-from gpunode.devices.nvml import NvmlBackend
 from gpunode.errors import BackendUnavailable
+from gpunode.node import memcap
+from gpunode.node.devices.nvml.backend import NvmlBackend
 
 GIB = 1 << 30
 CAP_BYTES = 4 * GIB

@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from gpunode.devices.nvml import NvmlBackend
-from gpunode.devices.select import detect_backend
 from gpunode.errors import BackendUnavailable
+from gpunode.node.devices.nvml.backend import NvmlBackend
+from gpunode.node.devices.select import detect_backend
 
 
 def _why_no_gpu() -> str | None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gpunode import memcap
+from gpunode.node import memcap
 from tests.native.harness import FAKE_TOTAL_BYTES, MIB, fake_uuid
 from tests.native.toolchain import NativeBuild, asan_runtime, build_all, build_native
 

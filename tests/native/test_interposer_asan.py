@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpunode import memcap
+from gpunode.node import memcap
 from tests.native.conftest import CAP_BYTES
 from tests.native.harness import OUT_OF_MEMORY, interposer_env, run, snippet
 from tests.native.test_interposer_faults import flip_limit_byte

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpunode import memcap
+from gpunode.node import memcap
 from tests.native.conftest import CAP_BYTES
 from tests.native.harness import (
     FAKE_TOTAL_BYTES,

@@ -1,1 +1,0 @@
-"""Generated gRPC stubs for the kubelet APIs (see plugin/generate.py). Do not edit."""

@@ -1,0 +1,1 @@
+"""The cluster side: the kube-scheduler extender and the trace simulator."""

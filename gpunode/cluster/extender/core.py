@@ -1,0 +1,433 @@
+"""The kube-scheduler extender: filter, prioritize and bind over HTTP, deciding through placement.
+
+kube-scheduler (extender protocol v1, k8s.io/kube-scheduler/extender/v1) POSTs
+ExtenderArgs {Pod, Nodes | NodeNames} to /filter and /prioritize, and
+ExtenderBindingArgs {PodName, PodNamespace, PodUID, Node} to /bind when the
+bind verb is configured. Answers use the protocol's field names:
+ExtenderFilterResult {Nodes, NodeNames, FailedNodes, FailedAndUnresolvableNodes,
+Error}, HostPriorityList [{Host, Score}] with scores 0..10, and
+ExtenderBindingResult {Error}. Keys are matched case-insensitively, as Go's JSON
+decoder does.
+
+Each node's GPU state comes from its gpunode.io/gpu-state annotation (see
+nodestate.py); reservations made at bind (and, provisionally, for the best node
+at prioritize) are applied on top until the annotation lists the pod or their
+TTL passes. Bad input never crashes the server and never gets a 500: malformed
+JSON or a wrong shape is a 400 with a JSON message, a node with a missing or
+broken annotation goes to FailedNodes with the reason, a pod with an impossible
+request fails every node in FailedAndUnresolvableNodes with the reason.
+
+The HTTP server is the standard library's ThreadingHTTPServer; serve_extender()
+is the coroutine the CLI runs. Binding talks to the Kubernetes API through
+kubeapi.py's small client.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from gpunode.cluster.extender.state import (
+    GIB,
+    NodeCache,
+    NodeView,
+    Reservations,
+    WorkloadTracker,
+    apply_reservations,
+    pod_key,
+    request_from_pod,
+    reserved_state,
+)
+from gpunode.cluster.extender.table import NodeTable
+from gpunode.errors import GpunodeError, KubeError
+from gpunode.placement import (
+    NEEDS_WORKLOAD,
+    InvalidRequest,
+    NodeState,
+    PlacementError,
+    Request,
+    TargetWorkload,
+    check_policy,
+    score_node,
+    unfit_reason,
+)
+
+log = logging.getLogger(__name__)
+MAX_EXTENDER_PRIORITY = 10  # extenderv1.MaxExtenderPriority
+_RECENT_PODS = 4096
+_CACHE_LIMIT = 500_000  # cached verdicts before the caches are dropped and rebuilt
+_UNSET: Any = object()
+
+
+@dataclass(frozen=True)
+class _Context:
+    uid: str
+    reserved: frozenset[str]
+    workload: TargetWorkload | None
+    policy: str
+    version: int
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    reason: str | None  # None: fits
+    scored: tuple[float, tuple[str, ...]] | None  # (policy score, GPUs) when asked and it fits
+
+
+class BadRequest(GpunodeError):
+    """An HTTP request the extender cannot read (broken JSON, wrong shape); answered with 400."""
+
+    default_hint = "kube-scheduler sends ExtenderArgs JSON; check the extender's urlPrefix and verbs"
+
+
+class Binder(Protocol):
+    """Binds a pod to a node (and records the GPUs chosen); raises KubeError on failure."""
+
+    def bind(self, *, namespace: str, name: str, uid: str, node: str, gpu_uuids: tuple[str, ...]) -> None: ...
+
+
+@dataclass(frozen=True)
+class ExtenderConfig:
+    policy: str = "gpunode"
+    memory_unit_bytes: int = GIB
+    reservation_ttl_s: float = 60.0
+    provisional_reservations: bool = True
+
+    def __post_init__(self) -> None:
+        check_policy(self.policy)
+        if self.memory_unit_bytes <= 0 or self.reservation_ttl_s <= 0:
+            raise InvalidRequest("memory unit and reservation TTL must be positive")
+
+
+def _field(obj: Mapping[str, Any], name: str) -> Any:
+    """obj[name], matching the key case-insensitively like Go's encoding/json."""
+    if name in obj:
+        return obj[name]
+    lowered = name.lower()
+    for k, v in obj.items():
+        if isinstance(k, str) and k.lower() == lowered:
+            return v
+    return None
+
+
+@dataclass(frozen=True)
+class _Args:
+    pod: Mapping[str, Any]
+    node_objects: list[Any] | None  # Nodes.items when kube-scheduler sends full nodes
+    node_list: Mapping[str, Any] | None
+    node_names: list[str] | None
+
+
+def parse_args(body: object) -> _Args:
+    """ExtenderArgs from decoded JSON; BadRequest when the shape is wrong."""
+    if not isinstance(body, Mapping):
+        raise BadRequest("ExtenderArgs must be a JSON object")
+    pod = _field(body, "Pod")
+    if not isinstance(pod, Mapping):
+        raise BadRequest("ExtenderArgs.Pod is missing or not an object")
+    nodes, names = _field(body, "Nodes"), _field(body, "NodeNames")
+    if nodes is None and names is None:
+        raise BadRequest("ExtenderArgs needs Nodes (a v1.NodeList) or NodeNames")
+    if nodes is not None:
+        items = _field(nodes, "items") if isinstance(nodes, Mapping) else None
+        if items is None and isinstance(nodes, Mapping):
+            items = []
+        if not isinstance(items, list):
+            raise BadRequest("ExtenderArgs.Nodes must be a v1.NodeList with an items list")
+        return _Args(pod=pod, node_objects=items, node_list=nodes, node_names=None)
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise BadRequest("ExtenderArgs.NodeNames must be a list of strings")
+    return _Args(pod=pod, node_objects=None, node_list=None, node_names=names)
+
+
+class Extender:
+    """The protocol logic, without HTTP: dicts in, dicts out; thread safe."""
+
+    def __init__(
+        self,
+        *,
+        config: ExtenderConfig | None = None,
+        nodes: NodeCache | None = None,
+        reservations: Reservations | None = None,
+        workload: WorkloadTracker | None = None,
+        binder: Binder | None = None,
+    ) -> None:
+        self.config = config or ExtenderConfig()
+        # `is None`, not `or`: an empty cache or reservation book has len() 0 and is falsy.
+        self.nodes = NodeCache() if nodes is None else nodes
+        self.reservations = (
+            Reservations(ttl_s=self.config.reservation_ttl_s) if reservations is None else reservations
+        )
+        self.workload = WorkloadTracker() if workload is None else workload
+        self.table = NodeTable()
+        self.binder = binder
+        self._pods: OrderedDict[str, tuple[str, Request]] = OrderedDict()
+        self._fits: dict[tuple[object, ...], object] = {}
+        self._supplied: tuple[tuple[object, ...], TargetWorkload, int] | None = None
+        self._scores: dict[tuple[object, ...], object] = {}
+        self._lock = threading.Lock()
+
+    # ----- shared steps ---------------------------------------------------------------------------
+
+    def refresh_nodes(self, nodes: Iterable[object]) -> int:
+        """Feed Node objects into the cache used when kube-scheduler sends only node names."""
+        return self.nodes.update(nodes)
+
+    def _views(self, args: _Args) -> list[NodeView]:
+        if args.node_objects is not None:
+            return [self.nodes.view(n) for n in args.node_objects]
+        assert args.node_names is not None
+        return self.nodes.get_many(args.node_names)
+
+    def _request(self, pod: Mapping[str, Any]) -> tuple[str, str, Request | None]:
+        try:
+            uid, key = pod_key(pod)
+        except InvalidRequest as exc:
+            raise BadRequest(exc.message) from exc
+        request = request_from_pod(pod, memory_unit_bytes=self.config.memory_unit_bytes)
+        if request is not None:
+            with self._lock:
+                self._pods[uid] = (key, request)
+                self._pods.move_to_end(uid)
+                while len(self._pods) > _RECENT_PODS:
+                    self._pods.popitem(last=False)
+        return uid, key, request
+
+    def _state(self, view: NodeView, uid: str) -> NodeState | None:
+        return apply_reservations(view, self.reservations, skip_pod=uid)
+
+    def _context(self, uid: str) -> _Context:
+        """What every node's evaluation in one request shares: reserved nodes, workload, policy."""
+        workload = self.workload.workload() if self.config.policy in NEEDS_WORKLOAD else None
+        policy = self.config.policy
+        if policy in NEEDS_WORKLOAD and workload is None:
+            policy = "bestfit"  # nothing to measure fragmentation against yet
+        version = self.workload.version
+        if workload is not None:
+            workload, version = self._with_supply(workload, version)
+        return _Context(uid, self.reservations.nodes(), workload, policy, version)
+
+    def _with_supply(self, workload: TargetWorkload, version: int) -> tuple[TargetWorkload, int]:
+        """The workload with model and node pressure for the nodes the extender knows (recomputed as they change)."""
+        supply = self.nodes.gpu_supply()
+        key = (version, tuple(sorted(supply.items())), self.nodes.capacity_version)
+        with self._lock:
+            if self._supplied is None or self._supplied[0] != key:
+                serial = self._supplied[2] + 1 if self._supplied is not None else 0
+                # the node list is copied only here, when something changed, not on every request
+                _, capacities = self.nodes.node_capacities()
+                supplied = workload.with_supply(supply, nodes=capacities, demand=self.workload.demand())
+                self._supplied = (key, supplied, serial)
+            return self._supplied[1], self._supplied[2]
+
+    def _evaluate(self, view: NodeView, request: Request, ctx: _Context, *, score: bool) -> _Verdict:
+        """Fit (and the policy's score) of one node, cached until its annotation or reservations change."""
+        if view.state is None:
+            return _Verdict(view.reason or "no usable GPU state", None)
+        state = view.state
+        held: tuple[str, ...] = ()
+        if view.name in ctx.reserved:
+            live = [
+                r for r in self.reservations.on_node(view.name, reflected=view.pods) if r.pod_uid != ctx.uid
+            ]
+            if live:
+                held = tuple(sorted(r.pod_uid for r in live))
+                state = reserved_state(state, live)
+        key = (view.name, view.fingerprint, held, request)
+        with self._lock:
+            reason = self._fits.get(key, _UNSET)
+        if reason is _UNSET:
+            reason = unfit_reason(state, request)
+            with self._lock:
+                if len(self._fits) > _CACHE_LIMIT:
+                    self._fits.clear()
+                self._fits[key] = reason
+        if reason is not None or not score:
+            return _Verdict(reason, None)  # type: ignore[arg-type]
+        score_key = (*key, ctx.policy, ctx.version)
+        with self._lock:
+            scored = self._scores.get(score_key, _UNSET)
+        if scored is _UNSET:
+            choice = score_node(state, request, policy=ctx.policy, workload=ctx.workload)
+            scored = None if choice is None else (choice.score, choice.gpu_uuids)
+            with self._lock:
+                if len(self._scores) > _CACHE_LIMIT:
+                    self._scores.clear()
+                self._scores[score_key] = scored
+        return _Verdict(None, scored)  # type: ignore[arg-type]
+
+    # ----- filter ---------------------------------------------------------------------------------
+
+    def filter(self, body: object) -> dict[str, Any]:
+        args = parse_args(body)
+        failed: dict[str, str] = {}
+        unresolvable: dict[str, str] = {}
+        views = self._views(args)
+        try:
+            uid, _, request = self._request(args.pod)
+        except PlacementError as exc:
+            reason = f"invalid GPU request: {exc.message}"
+            unresolvable = {v.name: reason for v in views if v.name}
+            return self._filter_result(args, [], failed, unresolvable)
+        if request is None:
+            return self._filter_result(args, [v.name for v in views if v.name], failed, unresolvable)
+        self.workload.observe(request)
+        ctx = self._context(uid)
+        positions, fits, _ = self._batch(views, request, ctx)
+        passes = np.zeros(len(views), dtype=bool)
+        passes[positions] = fits
+        for pos in np.flatnonzero(~passes):
+            view = views[pos]
+            verdict = self._evaluate(view, request, ctx, score=False)
+            if verdict.reason is None:
+                passes[pos] = True
+            else:
+                failed[view.name or "<unnamed>"] = verdict.reason
+        passing = [views[i].name for i in np.flatnonzero(passes)]
+        return self._filter_result(args, passing, failed, unresolvable)
+
+    def _batch(
+        self, views: list[NodeView], request: Request, ctx: _Context
+    ) -> tuple[list[int], npt.NDArray[np.bool_], npt.NDArray[np.float64]]:
+        """Fit and score of the nodes the batch form covers: (positions, fits, scores)."""
+        return self.table.verdicts(
+            views,
+            request,
+            uid=ctx.uid,
+            known=self.nodes.views,
+            reservations=self.reservations,
+            reserved=ctx.reserved,
+            workload=ctx.workload,
+            version=ctx.version,
+            policy=ctx.policy,
+        )
+
+    @staticmethod
+    def _filter_result(
+        args: _Args, passing: list[str], failed: dict[str, str], unresolvable: dict[str, str]
+    ) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "Nodes": None,
+            "NodeNames": None,
+            "FailedNodes": failed,
+            "FailedAndUnresolvableNodes": unresolvable,
+            "Error": "",
+        }
+        if args.node_objects is not None:
+            keep = set(passing)
+            items = [n for n in args.node_objects if isinstance(n, Mapping) and _node_name(n) in keep]
+            node_list = dict(args.node_list or {})
+            node_list["items"] = items
+            out["Nodes"] = node_list
+        else:
+            out["NodeNames"] = passing
+        return out
+
+    # ----- prioritize -----------------------------------------------------------------------------
+
+    def prioritize(self, body: object) -> list[dict[str, Any]]:
+        args = parse_args(body)
+        views = self._views(args)
+        try:
+            uid, key, request = self._request(args.pod)
+        except PlacementError:
+            return [{"Host": v.name, "Score": 0} for v in views if v.name]
+        if request is None:
+            return [{"Host": v.name, "Score": 0} for v in views if v.name]
+        ctx = self._context(uid)
+        positions, fits, values = self._batch(views, request, ctx)
+        raw = np.full(len(views), np.nan)
+        raw[np.array(positions, dtype=np.int64)[fits]] = values[fits]
+        covered = np.zeros(len(views), dtype=bool)
+        covered[positions] = True
+        for pos in np.flatnonzero(~covered):
+            scored = self._evaluate(views[pos], request, ctx, score=True).scored
+            if scored is not None:
+                raw[pos] = scored[0]
+        scored_at = np.flatnonzero(~np.isnan(raw))
+        best = views[int(scored_at[raw[scored_at].argmax()])] if len(scored_at) else None
+        scores = _scale_array(raw)
+        result = [{"Host": v.name, "Score": int(s)} for v, s in zip(views, scores, strict=True) if v.name]
+        if best is not None and self.config.provisional_reservations:
+            state = self._state(best, uid)
+            choice = score_node(state, request, policy=ctx.policy, workload=ctx.workload) if state else None
+            if choice is not None:
+                self.reservations.reserve(
+                    pod_uid=uid,
+                    pod_key=key,
+                    node=best.name,
+                    gpu_uuids=choice.gpu_uuids,
+                    request=request,
+                    final=False,
+                )
+        return result
+
+    # ----- bind -----------------------------------------------------------------------------------
+
+    def bind(self, body: object) -> dict[str, str]:
+        if not isinstance(body, Mapping):
+            raise BadRequest("ExtenderBindingArgs must be a JSON object")
+        name, namespace = _field(body, "PodName"), _field(body, "PodNamespace") or "default"
+        uid, node = _field(body, "PodUID") or "", _field(body, "Node")
+        if not isinstance(name, str) or not name or not isinstance(node, str) or not node:
+            raise BadRequest("ExtenderBindingArgs needs PodName and Node")
+        if not isinstance(uid, str) or not isinstance(namespace, str):
+            raise BadRequest("ExtenderBindingArgs.PodUID and PodNamespace must be strings")
+        key = f"{namespace}/{name}"
+        uid = uid or key
+        with self._lock:
+            known = self._pods.get(uid)
+        gpus: tuple[str, ...] = ()
+        if known is not None:
+            request = known[1]
+            state = self._state(self.nodes.get(node), uid)
+            if state is None:
+                return {"Error": f"node {node}: {self.nodes.get(node).reason}"}
+            if (why := unfit_reason(state, request)) is not None:
+                return {"Error": f"pod {key} no longer fits node {node}: {why}"}
+            policy = self.config.policy
+            workload = self.workload.workload()
+            if policy in NEEDS_WORKLOAD and workload is None:
+                policy = "bestfit"
+            choice = score_node(state, request, policy=policy, workload=workload)
+            gpus = choice.gpu_uuids if choice is not None else ()
+            self.reservations.reserve(
+                pod_uid=uid, pod_key=key, node=node, gpu_uuids=gpus, request=request, final=True
+            )
+        if self.binder is None:
+            return {
+                "Error": "this extender has no Kubernetes API access to bind with (start it with --kube-api)"
+            }
+        try:
+            self.binder.bind(namespace=namespace, name=name, uid=uid, node=node, gpu_uuids=gpus)
+        except KubeError as exc:
+            self.reservations.release(uid)
+            return {"Error": exc.message}
+        return {"Error": ""}
+
+
+def _node_name(node: Mapping[str, Any]) -> str:
+    meta = node.get("metadata") or {}
+    name = meta.get("name") if isinstance(meta, Mapping) else None
+    return name if isinstance(name, str) else ""
+
+
+def _scale_array(raw: npt.NDArray[np.float64]) -> npt.NDArray[np.int64]:
+    """Policy scores (NaN: does not fit) to 0..10 keeping their order: best 10, worst fitting 0, NaN 0."""
+    out = np.zeros(len(raw), dtype=np.int64)
+    ok = ~np.isnan(raw)
+    if not ok.any():
+        return out
+    lo, hi = raw[ok].min(), raw[ok].max()
+    if hi == lo:
+        out[ok] = MAX_EXTENDER_PRIORITY
+    else:
+        out[ok] = np.rint((raw[ok] - lo) / (hi - lo) * MAX_EXTENDER_PRIORITY).astype(np.int64)
+    return out

@@ -1,0 +1,1 @@
+"""What Allocate and GetPreferredAllocation answer."""

@@ -1,0 +1,249 @@
+"""What Allocate hands the container runtime for a set of device IDs.
+
+Validates one container's request against the current Snapshot (unknown,
+vanished, unhealthy or duplicate IDs; failRequestsGreaterThanOne; memory units
+spanning GPUs) and builds the response parts the NVIDIA device plugin would
+(NVIDIA_VISIBLE_DEVICES, volume-mount list, CDI annotations or CDI devices,
+device nodes), plus gpunode's memory cap: a region per container written
+through gpunode.node.memcap, with the preload library, the region and optionally an
+/etc/ld.so.preload mounted into the container. This module does not speak gRPC.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpunode.config.agent import Config
+from gpunode.errors import AllocationError, MemcapError
+from gpunode.node.devices.base import Gpu
+from gpunode.node.inventory import AdvertisedDevice, region_key
+from gpunode.node.memcap.checkpoint import CapRecord, Checkpoint
+from gpunode.node.state import Snapshot
+
+log = logging.getLogger(__name__)
+
+VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
+VOLUME_MOUNT_DIR = "/var/run/nvidia-container-devices"
+MIG_MINORS_FILE = Path("/proc/driver/nvidia-caps/mig-minors")
+
+
+@dataclass(frozen=True)
+class MountSpec:
+    container_path: str
+    host_path: str
+    read_only: bool = True
+
+
+@dataclass(frozen=True)
+class DeviceNode:
+    container_path: str
+    host_path: str
+    permissions: str = "rw"
+
+
+@dataclass(frozen=True)
+class ContainerAllocation:
+    envs: dict[str, str] = field(default_factory=dict)
+    mounts: tuple[MountSpec, ...] = ()
+    devices: tuple[DeviceNode, ...] = ()
+    annotations: dict[str, str] = field(default_factory=dict)
+    cdi_devices: tuple[str, ...] = ()
+    region_key: str | None = None  # set when the container got a memory cap
+
+
+def validate_request(
+    snapshot: Snapshot, resource: str, device_ids: Sequence[str], cfg: Config
+) -> list[AdvertisedDevice]:
+    """The devices of one container request, or AllocationError naming what is wrong."""
+    if not device_ids:
+        raise AllocationError(f"{resource}: the request names no device")
+    seen: set[str] = set()
+    devices: list[AdvertisedDevice] = []
+    for dev_id in device_ids:
+        if dev_id in seen:
+            raise AllocationError(f"{resource}: device {dev_id} is requested twice")
+        seen.add(dev_id)
+        status = snapshot.status(dev_id)
+        if status is None or status.device.resource != resource:
+            raise AllocationError(f"{resource}: unknown device ID {dev_id!r}")
+        if not status.healthy:
+            raise AllocationError(
+                f"{resource}: device {dev_id} is unhealthy ({status.reason})",
+                hint="the kubelet will pick another device; see `gpunode devices` for the node's state",
+            )
+        devices.append(status.device)
+    shared = any(d.kind == "replica" for d in devices)
+    if cfg.time_slicing.fail_requests_greater_than_one and len(devices) > 1 and shared:
+        raise AllocationError(
+            f"{resource}: request for {len(devices)} shared devices refused "
+            "(sharing.timeSlicing.failRequestsGreaterThanOne is set)",
+            hint="ask for 1 replica, or turn failRequestsGreaterThanOne off",
+        )
+    capped = [d for d in devices if d.memory_cap_bytes is not None]
+    if capped and len({d.gpu_uuid for d in capped}) > 1:
+        gpus = sorted({d.gpu_uuid for d in capped})
+        raise AllocationError(
+            f"{resource}: memory-capped devices of one container must be on one GPU, got {', '.join(gpus)}",
+            hint="the kubelet follows GetPreferredAllocation; ask for no more units than one GPU has",
+        )
+    return devices
+
+
+def _mig_minors(path: Path) -> dict[str, int]:
+    """Parse /proc/driver/nvidia-caps/mig-minors ("gpu0/gi1/ci0/access 13")."""
+    minors: dict[str, int] = {}
+    try:
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[1].isdigit():
+                minors[parts[0]] = int(parts[1])
+    except OSError:
+        pass
+    return minors
+
+
+class Allocator:
+    """Builds ContainerAllocations; creates memory-cap regions under state_dir/memcap."""
+
+    def __init__(
+        self, *, config: Config, checkpoint: Checkpoint | None = None, mig_minors_file: Path = MIG_MINORS_FILE
+    ) -> None:
+        self.config = config
+        self.regions_root = config.state_dir / "memcap"
+        self.checkpoint = checkpoint
+        self.preload_lib: Path | None = (
+            None  # the host copy of the interposer (regions.stage_preload_library)
+        )
+        self._mig_minors_file = mig_minors_file
+
+    def allocate(self, snapshot: Snapshot, resource: str, device_ids: Sequence[str]) -> ContainerAllocation:
+        cfg = self.config
+        devices = validate_request(snapshot, resource, device_ids, cfg)
+        ids = self._visible_ids(snapshot, devices)
+        envs: dict[str, str] = {}
+        mounts: list[MountSpec] = []
+        annotations: dict[str, str] = {}
+        cdi: list[str] = []
+        strategies = cfg.plugin.device_list_strategy
+        if "envvar" in strategies:
+            envs[VISIBLE_DEVICES_ENV] = ",".join(ids)
+        if "volume-mounts" in strategies:
+            envs[VISIBLE_DEVICES_ENV] = VOLUME_MOUNT_DIR
+            mounts += [MountSpec(f"{VOLUME_MOUNT_DIR}/{i}", "/dev/null", True) for i in ids]
+        if "cdi-annotations" in strategies or "cdi-cri" in strategies:
+            names = [f"nvidia.com/gpu={i}" for i in ids]
+            if "cdi-annotations" in strategies:
+                name = f"{cfg.plugin.cdi_annotation_prefix}gpunode-device-plugin_{region_key(device_ids)}"
+                annotations[name] = ",".join(names)
+            if "cdi-cri" in strategies:
+                cdi += names
+        nodes = self._device_nodes(snapshot, devices) if cfg.plugin.pass_device_specs else ()
+        cap_key: str | None = None
+        if any(d.memory_cap_bytes is not None for d in devices):
+            cap_key, cap_envs, cap_mounts = self._memory_cap(snapshot, devices, device_ids, ids)
+            envs.update(cap_envs)
+            mounts += cap_mounts
+        return ContainerAllocation(envs, tuple(mounts), tuple(nodes), annotations, tuple(cdi), cap_key)
+
+    def _visible_ids(self, snapshot: Snapshot, devices: Sequence[AdvertisedDevice]) -> list[str]:
+        out: list[str] = []
+        for d in devices:
+            if self.config.plugin.device_id_strategy == "index":
+                gpu = snapshot.inventory.gpu(d.gpu_uuid)
+                mig = gpu.mig_by_uuid(d.mig_uuid) if gpu and d.mig_uuid else None
+                ident = (f"{gpu.index}:{mig.index}" if mig else str(gpu.index)) if gpu else d.target_uuid
+            else:
+                ident = d.target_uuid
+            if ident not in out:
+                out.append(ident)
+        return out
+
+    def _device_nodes(self, snapshot: Snapshot, devices: Sequence[AdvertisedDevice]) -> list[DeviceNode]:
+        root = self.config.nvidia_driver_root.rstrip("/")
+        nodes = [
+            DeviceNode(p, f"{root}{p}")
+            for p in ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+        ]
+        minors = _mig_minors(self._mig_minors_file) if any(d.mig_uuid for d in devices) else {}
+        seen: set[str] = {n.container_path for n in nodes}
+
+        def add(path: str) -> None:
+            if path not in seen:
+                seen.add(path)
+                nodes.append(DeviceNode(path, f"{root}{path}"))
+
+        for d in devices:
+            gpu: Gpu | None = snapshot.inventory.gpu(d.gpu_uuid)
+            if gpu is None:
+                continue
+            add(f"/dev/nvidia{gpu.minor}")
+            mig = gpu.mig_by_uuid(d.mig_uuid) if d.mig_uuid else None
+            if mig is not None:
+                for cap in (
+                    f"gpu{gpu.minor}/gi{mig.gi_id}/access",
+                    f"gpu{gpu.minor}/gi{mig.gi_id}/ci{mig.ci_id}/access",
+                ):
+                    if cap in minors:
+                        add(f"/dev/nvidia-caps/nvidia-cap{minors[cap]}")
+                    else:
+                        log.warning("no MIG capability minor for %s in %s", cap, self._mig_minors_file)
+        return nodes
+
+    def _memory_cap(
+        self,
+        snapshot: Snapshot,
+        devices: Sequence[AdvertisedDevice],
+        device_ids: Sequence[str],
+        visible: Sequence[str],
+    ) -> tuple[str, dict[str, str], list[MountSpec]]:
+        try:
+            from gpunode.node import memcap
+        except ImportError as exc:
+            raise AllocationError(
+                f"memory caps are unavailable: {exc}",
+                hint="reinstall gpunode so that its native library and CFFI module are built",
+            ) from None
+        gpu_uuid = devices[0].gpu_uuid
+        gpu = snapshot.inventory.gpu(gpu_uuid)
+        total = gpu.memory_total_bytes if gpu else 0
+        if devices[0].mig_uuid and gpu is not None:
+            mig = gpu.mig_by_uuid(devices[0].mig_uuid)
+            total = mig.memory_total_bytes if mig else total
+        limit = sum(d.memory_cap_bytes or 0 for d in devices)
+        key = region_key(device_ids)
+        try:
+            region = memcap.create_region(
+                self.regions_root,
+                key,
+                gpu_uuid=devices[0].target_uuid,
+                limit_bytes=limit,
+                device_total_bytes=total or limit,
+                fail_open=self.config.fractional.fail_open,
+            )
+            spec = memcap.container_spec(
+                region,
+                preload_lib=self.preload_lib,
+                visible_device=",".join(visible),
+                ld_so_preload=self.config.fractional.ld_so_preload,
+            )
+        except MemcapError as exc:
+            raise AllocationError(f"cannot set up the memory cap: {exc.message}", hint=exc.hint) from None
+        if self.checkpoint is not None:
+            self.checkpoint.add(
+                CapRecord(
+                    key=key,
+                    resource=devices[0].resource,
+                    device_ids=tuple(device_ids),
+                    gpu_uuid=devices[0].target_uuid,
+                    limit_bytes=region.devices[0].limit_bytes,
+                    device_total_bytes=total or limit,
+                    fail_open=self.config.fractional.fail_open,
+                    created=time.time(),
+                )
+            )
+        mounts = [MountSpec(m.container_path, str(m.host_path), m.read_only) for m in spec.mounts]
+        return key, dict(spec.envs), mounts

@@ -1,0 +1,1 @@
+"""The NVML backend: real NVIDIA GPUs through pynvml."""

@@ -1,0 +1,499 @@
+"""The NVML backend: the Backend protocol over the NVIDIA driver's management library.
+
+This is the only module that imports pynvml (from the nvidia-ml-py package);
+every NVML call goes through the one query helper, nvmlquery.NvmlQuery, which
+translates NVML's errors (not supported -> None, GPU lost -> GpuLostError,
+library or driver missing -> BackendUnavailable, others -> BackendError).
+
+Discovery reads, per GPU: index, UUID, name, memory total
+(nvmlDeviceGetMemoryInfo), PCI bus ID, NUMA node (nvmlDeviceGetNumaNodeId,
+else /sys/bus/pci/devices/<bdf>/numa_node), minor number (else
+/proc/driver/nvidia/gpus/<bdf>/information), architecture, MIG mode and the
+MIG devices (profile from the MIG device's name, "... MIG 1g.10gb", slices
+from its attributes, GPU/compute instance IDs, memory), and NVLink peers:
+for every active link, the remote end's type and PCI bus ID; a GPU at the far
+end is a peer, and all GPUs with an active link to an NVSwitch form one mesh.
+A GPU that is lost during discovery stays listed with its last known snapshot.
+
+Telemetry (sample) lives in nvmlsample.py with its table of NVML calls per
+field. Processes are read per MIG device on a MIG-enabled GPU (NVML gives the
+aggregate on the parent only to privileged callers). probe() runs its calls
+in a worker thread and answers reachable=False when NVML does not answer in
+time. wait_event() waits on an NVML event set with XID and single/double-bit
+ECC events registered on every GPU that supports them.
+
+The NVML module is a constructor parameter, so tests run this code against a
+fake module that behaves like pynvml.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import logging
+import re
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from gpunode.errors import BackendError, BackendUnavailable, DeviceNotFound, GpuLostError
+from gpunode.node.devices.base import DeviceEvent, EventKind, Gpu, GpuProbe, GpuProcess, GpuSample, MigDevice
+from gpunode.node.devices.nvml.query import (
+    ERR_INVALID_ARGUMENT,
+    ERR_TIMEOUT,
+    ERR_UNINITIALIZED,
+    NvmlQuery,
+)
+from gpunode.node.devices.nvml.sample import GpmState, read_sample
+
+log = logging.getLogger(__name__)
+
+NVML_CLOCK_SM = 1
+NVML_CLOCK_MEM = 2
+NVML_TEMPERATURE_GPU = 0
+NVML_MEMORY_ERROR_TYPE_CORRECTED = 0
+NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
+NVML_VOLATILE_ECC = 0
+NVML_NVLINK_DEVICE_TYPE_GPU = 0
+NVML_NVLINK_DEVICE_TYPE_SWITCH = 2
+EVENT_SINGLE_BIT_ECC = 0x1
+EVENT_DOUBLE_BIT_ECC = 0x2
+EVENT_XID_CRITICAL = 0x8
+INVALID_INSTANCE_ID = 0xFFFFFFFF
+
+_ARCHITECTURES = {
+    2: "kepler", 3: "maxwell", 4: "pascal", 5: "volta", 6: "turing",
+    7: "ampere", 8: "ada", 9: "hopper", 10: "blackwell",
+}  # fmt: skip
+
+
+def load_pynvml() -> Any:
+    """Import pynvml (nvidia-ml-py), or raise BackendUnavailable when it is not installed."""
+    try:
+        return importlib.import_module("pynvml")
+    except ImportError:
+        raise BackendUnavailable(
+            "the nvidia-ml-py package (module pynvml) is not installed",
+            hint="pip install nvidia-ml-py, or pass --backend sim to run on a simulated node",
+        ) from None
+
+
+def normalize_bus_id(value: str) -> str:
+    """NVML's bus ID form, "00000000:18:00.0", from either the 8- or the 4-digit domain form."""
+    m = re.fullmatch(r"([0-9A-Fa-f]{4,8}):([0-9A-Fa-f]{2}):([0-9A-Fa-f]{2})\.([0-7])", value.strip())
+    if not m:
+        return value.strip().upper()
+    domain, bus, dev, fn = m.groups()
+    return f"{int(domain, 16):08X}:{bus.upper()}:{dev.upper()}.{fn}"
+
+
+def _sysfs_bdf(bus_id: str) -> str:
+    """The sysfs form of a bus ID: 4-digit domain, lower case ("0000:18:00.0")."""
+    domain, rest = bus_id.split(":", 1)
+    return f"{int(domain, 16):04x}:{rest.lower()}"
+
+
+class NvmlBackend:
+    """The Backend protocol over NVML."""
+
+    name = "nvml"
+
+    def __init__(
+        self,
+        *,
+        nvml: Any | None = None,
+        probe_timeout_s: float = 5.0,
+        sysfs_root: str | Path = "/sys",
+        procfs_root: str | Path = "/proc",
+    ) -> None:
+        self._q = NvmlQuery(nvml if nvml is not None else load_pynvml())
+        self.probe_timeout_s = probe_timeout_s
+        self._sysfs = Path(sysfs_root)
+        self._procfs = Path(procfs_root)
+        self._lock = threading.Lock()  # guards the dictionaries below
+        self._handles: dict[str, Any] = {}
+        self._known: dict[int, Gpu] = {}  # last snapshot per index, to keep listing a lost GPU
+        self._mig: dict[str, tuple[tuple[Any, MigDevice], ...]] = {}  # parent UUID -> MIG handles
+        self._gpm = GpmState(self._q)
+        self._event_lock = threading.Lock()
+        self._event_set: Any = None
+        self._registered: set[str] = set()
+        self._hung: dict[str, threading.Thread] = {}
+        self._closed = False
+        self._q.init()
+        self._driver = self._q.call("nvmlSystemGetDriverVersion")
+
+    # -- Backend protocol -------------------------------------------------------------------
+
+    def driver_version(self) -> str | None:
+        return str(self._driver) if self._driver is not None else None
+
+    def gpus(self) -> tuple[Gpu, ...]:
+        count = int(self._q.require("nvmlDeviceGetCount"))
+        found: list[tuple[Gpu, Any]] = []
+        for index in range(count):
+            with self._lock:
+                known = self._known.get(index)
+            try:
+                found.append(self._discover(index, known.uuid if known else f"at index {index}"))
+            except GpuLostError:
+                if known is None:
+                    log.warning(
+                        "the GPU at NVML index %d is lost and was never seen; it is not listed", index
+                    )
+                    continue
+                found.append((known, None))
+        peers = self._nvlink_peers(found)
+        order = {g.uuid: g.index for g, _ in found}
+        gpus = tuple(
+            g if h is None else replace(g, nvlink_peers=tuple(sorted(peers[g.uuid], key=order.__getitem__)))
+            for g, h in found
+        )
+        with self._lock:
+            # Forget GPUs that left the bus; a lost GPU keeps its old handle and snapshot.
+            self._handles = {g.uuid: h or self._handles.get(g.uuid) for g, h in found}
+            self._handles = {u: h for u, h in self._handles.items() if h is not None}
+            self._known = {g.index: g for g in gpus}
+            self._mig = {g.uuid: self._mig.get(g.uuid, ()) for g in gpus}
+        self._gpm.retain({g.uuid for g in gpus})
+        return gpus
+
+    def sample(self, uuid: str) -> GpuSample:
+        handle = self._handle(uuid)
+        with self._lock:
+            migs = self._mig.get(uuid, ())
+        return read_sample(self._q, handle, uuid, migs, self._gpm)
+
+    def processes(self, uuid: str) -> tuple[GpuProcess, ...]:
+        handle = self._handle(uuid)
+        with self._lock:
+            migs = self._mig.get(uuid, ())
+        sources = [(mh, m.uuid) for mh, m in migs] if migs else [(handle, None)]
+        merged: dict[tuple[int, str | None], GpuProcess] = {}
+        for h, mig_uuid in sources:
+            for fn in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+                rows = self._q.call(fn, h, uuid=uuid)
+                if rows is None:  # a driver without the v3 call: the v2 struct has the same fields
+                    rows = self._q.call(f"{fn}_v2", h, uuid=uuid)
+                for p in rows or ():
+                    used = p.usedGpuMemory if isinstance(p.usedGpuMemory, int) else None
+                    key = (int(p.pid), mig_uuid)
+                    old = merged.get(key)
+                    if old is not None and old.used_memory_bytes is not None:
+                        used = max(used or 0, old.used_memory_bytes)
+                    merged[key] = GpuProcess(
+                        pid=int(p.pid), gpu_uuid=uuid, used_memory_bytes=used, mig_uuid=mig_uuid
+                    )
+        return tuple(sorted(merged.values(), key=lambda p: (p.pid, p.mig_uuid or "")))
+
+    def probe(self, uuid: str) -> GpuProbe:
+        started = time.monotonic()
+        with self._lock:
+            hung = self._hung.get(uuid)
+        if hung is not None and hung.is_alive():
+            return GpuProbe(
+                uuid=uuid,
+                reachable=False,
+                detail="an earlier probe of this GPU is still waiting for NVML",
+                duration_s=time.monotonic() - started,
+            )
+        box: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                box["probe"] = self._probe_now(uuid)
+            except BaseException as e:  # handed to the caller below
+                box["error"] = e
+
+        worker = threading.Thread(target=work, name=f"nvml-probe-{uuid[4:12]}", daemon=True)
+        worker.start()
+        worker.join(self.probe_timeout_s)
+        elapsed = time.monotonic() - started
+        if worker.is_alive():
+            with self._lock:
+                self._hung[uuid] = worker
+            return GpuProbe(
+                uuid=uuid,
+                reachable=False,
+                detail=f"NVML did not answer within {self.probe_timeout_s:g} s",
+                duration_s=elapsed,
+            )
+        error = box.get("error")
+        if isinstance(error, DeviceNotFound):
+            raise error
+        if isinstance(error, GpuLostError):
+            return GpuProbe(uuid=uuid, reachable=False, detail=error.message, duration_s=elapsed)
+        if isinstance(error, BackendError):
+            return GpuProbe(
+                uuid=uuid, reachable=False, detail=f"probe failed: {error.message}", duration_s=elapsed
+            )
+        if error is not None:
+            raise error
+        return replace(box["probe"], duration_s=elapsed)
+
+    def wait_event(self, timeout_s: float) -> DeviceEvent | None:
+        with self._event_lock:
+            if self._closed:
+                return None
+            self._register_events()
+            if self._event_set is None:
+                time.sleep(max(0.0, timeout_s))  # no GPU can report events: wait out the timeout
+                return None
+            timeout_ms = min(max(0, int(timeout_s * 1000)), 2**31 - 1)
+            data = self._q.call("nvmlEventSetWait_v2", self._event_set, timeout_ms, absent=(ERR_TIMEOUT,))
+        if data is None:
+            return None
+        return self._to_event(data)
+
+    def close(self) -> None:
+        with self._event_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._gpm.free_all()
+            if self._event_set is not None:
+                self._q.call("nvmlEventSetFree", self._event_set, absent=(ERR_UNINITIALIZED,))
+                self._event_set = None
+            self._q.call("nvmlShutdown", absent=(ERR_UNINITIALIZED,))
+
+    # -- discovery --------------------------------------------------------------------------------
+
+    def _handle(self, uuid: str) -> Any:
+        with self._lock:
+            handle = self._handles.get(uuid)
+        if handle is not None:
+            return handle
+        handle = self._q.call("nvmlDeviceGetHandleByUUID", uuid, uuid=uuid)
+        if handle is None:
+            raise DeviceNotFound(f"NVML knows no GPU {uuid}")
+        with self._lock:
+            self._handles[uuid] = handle
+        return handle
+
+    def _discover(self, index: int, ref: str) -> tuple[Gpu, Any]:
+        q = self._q
+        handle = q.require("nvmlDeviceGetHandleByIndex", index, uuid=ref)
+        uuid = str(q.require("nvmlDeviceGetUUID", handle, uuid=ref))
+        memory = self._memory_total(handle, uuid)
+        bus = normalize_bus_id(str(q.require("nvmlDeviceGetPciInfo", handle, uuid=uuid).busId))
+        arch = q.call("nvmlDeviceGetArchitecture", handle, uuid=uuid)
+        mig_mode = q.call("nvmlDeviceGetMigMode", handle, uuid=uuid)
+        mig_enabled = bool(mig_mode) and int(mig_mode[0]) == 1
+        migs = self._discover_mig(handle, uuid) if mig_enabled else ()
+        with self._lock:
+            self._mig[uuid] = migs
+        gpu = Gpu(
+            index=index,
+            uuid=uuid,
+            model=str(q.require("nvmlDeviceGetName", handle, uuid=uuid)),
+            memory_total_bytes=memory,
+            pci_bus_id=bus,
+            numa_node=self._numa_node(handle, uuid, bus),
+            minor=self._minor(handle, uuid, bus),
+            mig_enabled=mig_enabled,
+            mig_devices=tuple(m for _, m in migs),
+            architecture=_ARCHITECTURES.get(int(arch)) if arch is not None else None,
+        )
+        return gpu, handle
+
+    def _memory_total(self, handle: Any, uuid: str) -> int:
+        version = self._q.const("nvmlMemory_v2", None)
+        info = None
+        if version is not None:
+            info = self._q.call("nvmlDeviceGetMemoryInfo", handle, uuid=uuid, version=version)
+        if info is None:
+            info = self._q.require("nvmlDeviceGetMemoryInfo", handle, uuid=uuid)
+        return int(info.total)
+
+    def _numa_node(self, handle: Any, uuid: str, bus: str) -> int | None:
+        node = self._q.call("nvmlDeviceGetNumaNodeId", handle, uuid=uuid)
+        if node is None:
+            try:
+                node = int((self._sysfs / "bus/pci/devices" / _sysfs_bdf(bus) / "numa_node").read_text())
+            except (OSError, ValueError):
+                return None
+        return int(node) if int(node) >= 0 else None
+
+    def _minor(self, handle: Any, uuid: str, bus: str) -> int:
+        minor = self._q.call("nvmlDeviceGetMinorNumber", handle, uuid=uuid)
+        if minor is not None:
+            return int(minor)
+        info = self._procfs / "driver/nvidia/gpus" / _sysfs_bdf(bus) / "information"
+        try:
+            m = re.search(r"^Device Minor:\s*(\d+)", info.read_text(), re.MULTILINE)
+        except OSError:
+            m = None
+        if m is None:
+            raise BackendError(
+                f"cannot tell the device minor number of GPU {uuid} (NVML and {info} give none)"
+            )
+        return int(m.group(1))
+
+    def _discover_mig(self, handle: Any, uuid: str) -> tuple[tuple[Any, MigDevice], ...]:
+        q = self._q
+        found = []
+        for i in range(int(q.call("nvmlDeviceGetMaxMigDeviceCount", handle, uuid=uuid) or 0)):
+            mh = q.call(
+                "nvmlDeviceGetMigDeviceHandleByIndex", handle, i, uuid=uuid, absent=(ERR_INVALID_ARGUMENT,)
+            )
+            if mh is None:
+                continue  # no MIG device in this slot
+            name = str(q.call("nvmlDeviceGetName", mh, uuid=uuid) or "")
+            attrs = q.call("nvmlDeviceGetAttributes", mh, uuid=uuid)
+            profile = name.rsplit(" MIG ", 1)[1].strip() if " MIG " in name else ""
+            if not profile and attrs is not None:
+                profile = f"{attrs.gpuInstanceSliceCount}g.{round(attrs.memorySizeMB / 1024)}gb"
+            slices_match = re.search(r"(\d+)g\.", profile)
+            if attrs is not None:
+                slices = int(attrs.gpuInstanceSliceCount)
+            elif slices_match:
+                slices = int(slices_match.group(1))
+            else:
+                raise BackendError(f"cannot tell the size of MIG device {i} on GPU {uuid} (name {name!r})")
+            mem = q.call("nvmlDeviceGetMemoryInfo", mh, uuid=uuid)
+            if mem is None and attrs is None:
+                raise BackendError(f"cannot tell the memory of MIG device {i} on GPU {uuid}")
+            device = MigDevice(
+                uuid=str(q.require("nvmlDeviceGetUUID", mh, uuid=uuid)),
+                parent_uuid=uuid,
+                index=i,
+                profile=profile or f"{slices}g",
+                gi_id=int(q.require("nvmlDeviceGetGpuInstanceId", mh, uuid=uuid)),
+                ci_id=int(q.require("nvmlDeviceGetComputeInstanceId", mh, uuid=uuid)),
+                slices=slices,
+                memory_total_bytes=int(mem.total) if mem is not None else int(attrs.memorySizeMB) * 2**20,
+            )
+            found.append((mh, device))
+        return tuple(found)
+
+    def _nvlink_peers(self, found: Sequence[tuple[Gpu, Any]]) -> dict[str, set[str]]:
+        """UUIDs of the GPUs each GPU reaches over an active NVLink (directly or through NVSwitch)."""
+        q = self._q
+        by_bus = {g.pci_bus_id: g.uuid for g, _ in found}
+        peers: dict[str, set[str]] = {g.uuid: set() for g, _ in found}
+        on_switch: set[str] = set()
+        links = int(q.const("NVML_NVLINK_MAX_LINKS", 18))
+        odd = (ERR_INVALID_ARGUMENT,)
+        for gpu, handle in found:
+            if handle is None:
+                continue
+            for link in range(links):
+                try:
+                    if not q.call("nvmlDeviceGetNvLinkState", handle, link, uuid=gpu.uuid, absent=odd):
+                        continue
+                    kind = q.call(
+                        "nvmlDeviceGetNvLinkRemoteDeviceType", handle, link, uuid=gpu.uuid, absent=odd
+                    )
+                    if kind == NVML_NVLINK_DEVICE_TYPE_SWITCH:
+                        on_switch.add(gpu.uuid)
+                        continue
+                    pci = q.call("nvmlDeviceGetNvLinkRemotePciInfo", handle, link, uuid=gpu.uuid, absent=odd)
+                except GpuLostError:
+                    break
+                if pci is None or kind not in (None, NVML_NVLINK_DEVICE_TYPE_GPU):
+                    continue  # an IBM NPU or an unknown device at the far end
+                remote = by_bus.get(normalize_bus_id(str(pci.busId)))
+                if remote is not None and remote != gpu.uuid:
+                    peers[gpu.uuid].add(remote)
+                    peers[remote].add(gpu.uuid)
+                elif remote is None and kind is None:
+                    on_switch.add(gpu.uuid)  # an older driver: a non-GPU remote end is the switch
+        for uuid in on_switch:
+            peers[uuid] |= on_switch - {uuid}
+        return peers
+
+    # -- probe and events ---------------------------------------------------------------------------
+
+    def _probe_now(self, uuid: str) -> GpuProbe:
+        q = self._q
+        handle = self._handle(uuid)
+        q.require("nvmlDeviceGetTemperature", handle, NVML_TEMPERATURE_GPU, uuid=uuid)
+        retired = q.call("nvmlDeviceGetRetiredPagesPendingStatus", handle, uuid=uuid)
+        remap = q.call("nvmlDeviceGetRemappedRows", handle, uuid=uuid)
+        return GpuProbe(
+            uuid=uuid,
+            reachable=True,
+            retired_pages_pending=bool(retired) if retired is not None else None,
+            row_remap_pending=bool(remap[2]) if remap is not None else None,
+            row_remap_failure=bool(remap[3]) if remap is not None else None,
+            ecc_sbe_volatile=_opt_int(self._ecc(handle, uuid, NVML_MEMORY_ERROR_TYPE_CORRECTED)),
+            ecc_dbe_volatile=_opt_int(self._ecc(handle, uuid, NVML_MEMORY_ERROR_TYPE_UNCORRECTED)),
+        )
+
+    def _ecc(self, handle: Any, uuid: str, kind: int) -> Any:
+        return self._q.call("nvmlDeviceGetTotalEccErrors", handle, kind, NVML_VOLATILE_ECC, uuid=uuid)
+
+    def _register_events(self) -> None:
+        """Create the event set once and register every GPU not yet registered (new GPUs after hot-plug)."""
+        q = self._q
+        with self._lock:
+            known = dict(self._handles)
+        if not known:
+            self.gpus()
+            with self._lock:
+                known = dict(self._handles)
+        wanted = EVENT_XID_CRITICAL | EVENT_SINGLE_BIT_ECC | EVENT_DOUBLE_BIT_ECC
+        for uuid, handle in known.items():
+            if uuid in self._registered:
+                continue
+            try:
+                supported = q.call("nvmlDeviceGetSupportedEventTypes", handle, uuid=uuid)
+                mask = int(supported or 0) & wanted
+                if mask:
+                    if self._event_set is None:
+                        self._event_set = q.require("nvmlEventSetCreate")
+                    q.call("nvmlDeviceRegisterEvents", handle, mask, self._event_set, uuid=uuid)
+            except GpuLostError:
+                log.warning("GPU %s is lost; its XID and ECC events are not watched", uuid)
+                continue
+            self._registered.add(uuid)
+
+    def _to_event(self, data: Any) -> DeviceEvent:
+        uuid = self._uuid_of_handle(data.device) if data.device else None
+        mig_uuid = self._mig_of(uuid, int(data.gpuInstanceId), int(data.computeInstanceId))
+        etype = int(data.eventType)
+        if etype & EVENT_XID_CRITICAL:
+            return DeviceEvent(kind=EventKind.XID, gpu_uuid=uuid, mig_uuid=mig_uuid, xid=int(data.eventData))
+        if etype & EVENT_DOUBLE_BIT_ECC:
+            return DeviceEvent(kind=EventKind.ECC_DBE, gpu_uuid=uuid, mig_uuid=mig_uuid)
+        if etype & EVENT_SINGLE_BIT_ECC:
+            return DeviceEvent(kind=EventKind.ECC_SBE, gpu_uuid=uuid, mig_uuid=mig_uuid)
+        # Only the three kinds above are registered; anything else is reported as an XID without a code.
+        return DeviceEvent(kind=EventKind.XID, gpu_uuid=uuid, mig_uuid=mig_uuid, xid=None)
+
+    def _uuid_of_handle(self, handle: Any) -> str | None:
+        """The UUID of the GPU an event came from; a lost GPU is found among the known handles."""
+        try:
+            uuid = self._q.call("nvmlDeviceGetUUID", handle)
+        except BackendError:
+            uuid = None
+        if uuid is not None:
+            return str(uuid)
+        address = _address(handle)
+        with self._lock:
+            return next((u for u, h in self._handles.items() if _address(h) == address), None)
+
+    def _mig_of(self, uuid: str | None, gi: int, ci: int) -> str | None:
+        """The MIG device an event names by GPU/compute instance ID (ci may be unset)."""
+        if uuid is None or gi == INVALID_INSTANCE_ID:
+            return None
+        with self._lock:
+            candidates = [m for _, m in self._mig.get(uuid, ()) if m.gi_id == gi]
+        exact = [m for m in candidates if m.ci_id == ci]
+        chosen = exact or candidates
+        return chosen[0].uuid if chosen else None
+
+
+def _address(handle: Any) -> int | None:
+    """The address an NVML device handle (a ctypes pointer) points to."""
+    try:
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    except (TypeError, ctypes.ArgumentError):
+        return None
+
+
+def _opt_int(value: Any) -> int | None:
+    return int(value) if value is not None else None

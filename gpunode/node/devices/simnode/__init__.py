@@ -1,0 +1,1 @@
+"""The simulated GPU node: profiles, simulated GPUs with fault injection, and its control socket."""

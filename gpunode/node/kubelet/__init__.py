@@ -1,0 +1,1 @@
+"""The kubelet-facing gRPC servers and clients: device plugin (v1beta1) and pod-resources (v1)."""

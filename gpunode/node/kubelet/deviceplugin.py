@@ -1,0 +1,368 @@
+"""The kubelet device-plugin API (v1beta1): one gRPC server per advertised resource.
+
+Each resource gets its own Unix socket in the kubelet's device-plugins
+directory and is registered through kubelet.sock. ListAndWatch sends the whole
+device list (with health and NUMA node) at once and again on every change of
+DeviceState. GetPreferredAllocation asks gpunode.placement, the same code the
+scheduler extender and the simulator use. Allocate is built by
+gpunode.node.allocation.allocator. The kubelet removes every socket in its directory when it
+restarts and re-creates kubelet.sock; PluginManager watches for that and
+restarts and re-registers its servers. This module translates errors into gRPC
+status codes at its edge and does no device discovery itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+from collections import defaultdict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from gpunode.config.agent import Config
+from gpunode.errors import AllocationError, GpunodeError
+from gpunode.node.allocation.allocator import Allocator, ContainerAllocation
+from gpunode.node.inventory import AdvertisedDevice
+from gpunode.node.kubelet._proto import deviceplugin_v1beta1_pb2 as pb
+from gpunode.node.kubelet._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+from gpunode.node.state import HEALTHY, UNHEALTHY, DeviceState, Snapshot
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "v1beta1"
+REGISTER_TIMEOUT_S = 5.0
+SERVER_START_TIMEOUT_S = 10.0
+ASYNCIO_MARGIN_S = 2.0  # asyncio bound on a gRPC await, beyond gRPC's own grace or deadline
+
+
+def socket_name(resource: str) -> str:
+    """gpunode-nvidia.com_gpu.sock for nvidia.com/gpu."""
+    return "gpunode-" + re.sub(r"[^A-Za-z0-9_.-]", "_", resource) + ".sock"
+
+
+def device_list(snapshot: Snapshot, resource: str) -> list[pb.Device]:
+    out = []
+    for st in snapshot.statuses(resource):
+        dev = pb.Device(ID=st.device.id, health=HEALTHY if st.healthy else UNHEALTHY)
+        if st.device.numa_node is not None:
+            dev.topology.nodes.append(pb.NUMANode(ID=st.device.numa_node))
+        out.append(dev)
+    return out
+
+
+def to_response(alloc: ContainerAllocation) -> pb.ContainerAllocateResponse:
+    resp = pb.ContainerAllocateResponse(envs=alloc.envs, annotations=alloc.annotations)
+    resp.mounts.extend(
+        pb.Mount(container_path=m.container_path, host_path=m.host_path, read_only=m.read_only)
+        for m in alloc.mounts
+    )
+    resp.devices.extend(
+        pb.DeviceSpec(container_path=d.container_path, host_path=d.host_path, permissions=d.permissions)
+        for d in alloc.devices
+    )
+    resp.cdi_devices.extend(pb.CDIDevice(name=n) for n in alloc.cdi_devices)
+    return resp
+
+
+def preferred_allocation(
+    snapshot: Snapshot,
+    resource: str,
+    available: Sequence[str],
+    must_include: Sequence[str],
+    size: int,
+    config: Config,
+) -> list[str]:
+    """Choose `size` device IDs out of `available` (keeping `must_include`) with gpunode.placement."""
+    from gpunode import placement
+    from gpunode.node.allocation.preferred import placement_node
+
+    if size <= 0:
+        return []
+    devices: list[AdvertisedDevice] = []
+    for dev_id in dict.fromkeys([*must_include, *available]):
+        st = snapshot.status(dev_id)
+        if st is None or st.device.resource != resource:
+            raise AllocationError(
+                f"{resource}: unknown device ID {dev_id!r} in the preferred-allocation request"
+            )
+        if st.healthy:
+            devices.append(st.device)
+    must = list(must_include)
+    by_id = {d.id: d for d in devices}
+    if size > len(devices):
+        raise AllocationError(
+            f"{resource}: {size} devices asked for, only {len(devices)} healthy ones offered"
+        )
+    kinds = {d.kind for d in devices}
+    if kinds <= {"gpu"}:
+        node = placement_node(snapshot)
+        return list(
+            placement.preferred_whole_gpus(
+                node, count=size, available=[d.id for d in devices], must_include=must
+            )
+        )
+    if kinds == {"replica"}:
+        free_by_gpu: dict[str, list[str]] = defaultdict(list)
+        for d in devices:
+            free_by_gpu[d.mig_uuid or d.gpu_uuid].append(d.id)
+        return list(
+            placement.preferred_replicas(
+                free_by_gpu, count=size, must_include=must, mode=config.replica_placement
+            )
+        )
+    if kinds == {"memory"}:
+        by_gpu: dict[str, list[str]] = defaultdict(list)
+        for d in devices:
+            by_gpu[d.gpu_uuid].append(d.id)
+        must_gpus = {by_id[m].gpu_uuid for m in must if m in by_id}
+        if len(must_gpus) > 1:
+            raise AllocationError(
+                f"{resource}: the devices that must be included span GPUs {sorted(must_gpus)}"
+            )
+        candidates = sorted(must_gpus) or [g for g, ids in by_gpu.items() if len(ids) >= size]
+        if not candidates:
+            raise AllocationError(f"{resource}: no single GPU has {size} free units")
+        unit = devices[0].memory_cap_bytes or 1
+        node = placement_node(snapshot, free_memory_units=by_gpu)
+        request = placement.Request(gpu_memory_bytes=size * unit)
+        gpu = placement.preferred_fraction_gpu(node, request, candidates=candidates, policy="gpunode")
+        if gpu is None:
+            raise AllocationError(f"{resource}: no single GPU has {size} free units")
+        chosen = [m for m in must if m in by_gpu[gpu]]
+        ordered = sorted(by_gpu[gpu], key=lambda i: (len(i), i))  # ::mem2 before ::mem10
+        chosen += [i for i in ordered if i not in chosen][: size - len(chosen)]
+        return chosen
+    # MIG devices (one profile per resource): keep must_include, then the lowest IDs on the fewest GPUs.
+    chosen = list(must)
+    rest = sorted((d for d in devices if d.id not in chosen), key=lambda d: (d.gpu_uuid, d.id))
+    chosen += [d.id for d in rest][: size - len(chosen)]
+    return chosen
+
+
+class DevicePluginServicer(pb_grpc.DevicePluginServicer):
+    """Serves one resource from DeviceState."""
+
+    def __init__(self, *, resource: str, state: DeviceState, config: Config, allocator: Allocator) -> None:
+        self.resource = resource
+        self.state = state
+        self.config = config
+        self.allocator = allocator
+
+    async def GetDevicePluginOptions(
+        self, request: pb.Empty, context: grpc.aio.ServicerContext
+    ) -> pb.DevicePluginOptions:
+        return pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+
+    async def ListAndWatch(
+        self, request: pb.Empty, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ListAndWatchResponse]:
+        version = -1
+        last: list[pb.Device] | None = None
+        while True:
+            snap = await self.state.wait_for_change(version)
+            version = snap.version
+            devices = device_list(snap, self.resource)
+            if devices != last:
+                last = devices
+                yield pb.ListAndWatchResponse(devices=devices)
+
+    async def GetPreferredAllocation(
+        self, request: pb.PreferredAllocationRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PreferredAllocationResponse:
+        snap = self.state.snapshot()
+        resp = pb.PreferredAllocationResponse()
+        for creq in request.container_requests:
+            try:
+                ids = preferred_allocation(
+                    snap,
+                    self.resource,
+                    list(creq.available_deviceIDs),
+                    list(creq.must_include_deviceIDs),
+                    creq.allocation_size,
+                    self.config,
+                )
+            except (AllocationError, ValueError) as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _message(exc))
+            resp.container_responses.append(pb.ContainerPreferredAllocationResponse(deviceIDs=ids))
+        return resp
+
+    async def Allocate(
+        self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AllocateResponse:
+        snap = self.state.snapshot()
+        resp = pb.AllocateResponse()
+        for creq in request.container_requests:
+            try:
+                alloc = await asyncio.to_thread(
+                    self.allocator.allocate, snap, self.resource, list(creq.devices_ids)
+                )
+            except AllocationError as exc:
+                log.warning("Allocate refused: %s", exc.message)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+            log.info("Allocate %s: %s", self.resource, ",".join(creq.devices_ids))
+            resp.container_responses.append(to_response(alloc))
+        return resp
+
+    async def PreStartContainer(
+        self, request: pb.PreStartContainerRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PreStartContainerResponse:
+        return pb.PreStartContainerResponse()
+
+
+def _message(exc: Exception) -> str:
+    return exc.message if isinstance(exc, GpunodeError) else str(exc)
+
+
+@dataclass
+class PluginServer:
+    """One resource's gRPC server on its Unix socket."""
+
+    resource: str
+    socket_path: Path
+    servicer: DevicePluginServicer
+    server: grpc.aio.Server | None = None
+    inode: int | None = None
+
+    async def start(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        server = grpc.aio.server()
+        pb_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
+        server.add_insecure_port(f"unix://{self.socket_path}")
+        await asyncio.wait_for(server.start(), SERVER_START_TIMEOUT_S)
+        self.server = server
+        self.inode = os.stat(self.socket_path).st_ino
+
+    def socket_intact(self) -> bool:
+        try:
+            return os.stat(self.socket_path).st_ino == self.inode
+        except FileNotFoundError:
+            return False
+
+    async def stop(self, grace_s: float = 0.5) -> None:
+        if self.server is not None:
+            server, self.server = self.server, None
+            # gRPC's stop waits for handlers to finish; bound it at the asyncio level too, so that a
+            # stream gRPC never reports finished cannot hold up a restart or the agent's exit.
+            try:
+                await asyncio.wait_for(server.stop(grace_s), grace_s + ASYNCIO_MARGIN_S)
+            except TimeoutError:
+                log.warning("the %s server did not stop within %g s; going on", self.resource, grace_s)
+        if self.inode is not None and self.socket_intact():
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()
+        self.inode = None
+
+
+async def register(kubelet_socket: Path, server: PluginServer) -> None:
+    """Register one plugin with the kubelet; raises grpc.aio.AioRpcError or TimeoutError on failure."""
+
+    async def call() -> None:
+        async with grpc.aio.insecure_channel(f"unix://{kubelet_socket}") as channel:
+            stub = pb_grpc.RegistrationStub(channel)
+            await stub.Register(
+                pb.RegisterRequest(
+                    version=API_VERSION,
+                    endpoint=server.socket_path.name,
+                    resource_name=server.resource,
+                    options=pb.DevicePluginOptions(get_preferred_allocation_available=True),
+                ),
+                timeout=REGISTER_TIMEOUT_S,
+            )
+
+    # gRPC's deadline, and an asyncio one over the whole exchange (channel close included).
+    await asyncio.wait_for(call(), REGISTER_TIMEOUT_S + ASYNCIO_MARGIN_S)
+
+
+def _kubelet_identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return (st.st_ino, st.st_ctime_ns)
+
+
+class PluginManager:
+    """Runs one PluginServer per resource in DeviceState and keeps them registered with the kubelet."""
+
+    def __init__(self, *, config: Config, state: DeviceState, allocator: Allocator | None = None) -> None:
+        self.config = config
+        self.state = state
+        self.allocator = allocator or Allocator(config=config)
+        self.servers: dict[str, PluginServer] = {}
+        self.registered: dict[
+            str, tuple[int, int]
+        ] = {}  # resource -> kubelet.sock identity it registered with
+        self.registrations = 0  # successful Register calls, for tests and metrics
+
+    async def reconcile(self) -> None:
+        """Start servers for new resources and stop those no longer advertised."""
+        wanted = set(self.state.snapshot().resources())
+        for resource in sorted(set(self.servers) - wanted):
+            log.info("resource %s is no longer advertised; stopping its plugin", resource)
+            await self.servers.pop(resource).stop()
+            self.registered.pop(resource, None)
+        for resource in sorted(wanted - set(self.servers)):
+            servicer = DevicePluginServicer(
+                resource=resource, state=self.state, config=self.config, allocator=self.allocator
+            )
+            srv = PluginServer(resource, self.config.kubelet_dir / socket_name(resource), servicer)
+            await srv.start()
+            log.info("serving %s on %s", resource, srv.socket_path)
+            self.servers[resource] = srv
+
+    async def ensure_registered(self) -> None:
+        kubelet = _kubelet_identity(self.config.kubelet_socket)
+        if kubelet is None:
+            return  # no kubelet yet: register when it appears
+        for resource, srv in sorted(self.servers.items()):
+            if not srv.socket_intact():
+                log.info("socket of %s was removed (kubelet restart?); restarting its server", resource)
+                await srv.stop()
+                await srv.start()
+                self.registered.pop(resource, None)
+            if self.registered.get(resource) == kubelet:
+                continue
+            try:
+                await register(self.config.kubelet_socket, srv)
+            except grpc.aio.AioRpcError as exc:
+                log.warning(
+                    "registering %s with the kubelet failed: %s %s", resource, exc.code().name, exc.details()
+                )
+                continue
+            except TimeoutError:
+                log.warning("registering %s with the kubelet: no answer; trying again", resource)
+                continue
+            self.registered[resource] = kubelet
+            self.registrations += 1
+            log.info("registered %s with the kubelet (%s)", resource, srv.socket_path.name)
+
+    async def run(self, *, poll_interval_s: float = 0.1, ready: asyncio.Event | None = None) -> None:
+        """Serve until cancelled; re-register within one poll of a kubelet restart."""
+        self.config.kubelet_dir.mkdir(parents=True, exist_ok=True)
+        version = -1
+        try:
+            await self.reconcile()
+            await self.ensure_registered()
+            if ready is not None:
+                ready.set()
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    snap = await asyncio.wait_for(self.state.wait_for_change(version), poll_interval_s)
+                    version = snap.version
+                    await self.reconcile()
+                await self.ensure_registered()
+        finally:
+            await self.stop()
+
+    async def stop(self) -> None:
+        for srv in self.servers.values():
+            await srv.stop()
+        self.servers.clear()
+        self.registered.clear()

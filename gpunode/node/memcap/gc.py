@@ -1,0 +1,143 @@
+"""Keeps the memory-cap regions in step with the kubelet: restore on start, reclaim, garbage-collect.
+
+On start-up, every region the checkpoint names is re-created if its files are
+gone (same key, same cap), so a container keeps its cap across an agent
+restart or a wiped state directory. While running, a loop asks the kubelet's
+pod-resources API which containers hold capped devices; a region whose
+container is gone (and that is older than a grace period, since the kubelet
+lists a container only after Allocate returns) is removed, and dead processes'
+usage is reclaimed in the live ones. When the kubelet cannot be asked, nothing
+is removed. This module never decides caps; allocation.py does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+
+from gpunode.errors import GpunodeError
+from gpunode.node.inventory import region_key
+from gpunode.node.kubelet.podresources import ContainerDevices
+from gpunode.node.memcap.checkpoint import Checkpoint
+
+log = logging.getLogger(__name__)
+
+
+def stage_preload_library(state_dir: Path) -> Path:
+    """Copy the interposer into state_dir/lib (atomically, only when it changed) and return that path.
+
+    The kubelet mounts the library into workload containers from a host path; the
+    package's own copy may live inside the agent's container image, which the host
+    cannot see, while the state directory is a host directory mounted at the same path.
+    """
+    import os
+    import shutil
+
+    from gpunode.node import memcap
+
+    source = memcap.preload_library_path()
+    target = state_dir / "lib" / source.name
+    data = source.read_bytes()
+    if target.is_file() and target.read_bytes() == data:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    shutil.copyfile(source, tmp)
+    tmp.chmod(0o755)
+    os.replace(tmp, target)  # containers that mapped the old file keep it; new ones get the new one
+    log.info("memory caps: interposer staged at %s", target)
+    return target
+
+
+def restore_regions(checkpoint: Checkpoint, root: Path) -> list[str]:
+    """Re-create the checkpointed regions whose directories are missing; the keys restored."""
+    from gpunode.node import memcap
+
+    restored = []
+    for rec in checkpoint.records().values():
+        if (root / rec.key).is_dir():
+            continue
+        try:
+            memcap.create_region(
+                root,
+                rec.key,
+                gpu_uuid=rec.gpu_uuid,
+                limit_bytes=rec.limit_bytes,
+                device_total_bytes=rec.device_total_bytes,
+                fail_open=rec.fail_open,
+            )
+            restored.append(rec.key)
+        except GpunodeError as exc:
+            log.error("checkpoint: cannot restore region %s: %s", rec.key, exc.message)
+    if restored:
+        log.info("checkpoint: restored %d memory-cap region(s)", len(restored))
+    return restored
+
+
+def live_keys(containers: Iterable[ContainerDevices]) -> set[str]:
+    """Region keys of every container's devices, per resource (as Allocate computed them)."""
+    return {region_key(c.device_ids) for c in containers if c.device_ids}
+
+
+class RegionKeeper:
+    def __init__(
+        self,
+        *,
+        root: Path,
+        checkpoint: Checkpoint,
+        list_containers: Callable[[], Awaitable[tuple[ContainerDevices, ...]]],
+        interval_s: float = 60.0,
+        grace_s: float = 600.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.root = root
+        self.checkpoint = checkpoint
+        self.list_containers = list_containers
+        self.interval_s = interval_s
+        self.grace_s = grace_s
+        self.clock = clock
+        self.removed: list[str] = []
+        self.reclaimed_bytes = 0
+
+    async def collect_once(self) -> tuple[str, ...]:
+        """One pass; returns the keys removed. Raises GpunodeError when the kubelet cannot be asked."""
+        from gpunode.node import memcap
+
+        containers = await self.list_containers()
+        keep = live_keys(containers)
+        now = self.clock()
+        records = self.checkpoint.records()
+        keep |= {k for k, r in records.items() if now - r.created < self.grace_s}
+        regions = await asyncio.to_thread(memcap.list_regions, self.root)
+        for region in regions:
+            if region.key in keep:
+                try:
+                    self.reclaimed_bytes += await asyncio.to_thread(memcap.reclaim_dead, region)
+                except GpunodeError as exc:
+                    log.warning("memory caps: reclaiming in %s failed: %s", region.key, exc.message)
+        removed = await asyncio.to_thread(memcap.gc_regions, self.root, keep)
+        if removed:
+            log.info("memory caps: removed %d region(s) of containers that are gone", len(removed))
+            self.checkpoint.remove(removed)
+            self.removed.extend(removed)
+        return removed
+
+    async def run(self, *, ready: asyncio.Event | None = None) -> None:
+        warned = False
+        while True:
+            try:
+                await self.collect_once()
+                warned = False
+            except GpunodeError as exc:
+                if not warned:
+                    log.warning(
+                        "memory caps: no garbage collection while the kubelet cannot be asked: %s",
+                        exc.message,
+                    )
+                    warned = True
+            if ready is not None and not ready.is_set():
+                ready.set()
+            await asyncio.sleep(self.interval_s)

@@ -1,0 +1,165 @@
+"""Publishes the node's GPU state as the `gpunode.io/gpu-state` annotation on its Node.
+
+The extender reads the annotation to see, per GPU, what is assigned, how it is
+shared, whether it is healthy, and how GPUs are connected. Assignment comes
+from the kubelet (pod-resources List: the source of truth for which container
+holds which device ID); capacity and health from DeviceState. The agent
+publishes on change (debounced) and periodically, with one PATCH of its own
+Node's annotations (RBAC: `patch` on `nodes`). A failing API server is retried
+with backoff and never blocks anything else. This module builds and sends the
+annotation; the schema itself lives in gpunode.contract.nodestate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+
+from gpunode.contract.nodestate import ANNOTATION_KEY, GpuRecord, MigInstance, NodeGpuState, encode
+from gpunode.errors import GpunodeError
+from gpunode.node.inventory import FRACTIONAL, MIG, TIME_SLICED
+from gpunode.node.state import DeviceState, Snapshot
+from gpunode.placement import MILLI_PER_GPU
+
+log = logging.getLogger(__name__)
+
+MIG_COMPUTE_SLICES = 7  # A100/H100: a GPU has 7 compute slices
+
+
+def node_gpu_state(
+    snapshot: Snapshot, *, node: str, holders: Mapping[str, str], generation: int = 0, updated: float = 0.0
+) -> NodeGpuState:
+    """The annotation content: per GPU capacity, assignment (device ID -> "namespace/pod"), health, topology."""
+    inv = snapshot.inventory
+    records: list[GpuRecord] = []
+    for gpu in inv.gpus:
+        devices = [d for d in inv.devices if d.gpu_uuid == gpu.uuid]
+        held = [d for d in devices if d.id in holders]
+        mode = inv.mode_of(gpu.uuid) or "whole"
+        total = gpu.memory_total_bytes
+        mig: tuple[MigInstance, ...] = ()
+        if mode == MIG:
+            held_migs = {d.mig_uuid for d in held}
+            mig = tuple(MigInstance(m.profile, m.uuid, m.uuid in held_migs) for m in gpu.mig_devices)
+            slices = sum(m.slices for m in gpu.mig_devices if m.uuid in held_migs)
+            milli = min(MILLI_PER_GPU, slices * MILLI_PER_GPU // MIG_COMPUTE_SLICES)
+            memory = sum(m.memory_total_bytes for m in gpu.mig_devices if m.uuid in held_migs)
+        elif mode == FRACTIONAL:
+            memory = min(total, sum(d.memory_cap_bytes or 0 for d in held))
+            milli = memory * MILLI_PER_GPU // total if total else 0
+        elif mode == TIME_SLICED:
+            share = len(held) / len(devices) if devices else 0.0
+            milli = round(share * MILLI_PER_GPU)
+            caps = [d.memory_cap_bytes for d in held if d.memory_cap_bytes is not None]
+            memory = min(total, sum(caps)) if caps else round(share * total)
+        else:
+            milli = MILLI_PER_GPU if held else 0
+            memory = total if held else 0
+        records.append(
+            GpuRecord(
+                uuid=gpu.uuid,
+                index=gpu.index,
+                model=gpu.model,
+                memory_total_bytes=total,
+                milli_capacity=MILLI_PER_GPU,
+                milli_assigned=milli,
+                memory_assigned_bytes=memory,
+                healthy=gpu.uuid not in snapshot.unhealthy,
+                sharing={FRACTIONAL: "fractional", TIME_SLICED: "time-sliced", MIG: "mig"}.get(mode, "whole"),
+                mig=mig,
+                nvlink_peers=tuple(sorted(p for p in gpu.nvlink_peers if p != gpu.uuid)),
+                numa_node=gpu.numa_node,
+                pods=tuple(sorted({holders[d.id] for d in held})),
+            )
+        )
+    return NodeGpuState(node=node, updated=updated, generation=generation, gpus=tuple(records))
+
+
+class NodeStatePublisher:
+    """Keeps the Node's annotation equal to the agent's view, on change and every interval."""
+
+    def __init__(
+        self,
+        *,
+        state: DeviceState,
+        node_name: str,
+        patch: Callable[[str, Mapping[str, str | None]], None],
+        read_holders: Callable[[], object],
+        interval_s: float = 60.0,
+        debounce_s: float = 0.5,
+        retry_initial_s: float = 1.0,
+        retry_max_s: float = 60.0,
+    ) -> None:
+        self.state = state
+        self.node_name = node_name
+        self._patch = patch
+        self._read_holders = read_holders
+        self.interval_s = interval_s
+        self.debounce_s = debounce_s
+        self.retry_initial_s = retry_initial_s
+        self.retry_max_s = retry_max_s
+        self.generation = 0
+        self.published: NodeGpuState | None = None
+        self.failures = 0
+        self._holders: dict[str, str] = {}
+        self._holders_error: str | None = None
+
+    async def _refresh_holders(self) -> None:
+        try:
+            result = self._read_holders()
+            if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
+                result = await result
+            if isinstance(result, Mapping):
+                self._holders = {str(k): str(v) for k, v in result.items()}
+        except GpunodeError as exc:
+            log.warning(
+                "node state: cannot read assignments from the kubelet, using the last known: %s", exc.message
+            )
+
+    def current(self) -> NodeGpuState:
+        return node_gpu_state(self.state.snapshot(), node=self.node_name, holders=self._holders)
+
+    async def publish_once(self, *, force: bool = False) -> bool:
+        """Publish if the content changed (or force); returns whether a PATCH was sent successfully."""
+        await self._refresh_holders()
+        content = self.current()  # generation 0, updated 0: only what the annotation says
+        changed = self.published is None or content != replace(self.published, generation=0, updated=0.0)
+        if not changed and not force:
+            return False
+        generation = self.generation + 1 if changed else self.generation
+        doc = replace(content, generation=generation, updated=time.time())
+        await asyncio.to_thread(self._patch, self.node_name, {ANNOTATION_KEY: encode(doc)})
+        self.generation = generation
+        self.published = doc
+        return True
+
+    async def run(self, *, ready: asyncio.Event | None = None) -> None:
+        version = -1
+        delay = self.retry_initial_s
+        next_refresh = 0.0
+        loop = asyncio.get_running_loop()
+        while True:
+            force = loop.time() >= next_refresh
+            try:
+                sent = await self.publish_once(force=force)
+                if sent:
+                    log.debug("published %s generation %d", ANNOTATION_KEY, self.generation)
+                if force:
+                    next_refresh = loop.time() + self.interval_s
+                delay = self.retry_initial_s
+                wait_s = max(0.0, next_refresh - loop.time())
+            except GpunodeError as exc:
+                self.failures += 1
+                log.warning("node state: publishing failed (retry in %.0fs): %s", delay, exc.message)
+                wait_s, delay = delay, min(delay * 2, self.retry_max_s)
+            if ready is not None and not ready.is_set():
+                ready.set()
+            with contextlib.suppress(TimeoutError):
+                snap = await asyncio.wait_for(self.state.wait_for_change(version), wait_s)
+                version = snap.version
+                await asyncio.sleep(self.debounce_s)  # let a burst of changes settle
+                version = self.state.snapshot().version

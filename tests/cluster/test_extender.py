@@ -1,0 +1,578 @@
+"""The kube-scheduler extender over real loopback HTTP: protocol round trips, bad input, in-flight accounting."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from gpunode.cluster.extender.cli import build_extender, register_extender_cli
+from gpunode.cluster.extender.core import Extender, ExtenderConfig
+from gpunode.cluster.extender.kubeapi import KubeApi
+from gpunode.cluster.extender.server import ExtenderServer, serve_extender
+from gpunode.cluster.extender.state import request_from_pod
+from gpunode.contract.nodestate import ANNOTATION_KEY, GpuRecord, NodeGpuState, encode
+from gpunode.errors import ConfigError
+
+GIB = 2**30
+
+
+# ----- realistic Kubernetes objects ---------------------------------------------------------------------
+
+
+def gpu_state(
+    node: str,
+    shares: list[int],
+    *,
+    generation: int = 1,
+    pods: dict[int, list[str]] | None = None,
+    model: str = "NVIDIA A100-SXM4-80GB",
+) -> str:
+    pods = pods or {}
+    return encode(
+        NodeGpuState(
+            node=node,
+            updated=1732252800.0,
+            generation=generation,
+            gpus=tuple(
+                GpuRecord(
+                    uuid=f"GPU-{node}-{i}",
+                    index=i,
+                    model=model,
+                    memory_total_bytes=80 * GIB,
+                    milli_capacity=1000,
+                    milli_assigned=1000 - free,
+                    memory_assigned_bytes=(1000 - free) * 80 * GIB // 1000,
+                    numa_node=0,
+                    pods=tuple(pods.get(i, ())),
+                )
+                for i, free in enumerate(shares)
+            ),
+        )
+    )
+
+
+def v1_node(name: str, annotation: str | None) -> dict[str, Any]:
+    annotations = {
+        "node.alpha.kubernetes.io/ttl": "0",
+        "volumes.kubernetes.io/controller-managed-attach-detach": "true",
+    }
+    if annotation is not None:
+        annotations[ANNOTATION_KEY] = annotation
+    return {
+        "kind": "Node",
+        "apiVersion": "v1",
+        "metadata": {
+            "name": name,
+            "uid": f"uid-{name}",
+            "resourceVersion": "123456",
+            "creationTimestamp": "2024-11-22T04:00:00Z",
+            "labels": {
+                "kubernetes.io/hostname": name,
+                "kubernetes.io/os": "linux",
+                "node.kubernetes.io/instance-type": "p4d.24xlarge",
+                "nvidia.com/gpu.present": "true",
+            },
+            "annotations": annotations,
+        },
+        "spec": {"podCIDR": "10.244.1.0/24", "providerID": f"aws:///us-east-1a/{name}"},
+        "status": {
+            "capacity": {
+                "cpu": "96",
+                "memory": "1056499816Ki",
+                "pods": "110",
+                "nvidia.com/gpu": "8",
+                "gpunode.io/gpu-memory": "640",
+            },
+            "allocatable": {
+                "cpu": "95500m",
+                "memory": "1047062632Ki",
+                "pods": "110",
+                "nvidia.com/gpu": "8",
+                "gpunode.io/gpu-memory": "640",
+            },
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "True",
+                    "reason": "KubeletReady",
+                    "lastHeartbeatTime": "2024-11-22T04:10:00Z",
+                    "lastTransitionTime": "2024-11-22T04:00:00Z",
+                }
+            ],
+            "addresses": [
+                {"type": "InternalIP", "address": "10.0.0.7"},
+                {"type": "Hostname", "address": name},
+            ],
+            "nodeInfo": {
+                "kubeletVersion": "v1.30.4",
+                "containerRuntimeVersion": "containerd://1.7.20",
+                "architecture": "amd64",
+                "operatingSystem": "linux",
+            },
+        },
+    }
+
+
+def v1_pod(
+    name: str = "train-0",
+    *,
+    limits: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+    uid: str = "8e4f7c0a-1b2c-4d5e-9f00-0123456789ab",
+) -> dict[str, Any]:
+    return {
+        "kind": "Pod",
+        "apiVersion": "v1",
+        "metadata": {
+            "name": name,
+            "namespace": "team-a",
+            "uid": uid,
+            "resourceVersion": "998877",
+            "creationTimestamp": "2024-11-22T04:12:00Z",
+            "labels": {"app": "trainer"},
+            "annotations": annotations or {},
+            "ownerReferences": [
+                {
+                    "apiVersion": "batch/v1",
+                    "kind": "Job",
+                    "name": "train",
+                    "uid": "job-uid",
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "spec": {
+            "schedulerName": "default-scheduler",
+            "restartPolicy": "Never",
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "nvcr.io/nvidia/pytorch:24.10-py3",
+                    "imagePullPolicy": "IfNotPresent",
+                    "command": ["python", "train.py"],
+                    "resources": {
+                        "limits": limits or {"nvidia.com/gpu": "1"},
+                        "requests": {"cpu": "8", "memory": "32Gi", **(limits or {"nvidia.com/gpu": "1"})},
+                    },
+                }
+            ],
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        },
+        "status": {
+            "phase": "Pending",
+            "qosClass": "Burstable",
+            "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}],
+        },
+    }
+
+
+def node_list(*nodes: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "kind": "NodeList",
+        "apiVersion": "v1",
+        "metadata": {"resourceVersion": "777"},
+        "items": list(nodes),
+    }
+
+
+# ----- HTTP plumbing -----------------------------------------------------------------------------------------
+
+
+class Client:
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+    def call(self, method: str, path: str, body: object = None, raw: bytes | None = None) -> tuple[int, Any]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        payload = resp.read()
+        conn.close()
+        return resp.status, json.loads(payload) if payload else None
+
+    def post(self, verb: str, body: object) -> tuple[int, Any]:
+        return self.call("POST", f"/{verb}", body)
+
+
+class FakeApiServer:
+    """An API server stand-in for binding: records PATCH/POST, answers like the real one."""
+
+    def __init__(self, *, fail_binding: bool = False) -> None:
+        self.calls: list[tuple[str, str, Any]] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _body(self) -> Any:
+                n = int(self.headers.get("Content-Length", "0"))
+                return json.loads(self.rfile.read(n)) if n else None
+
+            def _answer(self, code: int, body: object) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_PATCH(self) -> None:
+                outer.calls.append(("PATCH", self.path, self._body()))
+                self._answer(200, {"kind": "Pod", "apiVersion": "v1"})
+
+            def do_POST(self) -> None:
+                outer.calls.append(("POST", self.path, self._body()))
+                if fail_binding:
+                    self._answer(
+                        409,
+                        {
+                            "kind": "Status",
+                            "status": "Failure",
+                            "reason": "Conflict",
+                            "message": "pod team-a/train-0 is already assigned to node n9",
+                        },
+                    )
+                else:
+                    self._answer(201, {"kind": "Status", "status": "Success"})
+
+            def do_GET(self) -> None:
+                outer.calls.append(("GET", self.path, None))
+                self._answer(200, node_list(v1_node("n1", gpu_state("n1", [1000, 1000]))))
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(
+            target=lambda: self.server.serve_forever(poll_interval=0.05), daemon=True
+        )
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def api() -> Iterator[FakeApiServer]:
+    server = FakeApiServer()
+    yield server
+    server.close()
+
+
+def start(extender: Extender) -> tuple[ExtenderServer, Client]:
+    server = ExtenderServer(extender, port=0)
+    server.start()
+    return server, Client(server.port)
+
+
+@pytest.fixture
+def served(api: FakeApiServer) -> Iterator[tuple[Extender, Client, FakeApiServer]]:
+    extender = Extender(config=ExtenderConfig(policy="gpunode"), binder=KubeApi(api.url))
+    server, client = start(extender)
+    yield extender, client, api
+    server.stop()
+
+
+# ----- filter / prioritize / bind over HTTP -------------------------------------------------------------------
+
+
+def test_filter_round_trip_with_full_node_list(served: tuple[Extender, Client, FakeApiServer]) -> None:
+    _, client, _ = served
+    nodes = node_list(
+        v1_node("n1", gpu_state("n1", [1000, 300])),
+        v1_node("n2", gpu_state("n2", [200, 200])),
+        v1_node("n3", None),
+        v1_node("n4", "{broken"),
+        v1_node("n5", gpu_state("n5", [1000], model="Tesla T4")),
+    )
+    status, result = client.post(
+        "filter",
+        {"Pod": v1_pod(annotations={"gpunode.io/gpu-model": "A100"}), "Nodes": nodes, "NodeNames": None},
+    )
+    assert status == 200
+    assert set(result) == {"Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}
+    assert result["Error"] == "" and result["NodeNames"] is None
+    assert [n["metadata"]["name"] for n in result["Nodes"]["items"]] == ["n1"]
+    assert result["Nodes"]["items"][0] == nodes["items"][0]  # passed back untouched
+    failed = result["FailedNodes"]
+    assert set(failed) == {"n2", "n3", "n4", "n5"}
+    assert "insufficient whole GPUs" in failed["n2"]
+    assert "no gpunode.io/gpu-state annotation" in failed["n3"]
+    assert "broken JSON" in failed["n4"]
+    assert "no GPU of model A100" in failed["n5"]
+
+
+def test_filter_and_prioritize_with_node_names_and_a_refreshed_cache(
+    served: tuple[Extender, Client, FakeApiServer],
+) -> None:
+    extender, client, _ = served
+    assert (
+        extender.refresh_nodes(
+            [v1_node("a", gpu_state("a", [1000, 500, 1000, 1000])), v1_node("b", gpu_state("b", [300, 1000]))]
+        )
+        == 2
+    )
+    pod = v1_pod(limits={"gpunode.io/gpu-memory": "16"}, annotations={"gpunode.io/gpu-milli": "250"})
+    status, result = client.post(
+        "filter", {"pod": pod, "nodenames": ["a", "b", "ghost"]}
+    )  # Go-style any case
+    assert status == 200 and result["Nodes"] is None
+    assert result["NodeNames"] == ["a", "b"]
+    assert "unknown to the extender's cache" in result["FailedNodes"]["ghost"]
+    status, priorities = client.post("prioritize", {"Pod": pod, "NodeNames": ["a", "b", "ghost"]})
+    assert status == 200
+    assert [p["Host"] for p in priorities] == ["a", "b", "ghost"]
+    assert all(isinstance(p["Score"], int) and 0 <= p["Score"] <= 10 for p in priorities)
+    assert max(p["Score"] for p in priorities) == 10 and priorities[2]["Score"] == 0
+
+
+def test_pods_without_our_resources_pass_untouched(served: tuple[Extender, Client, FakeApiServer]) -> None:
+    _, client, _ = served
+    nodes = node_list(v1_node("n1", None), v1_node("n2", gpu_state("n2", [0])))
+    status, result = client.post("filter", {"Pod": v1_pod(limits={"cpu": "1"}), "Nodes": nodes})
+    assert status == 200 and [n["metadata"]["name"] for n in result["Nodes"]["items"]] == ["n1", "n2"]
+    assert result["FailedNodes"] == {}
+
+
+def test_an_impossible_request_fails_every_node_as_unresolvable(
+    served: tuple[Extender, Client, FakeApiServer],
+) -> None:
+    _, client, _ = served
+    pod = v1_pod(limits={"nvidia.com/gpu": "1", "nvidia.com/mig-1g.10gb": "1"})
+    status, result = client.post(
+        "filter", {"Pod": pod, "Nodes": node_list(v1_node("n1", gpu_state("n1", [1000])))}
+    )
+    assert status == 200
+    assert "invalid GPU request" in result["FailedAndUnresolvableNodes"]["n1"]
+    assert result["Nodes"]["items"] == []
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "raw", "status", "message"),
+    [
+        pytest.param("POST", "/filter", b"{not json", 400, "malformed JSON", id="malformed"),
+        pytest.param("POST", "/filter", b'{"Pod": "\xff"}', 400, "malformed JSON", id="not-utf8"),
+        pytest.param("POST", "/filter", b"[" * 5000 + b"]" * 5000, 400, "malformed JSON", id="nested-5000"),
+        pytest.param("POST", "/filter", b"", 400, "malformed JSON", id="empty-body"),
+        pytest.param("POST", "/prioritize", b"[1, 2]", 400, "must be a JSON object", id="not-object"),
+        pytest.param("POST", "/filter", b'{"Nodes": {"items": []}}', 400, "Pod is missing", id="no-pod"),
+        pytest.param(
+            "POST", "/filter", b'{"Pod": {"metadata": {"name": "p"}}}', 400, "needs Nodes", id="no-nodes"
+        ),
+        pytest.param(
+            "POST", "/filter", b'{"Pod": {}, "Nodes": {"items": 5}}', 400, "items list", id="bad-items"
+        ),
+        pytest.param(
+            "POST",
+            "/filter",
+            b'{"Pod": {"metadata": {}}, "NodeNames": []}',
+            400,
+            "metadata.name",
+            id="pod-without-name",
+        ),
+        pytest.param("POST", "/bind", b'{"PodName": "p"}', 400, "needs PodName and Node", id="bind-no-node"),
+        pytest.param("POST", "/preempt", b"{}", 404, "no such verb", id="unknown-verb"),
+        pytest.param("GET", "/filter", None, 405, "takes POST", id="get-filter"),
+        pytest.param("GET", "/nowhere", None, 404, "no such path", id="unknown-path"),
+    ],
+)
+def test_bad_requests_get_4xx_with_a_json_message(
+    served: tuple[Extender, Client, FakeApiServer],
+    method: str,
+    path: str,
+    raw: bytes | None,
+    status: int,
+    message: str,
+) -> None:
+    _, client, _ = served
+    got, body = client.call(method, path, raw=raw)
+    assert got == status and message in body["Error"]
+    # the server is still serving
+    assert client.call("GET", "/healthz") == (200, {"status": "ok", "nodes": 0})
+
+
+def test_bind_annotates_the_pod_binds_it_and_reserves_its_gpu(
+    served: tuple[Extender, Client, FakeApiServer],
+) -> None:
+    _, client, api = served
+    nodes = node_list(v1_node("n1", gpu_state("n1", [1000, 0])))
+    pod = v1_pod()
+    assert client.post("filter", {"Pod": pod, "Nodes": nodes})[1]["Nodes"]["items"]
+    args = {"PodName": "train-0", "PodNamespace": "team-a", "PodUID": pod["metadata"]["uid"], "Node": "n1"}
+    status, result = client.post("bind", args)
+    assert (status, result) == (200, {"Error": ""})
+    (patch_method, patch_path, patch), (post_method, post_path, binding) = api.calls
+    assert (patch_method, patch_path) == ("PATCH", "/api/v1/namespaces/team-a/pods/train-0")
+    assert patch == {"metadata": {"annotations": {"gpunode.io/gpu-assigned": "GPU-n1-0"}}}
+    assert (post_method, post_path) == ("POST", "/api/v1/namespaces/team-a/pods/train-0/binding")
+    assert binding["target"] == {"apiVersion": "v1", "kind": "Node", "name": "n1"}
+    assert binding["metadata"]["uid"] == pod["metadata"]["uid"]
+    # The annotation still shows the GPU free; the reservation keeps a second pod off it.
+    second = v1_pod("train-1", uid="uid-2")
+    status, result = client.post("filter", {"Pod": second, "Nodes": nodes})
+    assert result["Nodes"]["items"] == [] and "insufficient whole GPUs" in result["FailedNodes"]["n1"]
+
+
+def test_bind_failure_is_reported_and_releases_the_reservation() -> None:
+    api = FakeApiServer(fail_binding=True)
+    extender = Extender(binder=KubeApi(api.url))
+    server, client = start(extender)
+    try:
+        pod = v1_pod()
+        client.post("filter", {"Pod": pod, "Nodes": node_list(v1_node("n1", gpu_state("n1", [1000])))})
+        _, result = client.post(
+            "bind",
+            {"PodName": "train-0", "PodNamespace": "team-a", "PodUID": pod["metadata"]["uid"], "Node": "n1"},
+        )
+        assert "HTTP 409" in result["Error"] and "already assigned" in result["Error"]
+        assert extender.reservations.get(pod["metadata"]["uid"]) is None
+    finally:
+        server.stop()
+        api.close()
+
+
+def test_bind_without_api_access_says_so() -> None:
+    extender = Extender()
+    extender.refresh_nodes([v1_node("n1", gpu_state("n1", [1000]))])
+    result = extender.bind({"PodName": "p", "PodNamespace": "ns", "PodUID": "u", "Node": "n1"})
+    assert "no Kubernetes API access" in result["Error"]
+
+
+# ----- CLI and the serving coroutine ---------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpunode")
+    register_extender_cli(p.add_subparsers(dest="command"))
+    return p
+
+
+def test_cli_flags_build_an_extender(api: FakeApiServer, tmp_path: Any) -> None:
+    token = tmp_path / "token"
+    token.write_text("secret\n")
+    args = parser().parse_args(
+        [
+            "extender",
+            "--listen",
+            "127.0.0.1:0",
+            "--policy",
+            "fgd",
+            "--memory-unit",
+            "512Mi",
+            "--reservation-ttl",
+            "90s",
+            "--kube-api",
+            api.url,
+            "--kube-token-file",
+            str(token),
+        ]
+    )
+    extender, client = build_extender(args)
+    assert extender.config == ExtenderConfig(policy="fgd", memory_unit_bytes=2**29, reservation_ttl_s=90.0)
+    assert client is not None and client.list_nodes()[0]["metadata"]["name"] == "n1"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        pytest.param(["extender", "--memory-unit", "lots"], id="bad-unit"),
+        pytest.param(["extender", "--reservation-ttl", "soon"], id="bad-ttl"),
+    ],
+)
+def test_cli_bad_flags_are_config_errors(argv: list[str]) -> None:
+    with pytest.raises(ConfigError):
+        build_extender(parser().parse_args(argv))
+
+
+def test_serve_extender_coroutine_serves_until_cancelled() -> None:
+    async def scenario() -> tuple[int, Any]:
+        ready = asyncio.Event()
+        bound: list[int] = []
+        task = asyncio.create_task(
+            serve_extender(extender=Extender(), host="127.0.0.1", port=0, ready=ready, bound=bound)
+        )
+        await asyncio.wait_for(ready.wait(), 5)
+        result = await asyncio.to_thread(Client(bound[0]).call, "GET", "/healthz")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return result
+
+    assert asyncio.run(scenario()) == (200, {"status": "ok", "nodes": 0})
+
+
+def test_batch_and_per_node_paths_agree_in_the_extender() -> None:
+    """Nodes the batch form covers are scored in bulk; the rest one by one. Both give score_node's values."""
+    from gpunode.cluster.extender.state import WorkloadTracker
+    from gpunode.placement import TargetPod, TargetWorkload, score_node
+
+    workload = TargetWorkload(
+        (
+            TargetPod(cpu_milli=8000, gpu_milli=1000, gpus=1, gpu_models=None, weight=5),
+            TargetPod(cpu_milli=2000, gpu_milli=250, gpus=1, gpu_models=None, weight=3),
+            TargetPod(cpu_milli=1000, gpu_milli=0, gpus=0, gpu_models=None, weight=1),
+        )
+    )
+    mixed = json.loads(gpu_state("mixed", [1000, 1000]))
+    mixed["gpus"][1]["sharing"] = "whole"  # two modes on one node: per-node path
+    nodes = [
+        v1_node(f"n{i}", gpu_state(f"n{i}", shares))
+        for i, shares in enumerate([[1000, 1000, 400, 0], [750, 250], [1000] * 8, [100, 900, 500]])
+    ]
+    nodes.append(v1_node("mixed", json.dumps(mixed)))
+    pods = [
+        v1_pod(
+            "a", uid="a", limits={"gpunode.io/gpu-memory": "8"}, annotations={"gpunode.io/gpu-milli": "200"}
+        ),
+        v1_pod("b", uid="b", limits={"nvidia.com/gpu": "2"}),
+        v1_pod("c", uid="c", limits={"gpunode.io/gpu-memory": "30"}),
+    ]
+    for policy in ("gpunode", "fgd", "bestfit", "packing"):
+        extender = Extender(
+            config=ExtenderConfig(policy=policy, provisional_reservations=False),
+            workload=WorkloadTracker(seed=workload),
+        )
+        views = [extender.nodes.view(n) for n in nodes]
+        for pod in pods:
+            request = request_from_pod(pod)
+            assert request is not None
+            ctx = extender._context(pod["metadata"]["uid"])
+            positions, fits_all, scores = extender._batch(views, request, ctx)
+            assert positions == [0, 1, 2, 3]  # "mixed" is left to the per-node path
+            for pos, fits, score in zip(positions, fits_all, scores, strict=True):
+                choice = score_node(views[pos].state, request, policy=policy, workload=ctx.workload)  # type: ignore[arg-type]
+                assert fits == (choice is not None)
+                if choice is not None:
+                    assert score == choice.score, (policy, pod["metadata"]["name"], pos)
+
+
+def test_example_scheduler_configuration_wires_the_extender() -> None:
+    from pathlib import Path
+
+    import yaml
+
+    import gpunode
+
+    text = (Path(gpunode.__file__).parent / "examples" / "kube-scheduler-config.yaml").read_text()
+    config = yaml.safe_load(text)
+    assert config["apiVersion"] == "kubescheduler.config.k8s.io/v1"
+    assert config["kind"] == "KubeSchedulerConfiguration"
+    (extender,) = config["extenders"]
+    assert (extender["filterVerb"], extender["prioritizeVerb"], extender["bindVerb"]) == (
+        "filter",
+        "prioritize",
+        "bind",
+    )
+    managed = {r["name"] for r in extender["managedResources"]}
+    assert {"nvidia.com/gpu", "gpunode.io/gpu-memory", "nvidia.com/mig-1g.10gb"} <= managed
+    assert all(not r["ignoredByScheduler"] for r in extender["managedResources"])
+    assert extender["nodeCacheCapable"] is True and 1 <= extender["weight"] <= 100

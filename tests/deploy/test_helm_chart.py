@@ -1,0 +1,833 @@
+"""The Helm chart (helm/gpunode), rendered by a real helm and checked without a cluster.
+
+Every rendered document of the core kinds goes through the kubernetes client's typed models and
+back, so a wrong type, a missing required field or a misspelt field fails; the agent's rendered
+configuration goes through gpunode's own parse_config; the probe paths are fetched from the real
+metrics endpoint and the real extender server; the dashboard's queries are checked against the
+names a real collection exports (and parsed by promtool when it is installed).
+
+helm comes from scripts/get-helm.sh (.tools/bin/helm) or $GPUNODE_HELM; without it the tests that
+need it skip, saying so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from kubernetes.client import ApiClient
+
+from gpunode.cli import build_parser
+from gpunode.config.agent import parse_config
+from gpunode.node import memcap
+from gpunode.node.devices.base import DeviceEvent, EventKind
+from gpunode.node.devices.simnode.backend import SimBackend
+from gpunode.node.inventory import build_inventory, region_key
+from gpunode.node.metrics import MetricsCollector, MetricsServer, parse_listen
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "gpunode"
+DASHBOARD = CHART / "dashboards" / "gpunode.json"
+RELEASE, NAMESPACE = "gn", "gpu-system"
+FULLNAME = "gn-gpunode"
+
+
+def _helm_binary() -> Path | None:
+    named = os.environ.get("GPUNODE_HELM")
+    path = Path(named) if named else ROOT / ".tools" / "bin" / "helm"
+    return path if path.is_file() and os.access(path, os.X_OK) else None
+
+
+HELM = _helm_binary()
+needs_helm = pytest.mark.skipif(
+    HELM is None,
+    reason="helm is not installed: run scripts/get-helm.sh (it installs .tools/bin/helm) or set GPUNODE_HELM",
+)
+
+# -- running helm ------------------------------------------------------------------------------
+
+
+def run_helm(
+    *args: str, values: Mapping[str, Any] | None = None, chart: Path = CHART
+) -> subprocess.CompletedProcess[str]:
+    assert HELM is not None
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        yaml.safe_dump(dict(values or {}), f)
+        f.flush()
+        cmd = [str(HELM), *args, str(chart), "-f", f.name]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    docs: tuple[dict[str, Any], ...]
+
+    def kinds(self, kind: str) -> list[dict[str, Any]]:
+        return [d for d in self.docs if d["kind"] == kind]
+
+    def named(self, kind: str, name: str) -> dict[str, Any]:
+        found = [d for d in self.kinds(kind) if d["metadata"]["name"] == name]
+        assert len(found) == 1, f"expected one {kind} {name}, found {len(found)}"
+        return found[0]
+
+    def agent_config_text(self) -> str:
+        return str(self.named("ConfigMap", f"{FULLNAME}-config")["data"]["config.yaml"])
+
+    def daemonset(self) -> dict[str, Any]:
+        return self.named("DaemonSet", f"{FULLNAME}-agent")
+
+
+_cache: dict[str, Rendered] = {}
+
+
+def render(values: Mapping[str, Any] | None = None) -> Rendered:
+    key = json.dumps(values or {}, sort_keys=True)
+    if key not in _cache:
+        proc = run_helm("template", RELEASE, "--namespace", NAMESPACE, values=values)
+        assert proc.returncode == 0, proc.stderr
+        _cache[key] = Rendered(tuple(d for d in yaml.safe_load_all(proc.stdout) if d))
+    return _cache[key]
+
+
+def example(name: str) -> dict[str, Any]:
+    loaded = yaml.safe_load((ROOT / "gpunode" / "examples" / f"config-{name}.yaml").read_text())
+    assert isinstance(loaded, dict)
+    return loaded
+
+
+def merged(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """Helm's merge of user values over the chart's defaults (maps merge, the rest is replaced)."""
+    out = copy.deepcopy(dict(base))
+    for k, v in over.items():
+        out[k] = merged(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
+    return out
+
+
+DEFAULTS: dict[str, Any] = yaml.safe_load((CHART / "values.yaml").read_text())
+
+# Value sets rendered by every test that takes a table: the chart's ci/*-values.yaml (each says
+# what it is for) and the agent's example configurations as they are in gpunode/examples.
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    **{
+        p.name.removesuffix("-values.yaml"): yaml.safe_load(p.read_text())
+        for p in sorted((CHART / "ci").glob("*-values.yaml"))
+    },
+    "fractional-config": {"config": example("fractional"), "extender": {"enabled": True}},
+    "time-slicing-config": {"config": example("timeslicing")},
+    "mig-mixed-config": {"config": example("mig-mixed")},
+    "whole-config": {"config": example("whole")},
+}
+
+# -- the typed models ----------------------------------------------------------------------------
+
+TYPED = {
+    ("v1", "ConfigMap"): "V1ConfigMap",
+    ("v1", "Service"): "V1Service",
+    ("v1", "ServiceAccount"): "V1ServiceAccount",
+    ("apps/v1", "DaemonSet"): "V1DaemonSet",
+    ("apps/v1", "Deployment"): "V1Deployment",
+    ("rbac.authorization.k8s.io/v1", "ClusterRole"): "V1ClusterRole",
+    ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"): "V1ClusterRoleBinding",
+}
+STRUCTURAL = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+
+
+def through_typed_model(doc: Mapping[str, Any]) -> Any:
+    """The document as the kubernetes client's model sees it, serialized back (validation on)."""
+    api = ApiClient()
+    assert api.configuration.client_side_validation
+    model = api._ApiClient__deserialize(dict(doc), TYPED[(doc["apiVersion"], doc["kind"])])  # type: ignore[attr-defined]
+    return api.sanitize_for_serialization(model)
+
+
+def test_typed_models_refuse_a_document_missing_a_required_field() -> None:
+    broken = {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {"name": "x"},
+        "spec": {"template": {}},
+    }
+    with pytest.raises(Exception, match="selector"):
+        through_typed_model(broken)
+
+
+def test_typed_round_trip_notices_a_misspelt_field() -> None:
+    doc = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "x"}, "spec": {"clusterIp": "None"}}
+    assert through_typed_model(doc) != doc
+
+
+@needs_helm
+def test_helm_lint_passes_strict() -> None:
+    proc = run_helm("lint", "--strict", values={})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 chart(s) failed" in proc.stdout
+
+
+@needs_helm
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+def test_every_rendered_document_is_a_valid_object(values: dict[str, Any]) -> None:
+    out = render(values)
+    assert run_helm("lint", "--strict", values=values).returncode == 0
+    for doc in out.docs:
+        key = (doc["apiVersion"], doc["kind"])
+        assert key in TYPED or key in STRUCTURAL, f"unexpected {key}"
+        if key in TYPED:
+            assert through_typed_model(doc) == doc, (
+                f"{doc['kind']} {doc['metadata']['name']} changed in the model"
+            )
+        ns = doc["metadata"].get("namespace")
+        assert ns in (None, NAMESPACE), doc["metadata"]
+    names = [(d["kind"], d["metadata"]["name"]) for d in out.docs]
+    assert len(names) == len(set(names)), names
+
+
+# -- the agent's configuration ---------------------------------------------------------------------
+
+
+@needs_helm
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+def test_rendered_config_is_what_was_asked_and_the_agent_accepts_it(values: dict[str, Any]) -> None:
+    out = render(values)
+    text = out.agent_config_text()
+    cfg = parse_config(yaml.safe_load(text), "config.yaml")
+    chart = merged(DEFAULTS, values)
+    paths, port = chart["agent"]["hostPaths"], chart["agent"]["metricsPort"]
+    expected = merged(
+        chart["config"],
+        {
+            "gpunode": {
+                "kubeletDir": paths["devicePlugins"],
+                "stateDir": paths["state"],
+                "podResourcesSocket": f"{paths['podResources']}/kubelet.sock",
+                "metrics": {"listen": f":{port}"},
+            }
+        },
+    )
+    if chart["agent"]["driverRoot"]:
+        expected["flags"]["nvidiaDriverRoot"] = chart["agent"]["driverRoot"]
+    assert yaml.safe_load(text) == expected  # nothing lost, nothing invented
+    # What the agent will use matches what the DaemonSet mounts and exposes.
+    container = out.daemonset()["spec"]["template"]["spec"]["containers"][0]
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert str(cfg.kubelet_dir) == mounts["device-plugins"]["mountPath"]
+    assert str(cfg.state_dir) == mounts["state"]["mountPath"]
+    assert str(cfg.pod_resources_socket.parent) == mounts["pod-resources"]["mountPath"]
+    assert (
+        parse_listen(cfg.metrics.listen, "listen").port == container["ports"][0]["containerPort"]
+    )
+
+
+@needs_helm
+def test_checksum_annotation_follows_the_config_and_only_the_config() -> None:
+    def checksum(values: dict[str, Any]) -> str:
+        out = render(values)
+        value = out.daemonset()["spec"]["template"]["metadata"]["annotations"]["gpunode.io/config-checksum"]
+        assert value == hashlib.sha256(out.agent_config_text().rstrip("\n").encode()).hexdigest()
+        return str(value)
+
+    base = checksum({})
+    assert checksum({"config": {"flags": {"migStrategy": "mixed"}}}) != base
+    assert checksum({"agent": {"metricsPort": 9500}}) != base  # the rendered listen address changes
+    assert checksum({"agent": {"resources": {"limits": {"memory": "1Gi"}}}}) == base
+
+
+# -- the DaemonSet ------------------------------------------------------------------------------------
+
+
+@needs_helm
+def test_daemonset_contract() -> None:
+    out = render({})
+    ds = out.daemonset()
+    pod = ds["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert ds["spec"]["updateStrategy"]["type"] == "RollingUpdate"
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert pod["hostPID"] is False
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert pod["terminationGracePeriodSeconds"] == 30
+    assert container["securityContext"]["privileged"] is True
+    assert container["command"] + container["args"] == [
+        "gpunode",
+        "agent",
+        "--config",
+        "/etc/gpunode/config.yaml",
+    ]
+    build_parser().parse_args(container["args"])  # the CLI takes these arguments
+    env = {e["name"]: e for e in container["env"]}
+    assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env["GPUNODE_CONFIG"]["value"] == "/etc/gpunode/config.yaml"
+    assert container["ports"] == [{"name": "metrics", "containerPort": 9400, "protocol": "TCP"}]
+    probes = {p: container[p]["httpGet"] for p in ("startupProbe", "livenessProbe", "readinessProbe")}
+    assert probes == {"startupProbe": {"path": "/metrics", "port": "metrics"},
+                      "livenessProbe": {"path": "/health", "port": "metrics"},
+                      "readinessProbe": {"path": "/metrics", "port": "metrics"}}  # fmt: skip
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    for name, host, read_only in (
+        ("device-plugins", "/var/lib/kubelet/device-plugins", False),
+        ("pod-resources", "/var/lib/kubelet/pod-resources", True),
+        ("state", "/var/lib/gpunode", False),
+        ("dev", "/dev", False),
+    ):
+        assert volumes[name]["hostPath"]["path"] == host
+        assert mounts[name]["mountPath"] == host  # host paths handed to the kubelet are valid inside too
+        assert mounts[name].get("readOnly", False) is read_only, name
+    assert volumes["config"]["configMap"]["name"] == f"{FULLNAME}-config"
+    assert mounts["config"] == {"name": "config", "mountPath": "/etc/gpunode", "readOnly": True}
+    assert "driver-root" not in volumes and "hostNetwork" not in pod
+    assert pod["serviceAccountName"] == f"{FULLNAME}-agent"
+    assert out.named("ServiceAccount", f"{FULLNAME}-agent")
+
+
+@needs_helm
+@pytest.mark.parametrize(
+    ("values", "check"),
+    [
+        pytest.param(VALUE_SETS["custom-node-selector"], lambda pod, c: pod["nodeSelector"] == {"example.com/gpu": "h100"}
+                     and "tolerations" not in pod and pod["affinity"]["nodeAffinity"], id="custom-node-selector"),
+        pytest.param(VALUE_SETS["privileged-off"], lambda pod, c: c["securityContext"] == {
+            "privileged": False, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+            "readOnlyRootFilesystem": True} and pod["runtimeClassName"] == "nvidia"
+            and "dev" not in {v["name"] for v in pod["volumes"]}, id="privileged-off"),
+        pytest.param(VALUE_SETS["driver-container"], lambda pod, c: {"name": "driver-root", "hostPath": {
+            "path": "/run/nvidia/driver", "type": "Directory"}} in pod["volumes"] and {
+            "name": "driver-root", "mountPath": "/driver-root", "readOnly": True} in c["volumeMounts"]
+            and any(e["name"] == "LD_LIBRARY_PATH" and "/driver-root/usr/lib" in e["value"] for e in c["env"]),
+            id="driver-container"),
+        pytest.param(VALUE_SETS["bare-metal-remediation"], lambda pod, c: pod["hostPID"] is True, id="bare-metal-hostpid"),
+        pytest.param(VALUE_SETS["host-network"], lambda pod, c: pod["hostNetwork"] is True
+                     and pod["dnsPolicy"] == "ClusterFirstWithHostNet", id="host-network"),
+    ],
+)  # fmt: skip
+def test_daemonset_follows_its_values(values: dict[str, Any], check: Any) -> None:
+    pod = render(values).daemonset()["spec"]["template"]["spec"]
+    assert check(pod, pod["containers"][0])
+
+
+@needs_helm
+def test_metrics_service_selects_the_agents_and_carries_the_scrape_annotations() -> None:
+    out = render({})
+    svc = out.named("Service", f"{FULLNAME}-metrics")
+    pod_labels = out.daemonset()["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    assert svc["spec"]["ports"] == [
+        {"name": "metrics", "port": 9400, "targetPort": "metrics", "protocol": "TCP"}
+    ]
+    assert svc["metadata"]["annotations"] == {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": "9400",
+        "prometheus.io/path": "/metrics",
+    }
+
+
+SERVICE_MONITOR_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {"spec": {"type": "object", "required": ["selector", "endpoints"], "additionalProperties": False,
+        "properties": {
+            "selector": {"type": "object", "required": ["matchLabels"], "properties": {
+                "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}}},
+            "namespaceSelector": {"type": "object", "properties": {"matchNames": {"type": "array", "items": {"type": "string"}}}},
+            "endpoints": {"type": "array", "minItems": 1, "items": {"type": "object", "additionalProperties": False,
+                "required": ["port"], "properties": {
+                    "port": {"type": "string"}, "path": {"type": "string", "pattern": "^/"},
+                    "scheme": {"enum": ["http", "https"]}, "honorLabels": {"type": "boolean"},
+                    "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                    "scrapeTimeout": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                    "relabelings": {"type": "array", "items": {"type": "object", "properties": {
+                        "action": {"enum": ["replace", "keep", "drop", "labeldrop", "labelkeep", "labelmap", "hashmod"]},
+                        "regex": {"type": "string"}}}},
+                    "metricRelabelings": {"type": "array"}}}}}}},
+}  # fmt: skip
+
+
+@needs_helm
+def test_service_monitor_scrapes_the_metrics_service() -> None:
+    out = render(VALUE_SETS["service-monitor-on"])
+    (sm,) = out.kinds("ServiceMonitor")
+    jsonschema.validate(sm, SERVICE_MONITOR_SCHEMA)
+    svc = out.named("Service", f"{FULLNAME}-metrics")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE]
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in svc["spec"]["ports"]}
+    assert (endpoint["path"], endpoint["interval"]) == ("/metrics", "30s")
+    assert sm["metadata"]["labels"]["release"] == "kps"
+    assert {"action": "labeldrop", "regex": "(pod|namespace|container)"} in endpoint["relabelings"]
+    assert not render({}).kinds("ServiceMonitor")
+
+
+# -- RBAC ------------------------------------------------------------------------------------------
+
+
+def documented_agent_rules() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """(always, only with deleteAfterDeadline) resource -> verbs, from the RBAC block of docs/health.md."""
+    text = (ROOT / "docs" / "health.md").read_text()
+    block = re.search(r"### RBAC.*?```yaml\n(.*?)```", text, re.S)
+    assert block, "docs/health.md has no RBAC yaml block"
+    head, marker, conditional = re.split(
+        r"^(\s*# Only with deleteAfterDeadline.*)$", block.group(1), maxsplit=1, flags=re.M
+    )
+    assert marker
+
+    def rules(part: str) -> dict[str, set[str]]:
+        doc = yaml.safe_load(part if "rules:" in part else "rules:\n" + part)
+        out: dict[str, set[str]] = {}
+        for rule in doc["rules"] or []:
+            assert rule["apiGroups"] == [""]
+            for res in rule["resources"]:
+                out.setdefault(res, set()).update(rule["verbs"])
+        return out
+
+    return rules(head), rules(conditional)
+
+
+def granted(out: Rendered, role: str) -> dict[str, set[str]] | None:
+    roles = [r for r in out.kinds("ClusterRole") if r["metadata"]["name"] == role]
+    if not roles:
+        return None
+    result: dict[str, set[str]] = {}
+    for rule in roles[0]["rules"]:
+        # Core group only: gpunode/infra/kube.py posts Events to /api/v1, not events.k8s.io.
+        assert rule["apiGroups"] == [""], rule
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
+        for res in rule["resources"]:
+            result.setdefault(res, set()).update(rule["verbs"])
+    return result
+
+
+ALWAYS, WITH_DELETE = documented_agent_rules()
+EVICT = {"pods": {"get"}, "pods/eviction": {"create"}, "events": {"create"}}
+
+RBAC_CASES = {
+    "documented-default": ({}, ALWAYS),
+    "delete-after-deadline": ({"remediation": {"deleteAfterDeadline": True}},
+                              merged(ALWAYS, {"pods": ALWAYS["pods"] | WITH_DELETE["pods"]})),
+    "dry-run": ({"remediation": {"dryRun": True, "deleteAfterDeadline": True}},
+                {"pods": {"get"}, "events": {"create"}, "nodes": {"patch"}}),
+    "no-events-no-annotation-no-publishing": ({"remediation": {"postEvents": False, "markNode": False},
+                                               "nodeState": {"enabled": False}},
+                                              {"pods": {"get"}, "pods/eviction": {"create"}}),
+    "remediation-off": ({"remediation": {"mode": "off"}}, {"nodes": {"patch"}}),
+    "nothing-to-ask": ({"remediation": {"mode": "off"}, "nodeState": {"enabled": False}}, None),
+}  # fmt: skip
+
+
+@needs_helm
+@pytest.mark.parametrize(("own", "expected"), RBAC_CASES.values(), ids=RBAC_CASES.keys())
+def test_agent_cluster_role_grants_exactly_what_the_configuration_needs(
+    own: dict[str, Any], expected: dict[str, set[str]] | None
+) -> None:
+    assert EVICT.items() <= ALWAYS.items()  # the page says what we think
+    assert WITH_DELETE["pods"] == {"delete"} and len(WITH_DELETE) == 1
+    out = render({"config": {"gpunode": own}})
+    assert granted(out, f"{FULLNAME}-agent") == expected
+    bindings = [b for b in out.kinds("ClusterRoleBinding") if b["metadata"]["name"] == f"{FULLNAME}-agent"]
+    token = out.daemonset()["spec"]["template"]["spec"]["automountServiceAccountToken"]
+    assert token is (expected is not None)
+    if expected is None:
+        assert not bindings
+        return
+    (binding,) = bindings
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                  "name": f"{FULLNAME}-agent"}  # fmt: skip
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": f"{FULLNAME}-agent", "namespace": NAMESPACE}
+    ]
+
+
+# -- the extender ----------------------------------------------------------------------------------
+
+
+def extender_parser() -> argparse.ArgumentParser:
+    from gpunode.cluster.extender.cli import register_extender_cli
+
+    parser = argparse.ArgumentParser(prog="gpunode")
+    register_extender_cli(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+@needs_helm
+@pytest.mark.parametrize(
+    ("values", "api_rules"),
+    [
+        pytest.param(VALUE_SETS["extender-on"], None, id="no-api-access"),
+        pytest.param(VALUE_SETS["extender-defaults"], {"nodes": {"list"}}, id="defaults-list-nodes"),
+        pytest.param(VALUE_SETS["extender-bind-node-cache"],
+                     {"pods": {"patch"}, "pods/binding": {"create"}, "nodes": {"list"}}, id="bind-and-node-cache"),
+    ],
+)  # fmt: skip
+def test_extender_deployment_service_and_scheduler_configuration(
+    values: dict[str, Any], api_rules: dict[str, set[str]] | None
+) -> None:
+    from gpunode.cluster.extender.cli import build_extender
+    from gpunode.cluster.extender.server import ExtenderServer
+
+    ext = merged(DEFAULTS, values)["extender"]
+    out = render(values)
+    name = f"{FULLNAME}-extender"
+    pod = out.named("Deployment", name)["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    assert args[:5] == ["extender", "--listen", "0.0.0.0:8888", "--policy", ext["policy"]]
+    parsed = extender_parser().parse_args(args)  # the extender's own CLI takes every argument
+    extender, api = build_extender(parsed)
+    assert (api is not None) == (api_rules is not None) == pod["automountServiceAccountToken"]
+    assert granted(out, name) == api_rules
+    svc = out.named("Service", name)
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8888, "targetPort": "http", "protocol": "TCP"}]
+    assert container["ports"][0]["name"] == "http"
+    assert (
+        svc["spec"]["selector"].items()
+        <= out.named("Deployment", name)["spec"]["template"]["metadata"]["labels"].items()
+    )
+    # The probes answer on the real extender server.
+    server = ExtenderServer(extender, host="127.0.0.1", port=0)
+    server.start()
+    try:
+        for probe in ("livenessProbe", "readinessProbe"):
+            path = container[probe]["httpGet"]["path"]
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.port}{path}", timeout=10) as resp:
+                assert resp.status == 200, probe
+    finally:
+        server.stop()
+    sched = yaml.safe_load(
+        out.named("ConfigMap", f"{FULLNAME}-scheduler-config")["data"]["scheduler-config.yaml"]
+    )
+    assert (sched["apiVersion"], sched["kind"]) == (
+        "kubescheduler.config.k8s.io/v1",
+        "KubeSchedulerConfiguration",
+    )
+    (entry,) = sched["extenders"]
+    assert entry["urlPrefix"] == f"http://{name}.{NAMESPACE}.svc:8888"
+    assert (entry["filterVerb"], entry["prioritizeVerb"], entry["weight"]) == ("filter", "prioritize", 5)
+    assert entry.get("bindVerb") == ("bind" if ext["bind"] else None)
+    assert entry["nodeCacheCapable"] is ext["nodeCacheCapable"] and entry["ignorable"] is False
+    assert entry["managedResources"] == [
+        {"name": r, "ignoredByScheduler": False}
+        for r in ["nvidia.com/gpu", "gpunode.io/gpu-memory", *ext["extraManagedResources"]]
+    ]
+
+
+# -- values that must be refused -------------------------------------------------------------------
+
+INVALID = {
+    "replicas-as-string": ({"extender": {"replicas": "2"}}, "extender.replicas: Invalid type. Expected: integer, given: string"),
+    "unknown-policy": ({"extender": {"policy": "first-fit"}}, "extender.policy must be one of the following"),
+    "unknown-mig-strategy": ({"config": {"flags": {"migStrategy": "both"}}}, "config.flags.migStrategy must be one of the following"),
+    "one-replica": ({"config": {"sharing": {"timeSlicing": {"resources": [{"name": "nvidia.com/gpu", "replicas": 1}]}}}},
+                    "replicas: Must be greater than or equal to 2"),
+    "unknown-config-key": ({"config": {"gpunode": {"fractionl": {}}}}, "Additional property fractionl is not allowed"),
+    "misspelt-value": ({"agnet": {}}, "Additional property agnet is not allowed"),
+    "port-as-string": ({"agent": {"metricsPort": "9400"}}, "agent.metricsPort: Invalid type. Expected: integer"),
+    "relative-host-path": ({"agent": {"hostPaths": {"state": "var/lib/gpunode"}}}, "agent.hostPaths.state: Does not match pattern"),
+    "gds-enabled": ({"config": {"flags": {"gdsEnabled": True}}}, "config.flags.gdsEnabled"),
+}  # fmt: skip
+
+REFUSED_BY_TEMPLATE = {
+    "state-dir-elsewhere": ({"config": {"gpunode": {"stateDir": "/srv/gpu"}}}, "config.gpunode.stateDir is /srv/gpu"),
+    "node-name-set": ({"config": {"gpunode": {"nodeName": "n1"}}}, "config.gpunode.nodeName is set"),
+    "metrics-off": ({"config": {"gpunode": {"metrics": {"enabled": False}}}}, "config.gpunode.metrics.enabled is false"),
+    "metrics-on-loopback": ({"config": {"gpunode": {"metrics": {"listen": "127.0.0.1:9400"}}}}, "not on 127.0.0.1"),
+    "metrics-port-differs": ({"config": {"gpunode": {"metrics": {"listen": ":9500"}}}}, "but agent.metricsPort is 9400"),
+    "driver-root-unmounted": ({"config": {"flags": {"nvidiaDriverRoot": "/run/nvidia/driver"}}}, "set agent.driverRoot"),
+    "baremetal-without-hostpid": ({"config": {"gpunode": {"remediation": {"mode": "baremetal"}}}}, "agent.hostPID is false"),
+    "extender-with-renamed-fraction": ({"extender": {"enabled": True}, "config": {"gpunode": {"fractional": {
+        "resourceName": "example.com/vram"}}}}, "places fractional requests of gpunode.io/gpu-memory only"),
+}  # fmt: skip
+
+
+@needs_helm
+@pytest.mark.parametrize(("values", "message"), INVALID.values(), ids=INVALID.keys())
+def test_invalid_values_fail_the_schema(values: dict[str, Any], message: str) -> None:
+    proc = run_helm("template", RELEASE, values=values)
+    assert proc.returncode != 0
+    assert "values don't meet the specifications of the schema" in proc.stderr
+    assert message in proc.stderr, proc.stderr
+
+
+@needs_helm
+@pytest.mark.parametrize(("values", "message"), REFUSED_BY_TEMPLATE.values(), ids=REFUSED_BY_TEMPLATE.keys())
+def test_contradicting_values_fail_with_a_hint(values: dict[str, Any], message: str) -> None:
+    proc = run_helm("template", RELEASE, values=values)
+    assert proc.returncode != 0
+    assert message in proc.stderr and "HINT:" in proc.stderr, proc.stderr
+
+
+def config_from_schema_examples(node: Mapping[str, Any], defs: Mapping[str, Any]) -> Any:
+    """A value for every key the schema describes, from its examples, enums and types."""
+    if "$ref" in node:
+        return config_from_schema_examples(
+            {**defs[node["$ref"].rsplit("/", 1)[1]], **{k: v for k, v in node.items() if k != "$ref"}}, defs
+        )
+    if "examples" in node:
+        return node["examples"][0]
+    if "const" in node:
+        return node["const"]
+    if "enum" in node:
+        return node["enum"][0]
+    kind = node.get("type")
+    if kind == "object":
+        return {
+            k: config_from_schema_examples(v, defs)
+            for k, v in node.get("properties", {}).items()
+            if k not in ("nodeName", "kubeletDir", "stateDir", "podResourcesSocket", "nvidiaDriverRoot")
+        }
+    if kind == "array":
+        return [config_from_schema_examples(node["items"], defs)] if node.get("maxItems", 1) else []
+    if kind == "boolean":
+        return True
+    if "description" in node and not kind:
+        return None  # accepted-and-ignored NVIDIA keys
+    raise AssertionError(f"no example for {node}")
+
+
+def test_every_config_key_the_schema_describes_is_accepted_by_the_agent() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    config_schema = schema["properties"]["config"]
+    doc = config_from_schema_examples(config_schema, schema["definitions"])
+    doc["gpunode"]["fractional"]["devices"] = [4, 5]  # one sharing mode per GPU: not the time-sliced ones
+    jsonschema.validate(doc, {**config_schema, "definitions": schema["definitions"]})
+    cfg = parse_config(doc, "every-key.yaml")
+    assert cfg.remediation.baremetal.hook == ("/usr/local/bin/drain-gpu", "--reason", "gpu-fault")
+    assert cfg.time_slicing.resources[0].replicas == 4
+
+
+# -- the real endpoints behind the probes, and the dashboard -----------------------------------------
+
+
+def fetch_from_agent_endpoint(
+    paths: list[str], state_dir: Path, metrics_section: Any = None
+) -> dict[str, tuple[int, str]]:
+    """Run the agent's real collector and metrics server on a simulated DGX H100 (a fractional
+    GPU with a memory-cap region, an unhealthy device, an XID) and GET each path over loopback."""
+    backend = SimBackend.from_profile("dgx-h100")
+    gpus = backend.gpus()
+    inventory = build_inventory(
+        gpus, parse_config({"version": "v1", "gpunode": {"fractional": {"devices": [0]}}}, "t")
+    )
+    units = [d for d in inventory.devices if d.resource == "gpunode.io/gpu-memory"][:2]
+    memcap.create_region(state_dir / "memcap", region_key([d.id for d in units]), gpu_uuid=gpus[0].uuid,
+                         limit_bytes=2 * 2**30, device_total_bytes=gpus[0].memory_total_bytes, fail_open=False)  # fmt: skip
+    collector = MetricsCollector(backend=backend, hostname="gpu-node-1", config=metrics_section,
+                                 inventory=lambda: inventory, health=lambda: {units[0].id: "XID 79"},
+                                 regions_root=state_dir / "memcap")  # fmt: skip
+    collector.record_event(DeviceEvent(kind=EventKind.XID, gpu_uuid=gpus[1].uuid, xid=79))
+
+    def get(url: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
+
+    async def main() -> dict[str, tuple[int, str]]:
+        await collector.collect_once()
+        server = MetricsServer(collector, "127.0.0.1:0")
+        await server.start()
+        try:
+            return {p: await asyncio.to_thread(get, f"http://127.0.0.1:{server.port}{p}") for p in paths}
+        finally:
+            await server.stop()
+
+    return asyncio.run(main())
+
+
+@needs_helm
+def test_agent_probes_answer_on_the_real_metrics_endpoint(tmp_path: Path) -> None:
+    out = render({})
+    container = out.daemonset()["spec"]["template"]["spec"]["containers"][0]
+    paths = [container[p]["httpGet"]["path"] for p in ("startupProbe", "livenessProbe", "readinessProbe")]
+    section = parse_config(yaml.safe_load(out.agent_config_text()), "config.yaml").metrics
+    answers = fetch_from_agent_endpoint(paths, tmp_path, section)
+    assert {p: status for p, (status, _) in answers.items()} == dict.fromkeys(paths, 200)
+
+
+PROMQL_WORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+}
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression (or a Grafana label_values() query) selects."""
+    e = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    e = re.sub(r"\{[^}]*\}|\[[^\]]*\]", " ", e)
+    e = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", e)
+    e = re.sub(r"label_values\(\s*([A-Za-z_:][A-Za-z0-9_:]*)\s*,[^)]*\)", r" \1 ", e)
+    names = set()
+    for m in re.finditer(r"(?<![\w.$])[A-Za-z_:][A-Za-z0-9_:]*", e):
+        if not e[m.end() :].lstrip().startswith("(") and m.group(0) not in PROMQL_WORDS:
+            names.add(m.group(0))
+    return names
+
+
+@pytest.mark.parametrize(
+    ("expr", "names"),
+    [
+        pytest.param('sum by (a, b) (rate(foo_total{x="y", z=~"$node"}[$__rate_interval]))', {"foo_total"}, id="aggregation"),
+        pytest.param("a_bytes / ignoring (c) b_bytes", {"a_bytes", "b_bytes"}, id="binary-ignoring"),
+        pytest.param("histogram_quantile(0.99, sum by (le) (rate(h_bucket[5m])))", {"h_bucket"}, id="quantile"),
+        pytest.param("count(x == 0) or vector(0)", {"x"}, id="or-vector"),
+        pytest.param('label_values(DCGM_FI_DEV_GPU_TEMP{Hostname=~"$node"}, gpu)', {"DCGM_FI_DEV_GPU_TEMP"}, id="label-values"),
+        pytest.param("p_bytes and on (instance) q_seconds", {"p_bytes", "q_seconds"}, id="and-on"),
+    ],
+)  # fmt: skip
+def test_metric_names_are_found_in_queries(expr: str, names: set[str]) -> None:
+    assert metric_names(expr) == names
+
+
+def dashboard_queries(dashboard: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            yield f"panel {panel['id']} {panel['title']!r} {target['refId']}", target["expr"]
+    for var in dashboard["templating"]["list"]:
+        if var["type"] == "query":
+            yield f"variable {var['name']}", var["query"]["query"]
+
+
+def test_dashboard_queries_only_metrics_the_agent_exports(tmp_path: Path) -> None:
+    body = fetch_from_agent_endpoint(["/metrics"], tmp_path)["/metrics"][1]
+    exported = {
+        line.split("{")[0].split(" ")[0] for line in body.splitlines() if line and not line.startswith("#")
+    }
+    assert {
+        "gpunode_container_memory_used_bytes",
+        "gpunode_xid_errors_total",
+        "DCGM_FI_DEV_GPU_UTIL",
+    } <= exported
+    dashboard = json.loads(DASHBOARD.read_text())
+    used: set[str] = set()
+    for where, expr in dashboard_queries(dashboard):
+        names = metric_names(expr)
+        assert names, f"{where} queries no metric: {expr}"
+        assert names <= exported, (
+            f"{where} queries {sorted(names - exported)}, which the agent does not export"
+        )
+        used |= names
+    # What the dashboard is for: per-pod memory on shared GPUs, device health, XIDs by code.
+    assert {"gpunode_container_memory_used_bytes", "gpunode_container_memory_limit_bytes",
+            "gpunode_device_healthy", "gpunode_xid_errors_total"} <= used  # fmt: skip
+    assert any(n.startswith("DCGM_FI_") for n in used)
+
+
+@pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="promtool is missing (Debian package prometheus)"
+)
+def test_dashboard_queries_parse_as_promql(tmp_path: Path) -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    rules = []
+    for i, (_, expr) in enumerate(dashboard_queries(dashboard)):
+        if expr.startswith("label_values("):
+            continue
+        for var, value in (("$__rate_interval", "1m"), ("$__range", "6h"), ("$node", ".*"), ("$gpu", ".*")):
+            expr = expr.replace(var, value)
+        rules.append({"record": f"gpunode:dashboard_query:{i}", "expr": expr})
+    path = tmp_path / "rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    proc = subprocess.run(
+        ["promtool", "check", "rules", str(path)], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_dashboard_layout_and_variables() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    cells: set[tuple[int, int]] = set()
+    for p in panels:
+        g = p["gridPos"]
+        assert g["x"] + g["w"] <= 24, p["title"]
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not mine & cells, f"panel {p['title']!r} overlaps another"
+        cells |= mine
+        if p["type"] != "row":
+            assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+            assert p["targets"] and all(t["datasource"] == p["datasource"] for t in p["targets"])
+    defined = {v["name"] for v in dashboard["templating"]["list"]} | {"__range", "__rate_interval"}
+    referenced = set(re.findall(r"\$\{?(\w+)", DASHBOARD.read_text()))
+    assert referenced <= defined, referenced - defined
+
+
+@needs_helm
+@pytest.mark.parametrize(("values", "label"), [
+    pytest.param(VALUE_SETS["dashboard-on"], "Hostname", id="default-label"),
+    pytest.param(VALUE_SETS["hostname-label"], "hostname", id="hostname-label"),
+])  # fmt: skip
+def test_dashboard_configmap(values: dict[str, Any], label: str) -> None:
+    out = render(values)
+    cm = out.named("ConfigMap", f"{FULLNAME}-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    rendered = json.loads(cm["data"]["gpunode.json"])
+    expected = json.loads(re.sub(r"\bHostname\b", label, DASHBOARD.read_text()))
+    assert rendered == expected
+    assert ("Hostname" in cm["data"]["gpunode.json"]) == (label == "Hostname")
+    assert f"{FULLNAME}-dashboard" not in {c["metadata"]["name"] for c in render({}).kinds("ConfigMap")}
+
+
+# -- NOTES.txt and the helm installer --------------------------------------------------------------
+
+
+@needs_helm
+def test_notes_render_and_say_how_to_check(tmp_path: Path) -> None:
+    """NOTES.txt is only rendered by `helm install`; render it through tpl in a copy of the chart."""
+    chart = tmp_path / "gpunode"
+    shutil.copytree(CHART, chart)
+    (chart / "notes.txt").write_text((CHART / "templates" / "NOTES.txt").read_text())
+    (chart / "templates" / "zz-notes.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: rendered-notes\ndata:\n"
+        '  notes: {{ tpl (.Files.Get "notes.txt") . | toJson }}\n'
+    )
+    for values, extra in (({}, None), (VALUE_SETS["extender-on"], f"{FULLNAME}-scheduler-config")):
+        proc = run_helm("template", RELEASE, "--namespace", NAMESPACE, values=values, chart=chart)
+        assert proc.returncode == 0, proc.stderr
+        notes = next(
+            d for d in yaml.safe_load_all(proc.stdout) if d and d["metadata"]["name"] == "rendered-notes"
+        )
+        text = notes["data"]["notes"]
+        assert f"daemonset/{FULLNAME}-agent" in text
+        assert 'annotations["gpunode.io/gpu-state"]' in text and "gpunode doctor" in text
+        assert (extra in text) if extra else "scheduler-config" not in text
+
+
+def test_get_helm_is_idempotent_with_the_pinned_binary() -> None:
+    script = ROOT / "scripts" / "get-helm.sh"
+    assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
+    pinned = re.search(r'^HELM_SHA256="([0-9a-f]{64})"$', script.read_text(), re.M)
+    assert pinned
+    installed = ROOT / ".tools" / "bin" / "helm"
+    if not installed.is_file():
+        pytest.skip("helm is not installed: run scripts/get-helm.sh")
+    assert hashlib.sha256(installed.read_bytes()).hexdigest() == pinned.group(1)
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0 and "already installed" in proc.stdout, proc.stdout + proc.stderr
