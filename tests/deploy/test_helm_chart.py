@@ -230,9 +230,7 @@ def test_rendered_config_is_what_was_asked_and_the_agent_accepts_it(values: dict
     assert str(cfg.kubelet_dir) == mounts["device-plugins"]["mountPath"]
     assert str(cfg.state_dir) == mounts["state"]["mountPath"]
     assert str(cfg.pod_resources_socket.parent) == mounts["pod-resources"]["mountPath"]
-    assert (
-        parse_listen(cfg.metrics.listen, "listen").port == container["ports"][0]["containerPort"]
-    )
+    assert parse_listen(cfg.metrics.listen, "listen").port == container["ports"][0]["containerPort"]
 
 
 @needs_helm

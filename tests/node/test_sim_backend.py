@@ -124,7 +124,9 @@ def test_uuids_are_deterministic_and_follow_the_seed(tmp_path: Path) -> None:
 def _bundled_text(name: str) -> str:
     import importlib.resources
 
-    return (importlib.resources.files("gpunode.node.devices.simnode") / "profiles" / f"{name}.yaml").read_text()
+    return (
+        importlib.resources.files("gpunode.node.devices.simnode") / "profiles" / f"{name}.yaml"
+    ).read_text()
 
 
 # -- profile validation --------------------------------------------------------------------------
