@@ -10,5 +10,6 @@ cd "$ROOT"
 echo ">> ruff"; "$VENV/bin/ruff" check gpunode tests bench protos native
 "$VENV/bin/ruff" format --check gpunode tests bench protos native
 echo ">> mypy"; "$VENV/bin/mypy"
+echo ">> import contracts"; "$VENV/bin/lint-imports" --no-cache | tail -n 8
 echo ">> pytest"
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"

@@ -43,11 +43,9 @@ PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
 GIB = 2**30
 
-try:
-    memcap: Any = importlib.import_module("gpunode.node.memcap")
-    importlib.import_module("gpunode._memcap")
-except ImportError:
-    memcap = None
+# The native module is built by every install of gpunode: its absence is a failure here, not a skip.
+importlib.import_module("gpunode._memcap")
+memcap = importlib.import_module("gpunode.node.memcap")
 
 needs_prometheus = pytest.mark.skipif(
     PROMETHEUS is None, reason="the prometheus binary is not installed (apt-get install -y prometheus)"
@@ -227,13 +225,11 @@ def build_h100(sock_dir: str, regions_root: Path) -> Node:
     kubelet = PodResourcesStandIn(os.path.join(sock_dir, "h100.sock")).start()
     kubelet.set_pods(pods)
     unhealthy = {gpus[5].uuid: "XID 79 (GPU has fallen off the bus)"}
-    processes = []
-    if memcap is not None:
-        # Each fractional pod has its region and one live process holding memory in it.
-        processes = [
-            capped(regions_root, pods[1], g2.uuid, 2 * GIB, g2.memory_total_bytes, used_bytes=1 * GIB),
-            capped(regions_root, pods[2], g2.uuid, 8 * GIB, g2.memory_total_bytes, used_bytes=6 * GIB),
-        ]
+    # Each fractional pod has its region and one live process holding memory in it.
+    processes = [
+        capped(regions_root, pods[1], g2.uuid, 2 * GIB, g2.memory_total_bytes, used_bytes=1 * GIB),
+        capped(regions_root, pods[2], g2.uuid, 8 * GIB, g2.memory_total_bytes, used_bytes=6 * GIB),
+    ]
     collector = MetricsCollector(
         backend=backend,
         hostname="node-h100",
@@ -241,7 +237,7 @@ def build_h100(sock_dir: str, regions_root: Path) -> Node:
         inventory=lambda: inv,
         health=lambda: unhealthy,
         attribution=PodAttribution(kubelet.socket_path, ttl_s=1.0),
-        regions_root=regions_root if memcap is not None else None,
+        regions_root=regions_root,
     )
     return Node("node-h100", backend, inv, kubelet, collector, unhealthy, processes)
 
@@ -362,7 +358,7 @@ def test_promtool_finds_our_own_families_clean(cluster: Cluster) -> None:
     ours = "\n".join(
         ln for ln in body.splitlines() if "gpunode_" in ln.split(" ")[0 if not ln.startswith("#") else 2]
     )
-    assert "gpunode_container_memory" in ours or memcap is None
+    assert "gpunode_container_memory" in ours
     assert PROMTOOL is not None
     proc = subprocess.run(
         [PROMTOOL, "check", "metrics"], input=(ours + "\n").encode(), capture_output=True, timeout=60
@@ -495,9 +491,6 @@ def test_the_agent_reports_on_itself(cluster: Cluster) -> None:
 
 
 @needs_prometheus
-@pytest.mark.skipif(
-    memcap is None, reason="gpunode.node.memcap or its native module gpunode._memcap is not built"
-)
 def test_each_pod_on_a_shared_gpu_has_its_own_memory_and_cap(cluster: Cluster) -> None:
     p = prom(cluster)
     used = p.query("gpunode_container_memory_used_bytes")
