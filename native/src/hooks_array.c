@@ -134,64 +134,37 @@ uint64_t gn_array_bytes(uint64_t width, uint64_t height, uint64_t depth, int for
     return total;
 }
 
-#define GN_ARRAY_CREATE(name, handle_type, desc_type, bytes_expr, kind, destroy_id, destroy_type)                  \
-    GN_EXPORT CUresult name(handle_type *array, const desc_type *desc)                                             \
+/* The four array creators differ only in their descriptor's type and
+ * whether it has a depth and flags. */
+#define GN_ARRAY_CREATE(name, desc_type, depth, flags)                                                             \
+    GN_EXPORT CUresult name(CUarray *array, const desc_type *desc)                                                 \
     {                                                                                                              \
         __typeof__(&name) real = GN_REAL(name);                                                                    \
         if (GN_UNLIKELY(!real))                                                                                    \
             return gn_missing(GN_ID_##name);                                                                       \
         if (!desc || !array)                                                                                       \
             return real(array, desc);                                                                              \
-        uint64_t bytes = (bytes_expr);                                                                             \
-        unsigned dev;                                                                                              \
-        CUresult err = CUDA_SUCCESS;                                                                               \
-        int verdict = gn_reserve(bytes, -1, &dev, &err);                                                           \
-        if (verdict != GN_TRACK)                                                                                   \
-            return verdict == GN_PASS ? real(array, desc) : gn_denied(verdict, err, #name, bytes);                 \
-        CUresult r = real(array, desc);                                                                            \
-        if (r != CUDA_SUCCESS) {                                                                                   \
-            gn_unreserve(dev, bytes);                                                                              \
-            return r;                                                                                              \
-        }                                                                                                          \
-        if (!gn_table_put((uint64_t)(uintptr_t)*array, gn_pack(bytes, dev, kind))) {                               \
-            gn_lost_tracking(#name, (uint64_t)(uintptr_t)*array, bytes);                                           \
-            destroy_type destroy = (destroy_type)gn_real_fn(destroy_id);                                           \
-            if (destroy)                                                                                           \
-                destroy(*array);                                                                                   \
-            gn_unreserve(dev, bytes);                                                                              \
-            return CUDA_ERROR_OUT_OF_MEMORY;                                                                       \
-        }                                                                                                          \
-        return r;                                                                                                  \
+        uint64_t bytes = gn_array_bytes(desc->Width, desc->Height, (depth), desc->Format, desc->NumChannels,       \
+                                        (flags), 1);                                                               \
+        struct gn_alloc a;                                                                                         \
+        if (!gn_alloc_begin(&a, GN_KIND_ARRAY, bytes, -1, __func__))                                               \
+            return a.refused;                                                                                      \
+        return gn_alloc_end(&a, real(array, desc), array, sizeof *array);                                          \
     }
 
-typedef CUresult (*gn_array_destroy_fn)(CUarray);
-
-GN_ARRAY_CREATE(cuArrayCreate, CUarray, CUDA_ARRAY_DESCRIPTOR_v1,
-                gn_array_bytes(desc->Width, desc->Height, 1, desc->Format, desc->NumChannels, 0, 1), GN_KIND_ARRAY,
-                GN_ID_cuArrayDestroy, gn_array_destroy_fn)
-GN_ARRAY_CREATE(cuArrayCreate_v2, CUarray, CUDA_ARRAY_DESCRIPTOR,
-                gn_array_bytes(desc->Width, desc->Height, 1, desc->Format, desc->NumChannels, 0, 1), GN_KIND_ARRAY,
-                GN_ID_cuArrayDestroy, gn_array_destroy_fn)
-GN_ARRAY_CREATE(cuArray3DCreate, CUarray, CUDA_ARRAY3D_DESCRIPTOR_v1,
-                gn_array_bytes(desc->Width, desc->Height, desc->Depth, desc->Format, desc->NumChannels, desc->Flags,
-                               1),
-                GN_KIND_ARRAY, GN_ID_cuArrayDestroy, gn_array_destroy_fn)
-GN_ARRAY_CREATE(cuArray3DCreate_v2, CUarray, CUDA_ARRAY3D_DESCRIPTOR,
-                gn_array_bytes(desc->Width, desc->Height, desc->Depth, desc->Format, desc->NumChannels, desc->Flags,
-                               1),
-                GN_KIND_ARRAY, GN_ID_cuArrayDestroy, gn_array_destroy_fn)
+GN_ARRAY_CREATE(cuArrayCreate, CUDA_ARRAY_DESCRIPTOR_v1, 1, 0)
+GN_ARRAY_CREATE(cuArrayCreate_v2, CUDA_ARRAY_DESCRIPTOR, 1, 0)
+GN_ARRAY_CREATE(cuArray3DCreate, CUDA_ARRAY3D_DESCRIPTOR_v1, desc->Depth, desc->Flags)
+GN_ARRAY_CREATE(cuArray3DCreate_v2, CUDA_ARRAY3D_DESCRIPTOR, desc->Depth, desc->Flags)
 
 GN_EXPORT CUresult cuArrayDestroy(CUarray array)
 {
     __typeof__(&cuArrayDestroy) real = GN_REAL(cuArrayDestroy);
     if (GN_UNLIKELY(!real))
         return gn_missing(GN_ID_cuArrayDestroy);
-    uint64_t key = (uint64_t)(uintptr_t)array, val;
-    if (!gn_table_take(key, GN_KIND_ARRAY, &val))
-        return real(array);
-    CUresult r = real(array);
-    gn_settle_free(r, key, val);
-    return r;
+    uint64_t key = (uint64_t)(uintptr_t)array;
+    uint64_t val = gn_free_begin(key, GN_KIND_ARRAY);
+    return gn_free_end(real(array), key, val);
 }
 
 GN_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *array, const CUDA_ARRAY3D_DESCRIPTOR *desc,
@@ -204,26 +177,10 @@ GN_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *array, const CUDA_AR
         return real(array, desc, levels);
     uint64_t bytes =
         gn_array_bytes(desc->Width, desc->Height, desc->Depth, desc->Format, desc->NumChannels, desc->Flags, levels);
-    unsigned dev;
-    CUresult err = CUDA_SUCCESS;
-    int verdict = gn_reserve(bytes, -1, &dev, &err);
-    if (verdict != GN_TRACK)
-        return verdict == GN_PASS ? real(array, desc, levels) : gn_denied(verdict, err, __func__, bytes);
-    CUresult r = real(array, desc, levels);
-    if (r != CUDA_SUCCESS) {
-        gn_unreserve(dev, bytes);
-        return r;
-    }
-    uint64_t key = (uint64_t)(uintptr_t)*array;
-    if (!gn_table_put(key, gn_pack(bytes, dev, GN_KIND_MIPMAP))) {
-        gn_lost_tracking(__func__, key, bytes);
-        __typeof__(&cuMipmappedArrayDestroy) destroy = GN_REAL(cuMipmappedArrayDestroy);
-        if (destroy)
-            destroy(*array);
-        gn_unreserve(dev, bytes);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    return r;
+    struct gn_alloc a;
+    if (!gn_alloc_begin(&a, GN_KIND_MIPMAP, bytes, -1, __func__))
+        return a.refused;
+    return gn_alloc_end(&a, real(array, desc, levels), array, sizeof *array);
 }
 
 GN_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray array)
@@ -231,10 +188,7 @@ GN_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray array)
     __typeof__(&cuMipmappedArrayDestroy) real = GN_REAL(cuMipmappedArrayDestroy);
     if (GN_UNLIKELY(!real))
         return gn_missing(GN_ID_cuMipmappedArrayDestroy);
-    uint64_t key = (uint64_t)(uintptr_t)array, val;
-    if (!gn_table_take(key, GN_KIND_MIPMAP, &val))
-        return real(array);
-    CUresult r = real(array);
-    gn_settle_free(r, key, val);
-    return r;
+    uint64_t key = (uint64_t)(uintptr_t)array;
+    uint64_t val = gn_free_begin(key, GN_KIND_MIPMAP);
+    return gn_free_end(real(array), key, val);
 }

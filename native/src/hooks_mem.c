@@ -1,7 +1,9 @@
 /*
  * hooks_mem.c: the linear-memory allocators and their frees: cuMemAlloc,
  * pitched, managed, stream-ordered (async and pool) allocations, and the
- * virtual-memory-management physical allocations (cuMemCreate/Release).
+ * virtual-memory-management physical allocations (cuMemCreate/Release);
+ * and the cold half of the allocation body every hook shares (preload.h):
+ * undoing an allocation that cannot be kept.
  *
  * Each allocation reserves its bytes before the driver is called, rolls the
  * reservation back if the driver fails, and records the pointer (or handle)
@@ -12,18 +14,6 @@
 #define _GNU_SOURCE
 #include "preload.h"
 
-/* Record a new allocation; if the table is full, undo it with `undo` and
- * refuse, so nothing is ever allocated uncounted. */
-#define GN_TRACK_OR_UNDO(key, bytes, dev, kind, undo)                                                              \
-    do {                                                                                                           \
-        if (GN_UNLIKELY(!gn_table_put((key), gn_pack((bytes), (dev), (kind))))) {                                  \
-            gn_lost_tracking(__func__, (key), (bytes));                                                            \
-            undo;                                                                                                  \
-            gn_unreserve((dev), (bytes));                                                                          \
-            return CUDA_ERROR_OUT_OF_MEMORY;                                                                       \
-        }                                                                                                          \
-    } while (0)
-
 static CUresult gn_undo_mem(CUdeviceptr ptr)
 {
     __typeof__(&cuMemFree_v2) free_v2 = GN_REAL(cuMemFree_v2);
@@ -33,23 +23,51 @@ static CUresult gn_undo_mem(CUdeviceptr ptr)
     return free_v1 ? free_v1((CUdeviceptr_v1)ptr) : CUDA_ERROR_NOT_INITIALIZED;
 }
 
+GN_COLD CUresult gn_alloc_undo(uint64_t key, uint64_t val)
+{
+    switch (gn_val_kind(val)) {
+    case GN_KIND_MEM:
+        gn_undo_mem(key);
+        break;
+    case GN_KIND_VMM: {
+        __typeof__(&cuMemRelease) release = GN_REAL(cuMemRelease);
+        if (release)
+            release(key);
+        break;
+    }
+    case GN_KIND_ARRAY: {
+        __typeof__(&cuArrayDestroy) destroy = GN_REAL(cuArrayDestroy);
+        if (destroy)
+            destroy((CUarray)(uintptr_t)key);
+        break;
+    }
+    case GN_KIND_MIPMAP: {
+        __typeof__(&cuMipmappedArrayDestroy) destroy = GN_REAL(cuMipmappedArrayDestroy);
+        if (destroy)
+            destroy((CUmipmappedArray)(uintptr_t)key);
+        break;
+    }
+    }
+    gn_unreserve(gn_val_dev(val), gn_val_bytes(val));
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+/* The pointer table had no room for the allocation: say so, then undo it. */
+GN_COLD CUresult gn_alloc_lost(const char *what, uint64_t key, uint64_t val)
+{
+    gn_lost_tracking(what, key, gn_val_bytes(val));
+    return gn_alloc_undo(key, val);
+}
+
 GN_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
 {
     __typeof__(&cuMemAlloc_v2) real = GN_REAL(cuMemAlloc_v2);
     if (GN_UNLIKELY(!real))
         return gn_missing(GN_ID_cuMemAlloc_v2);
-    unsigned dev;
-    CUresult err = CUDA_SUCCESS;
-    int verdict = gn_reserve(bytesize, -1, &dev, &err);
-    if (GN_UNLIKELY(verdict != GN_TRACK))
-        return verdict == GN_PASS ? real(dptr, bytesize) : gn_denied(verdict, err, __func__, bytesize);
-    CUresult r = real(dptr, bytesize);
-    if (GN_UNLIKELY(r != CUDA_SUCCESS)) {
-        gn_unreserve(dev, bytesize);
-        return r;
-    }
-    GN_TRACK_OR_UNDO(*dptr, bytesize, dev, GN_KIND_MEM, gn_undo_mem(*dptr));
-    return r;
+    struct gn_alloc a;
+    if (GN_UNLIKELY(!gn_alloc_begin(&a, GN_KIND_MEM, bytesize, -1, __func__)))
+        return a.refused;
+    return gn_alloc_end(&a, real(dptr, bytesize), dptr, sizeof *dptr);
 }
 
 GN_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
@@ -57,12 +75,8 @@ GN_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
     __typeof__(&cuMemFree_v2) real = GN_REAL(cuMemFree_v2);
     if (GN_UNLIKELY(!real))
         return gn_missing(GN_ID_cuMemFree_v2);
-    uint64_t val;
-    if (!gn_table_take(dptr, GN_KIND_MEM, &val))
-        return real(dptr);
-    CUresult r = real(dptr);
-    gn_settle_free(r, dptr, val);
-    return r;
+    uint64_t val = gn_free_begin(dptr, GN_KIND_MEM);
+    return gn_free_end(real(dptr), dptr, val);
 }
 
 GN_EXPORT CUresult cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int bytesize)
@@ -70,18 +84,10 @@ GN_EXPORT CUresult cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int bytesize)
     __typeof__(&cuMemAlloc) real = GN_REAL(cuMemAlloc);
     if (GN_UNLIKELY(!real))
         return gn_missing(GN_ID_cuMemAlloc);
-    unsigned dev;
-    CUresult err = CUDA_SUCCESS;
-    int verdict = gn_reserve(bytesize, -1, &dev, &err);
-    if (GN_UNLIKELY(verdict != GN_TRACK))
-        return verdict == GN_PASS ? real(dptr, bytesize) : gn_denied(verdict, err, __func__, bytesize);
-    CUresult r = real(dptr, bytesize);
-    if (r != CUDA_SUCCESS) {
-        gn_unreserve(dev, bytesize);
-        return r;
-    }
-    GN_TRACK_OR_UNDO(*dptr, bytesize, dev, GN_KIND_MEM, gn_undo_mem(*dptr));
-    return r;
+    struct gn_alloc a;
+    if (GN_UNLIKELY(!gn_alloc_begin(&a, GN_KIND_MEM, bytesize, -1, __func__)))
+        return a.refused;
+    return gn_alloc_end(&a, real(dptr, bytesize), dptr, sizeof *dptr);
 }
 
 GN_EXPORT CUresult cuMemFree(CUdeviceptr_v1 dptr)
@@ -89,12 +95,8 @@ GN_EXPORT CUresult cuMemFree(CUdeviceptr_v1 dptr)
     __typeof__(&cuMemFree) real = GN_REAL(cuMemFree);
     if (GN_UNLIKELY(!real))
         return gn_missing(GN_ID_cuMemFree);
-    uint64_t val;
-    if (!gn_table_take(dptr, GN_KIND_MEM, &val))
-        return real(dptr);
-    CUresult r = real(dptr);
-    gn_settle_free(r, dptr, val);
-    return r;
+    uint64_t val = gn_free_begin(dptr, GN_KIND_MEM);
+    return gn_free_end(real(dptr), dptr, val);
 }
 
 /* Pitched allocations: the driver picks the pitch, so reserve an estimate
@@ -110,22 +112,32 @@ static uint64_t gn_pitch_estimate(uint64_t width, uint64_t height)
     return bytes;
 }
 
-/* Adjust a reservation from `estimate` to `actual`; 0 if the extra bytes
- * would pass the cap. */
-static int gn_settle_reservation(unsigned dev, uint64_t estimate, uint64_t actual)
+/* Move a counted reservation from the estimate to `actual` bytes (the
+ * product pitch * height, UINT64_MAX when it overflows); 0 if the extra
+ * bytes would pass the cap, and then nothing changed. */
+static int gn_alloc_resize(struct gn_alloc *a, uint64_t actual)
 {
-    if (actual < estimate) {
-        gn_unreserve(dev, estimate - actual);
+    if (!a->counted)
         return 1;
+    if (actual == UINT64_MAX)
+        return 0;
+    if (actual < a->bytes) {
+        gn_unreserve(a->dev, a->bytes - actual);
+    } else if (actual > a->bytes) {
+        uint64_t extra = actual - a->bytes;
+        if (gpunode_memcap_try_add(&gn_hot.usage->used_bytes[a->dev], extra, gn_hot.limit_bytes[a->dev]))
+            atomic_fetch_add_explicit(&gn_hot.slot->used_bytes[a->dev], extra, memory_order_relaxed);
+        else if (gn_reserve_cold(a->dev, extra) != GN_TRACK)
+            return 0;
     }
-    uint64_t extra = actual - estimate;
-    if (extra == 0)
-        return 1;
-    if (gpunode_memcap_try_add(&gn_hot.usage->used_bytes[dev], extra, gn_hot.limit_bytes[dev])) {
-        atomic_fetch_add_explicit(&gn_hot.slot->used_bytes[dev], extra, memory_order_relaxed);
-        return 1;
-    }
-    return gn_reserve_cold(dev, extra) == GN_TRACK;
+    a->bytes = actual;
+    return 1;
+}
+
+static uint64_t gn_pitch_bytes(uint64_t pitch, uint64_t height)
+{
+    uint64_t bytes;
+    return __builtin_mul_overflow(pitch, height, &bytes) ? UINT64_MAX : bytes;
 }
 
 GN_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width_bytes, size_t height,
@@ -134,27 +146,13 @@ GN_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t w
     __typeof__(&cuMemAllocPitch_v2) real = GN_REAL(cuMemAllocPitch_v2);
     if (GN_UNLIKELY(!real))
         return gn_missing(GN_ID_cuMemAllocPitch_v2);
-    uint64_t estimate = gn_pitch_estimate(width_bytes, height);
-    unsigned dev;
-    CUresult err = CUDA_SUCCESS;
-    int verdict = gn_reserve(estimate, -1, &dev, &err);
-    if (verdict != GN_TRACK)
-        return verdict == GN_PASS ? real(dptr, pitch, width_bytes, height, element_bytes)
-                                  : gn_denied(verdict, err, __func__, estimate);
+    struct gn_alloc a;
+    if (!gn_alloc_begin(&a, GN_KIND_MEM, gn_pitch_estimate(width_bytes, height), -1, __func__))
+        return a.refused;
     CUresult r = real(dptr, pitch, width_bytes, height, element_bytes);
-    if (r != CUDA_SUCCESS) {
-        gn_unreserve(dev, estimate);
-        return r;
-    }
-    uint64_t actual;
-    if (__builtin_mul_overflow((uint64_t)*pitch, (uint64_t)height, &actual) ||
-        !gn_settle_reservation(dev, estimate, actual)) {
-        gn_undo_mem(*dptr);
-        gn_unreserve(dev, estimate);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    GN_TRACK_OR_UNDO(*dptr, actual, dev, GN_KIND_MEM, gn_undo_mem(*dptr));
-    return r;
+    if (r == CUDA_SUCCESS && !gn_alloc_resize(&a, gn_pitch_bytes(*pitch, height)))
+        return gn_alloc_undo(*dptr, gn_alloc_val(&a));
+    return gn_alloc_end(&a, r, dptr, sizeof *dptr);
 }
 
 GN_EXPORT CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pitch, unsigned int width_bytes,
@@ -163,26 +161,13 @@ GN_EXPORT CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pitch, un
     __typeof__(&cuMemAllocPitch) real = GN_REAL(cuMemAllocPitch);
     if (GN_UNLIKELY(!real))
         return gn_missing(GN_ID_cuMemAllocPitch);
-    uint64_t estimate = gn_pitch_estimate(width_bytes, height);
-    unsigned dev;
-    CUresult err = CUDA_SUCCESS;
-    int verdict = gn_reserve(estimate, -1, &dev, &err);
-    if (verdict != GN_TRACK)
-        return verdict == GN_PASS ? real(dptr, pitch, width_bytes, height, element_bytes)
-                                  : gn_denied(verdict, err, __func__, estimate);
+    struct gn_alloc a;
+    if (!gn_alloc_begin(&a, GN_KIND_MEM, gn_pitch_estimate(width_bytes, height), -1, __func__))
+        return a.refused;
     CUresult r = real(dptr, pitch, width_bytes, height, element_bytes);
-    if (r != CUDA_SUCCESS) {
-        gn_unreserve(dev, estimate);
-        return r;
-    }
-    uint64_t actual = (uint64_t)*pitch * (uint64_t)height;
-    if (!gn_settle_reservation(dev, estimate, actual)) {
-        gn_undo_mem(*dptr);
-        gn_unreserve(dev, estimate);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    GN_TRACK_OR_UNDO(*dptr, actual, dev, GN_KIND_MEM, gn_undo_mem(*dptr));
-    return r;
+    if (r == CUDA_SUCCESS && !gn_alloc_resize(&a, gn_pitch_bytes(*pitch, height)))
+        return gn_alloc_undo(*dptr, gn_alloc_val(&a));
+    return gn_alloc_end(&a, r, dptr, sizeof *dptr);
 }
 
 GN_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)
@@ -190,39 +175,24 @@ GN_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigne
     __typeof__(&cuMemAllocManaged) real = GN_REAL(cuMemAllocManaged);
     if (GN_UNLIKELY(!real))
         return gn_missing(GN_ID_cuMemAllocManaged);
-    unsigned dev;
-    CUresult err = CUDA_SUCCESS;
-    int verdict = gn_reserve(bytesize, -1, &dev, &err);
-    if (verdict != GN_TRACK)
-        return verdict == GN_PASS ? real(dptr, bytesize, flags) : gn_denied(verdict, err, __func__, bytesize);
-    CUresult r = real(dptr, bytesize, flags);
-    if (r != CUDA_SUCCESS) {
-        gn_unreserve(dev, bytesize);
-        return r;
-    }
-    GN_TRACK_OR_UNDO(*dptr, bytesize, dev, GN_KIND_MEM, gn_undo_mem(*dptr));
-    return r;
+    struct gn_alloc a;
+    if (!gn_alloc_begin(&a, GN_KIND_MEM, bytesize, -1, __func__))
+        return a.refused;
+    return gn_alloc_end(&a, real(dptr, bytesize, flags), dptr, sizeof *dptr);
 }
 
-/* Stream-ordered allocations: one body for the four entry points. */
+/* Stream-ordered allocations and frees: one definition for the legacy and
+ * per-thread-stream entry points of each. */
 #define GN_ALLOC_ASYNC(name, params, args)                                                                         \
     GN_EXPORT CUresult name params                                                                                 \
     {                                                                                                              \
         __typeof__(&name) real = GN_REAL(name);                                                                    \
         if (GN_UNLIKELY(!real))                                                                                    \
             return gn_missing(GN_ID_##name);                                                                       \
-        unsigned dev;                                                                                              \
-        CUresult err = CUDA_SUCCESS;                                                                               \
-        int verdict = gn_reserve(bytesize, -1, &dev, &err);                                                        \
-        if (GN_UNLIKELY(verdict != GN_TRACK))                                                                      \
-            return verdict == GN_PASS ? real args : gn_denied(verdict, err, #name, bytesize);                      \
-        CUresult r = real args;                                                                                    \
-        if (GN_UNLIKELY(r != CUDA_SUCCESS)) {                                                                      \
-            gn_unreserve(dev, bytesize);                                                                           \
-            return r;                                                                                              \
-        }                                                                                                          \
-        GN_TRACK_OR_UNDO(*dptr, bytesize, dev, GN_KIND_MEM, gn_undo_mem(*dptr));                                   \
-        return r;                                                                                                  \
+        struct gn_alloc a;                                                                                         \
+        if (GN_UNLIKELY(!gn_alloc_begin(&a, GN_KIND_MEM, bytesize, -1, __func__)))                                 \
+            return a.refused;                                                                                      \
+        return gn_alloc_end(&a, real args, dptr, sizeof *dptr);                                                    \
     }
 
 GN_ALLOC_ASYNC(cuMemAllocAsync, (CUdeviceptr * dptr, size_t bytesize, CUstream stream), (dptr, bytesize, stream))
@@ -240,12 +210,8 @@ GN_ALLOC_ASYNC(cuMemAllocFromPoolAsync_ptsz,
         __typeof__(&name) real = GN_REAL(name);                                                                    \
         if (GN_UNLIKELY(!real))                                                                                    \
             return gn_missing(GN_ID_##name);                                                                       \
-        uint64_t val;                                                                                              \
-        if (!gn_table_take(dptr, GN_KIND_MEM, &val))                                                               \
-            return real(dptr, stream);                                                                             \
-        CUresult r = real(dptr, stream);                                                                           \
-        gn_settle_free(r, dptr, val);                                                                              \
-        return r;                                                                                                  \
+        uint64_t val = gn_free_begin(dptr, GN_KIND_MEM);                                                           \
+        return gn_free_end(real(dptr, stream), dptr, val);                                                         \
     }
 
 GN_FREE_ASYNC(cuMemFreeAsync)
@@ -261,19 +227,10 @@ GN_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size
         return gn_missing(GN_ID_cuMemCreate);
     if (!prop || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
         return real(handle, size, prop, flags); /* host memory, or invalid: not ours to count */
-    unsigned dev;
-    CUresult err = CUDA_SUCCESS;
-    int verdict = gn_reserve(size, prop->location.id, &dev, &err);
-    if (verdict != GN_TRACK)
-        return verdict == GN_PASS ? real(handle, size, prop, flags) : gn_denied(verdict, err, __func__, size);
-    CUresult r = real(handle, size, prop, flags);
-    if (r != CUDA_SUCCESS) {
-        gn_unreserve(dev, size);
-        return r;
-    }
-    __typeof__(&cuMemRelease) release = GN_REAL(cuMemRelease);
-    GN_TRACK_OR_UNDO(*handle, size, dev, GN_KIND_VMM, if (release) release(*handle));
-    return r;
+    struct gn_alloc a;
+    if (!gn_alloc_begin(&a, GN_KIND_VMM, size, prop->location.id, __func__))
+        return a.refused;
+    return gn_alloc_end(&a, real(handle, size, prop, flags), handle, sizeof *handle);
 }
 
 GN_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
@@ -281,10 +238,6 @@ GN_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
     __typeof__(&cuMemRelease) real = GN_REAL(cuMemRelease);
     if (GN_UNLIKELY(!real))
         return gn_missing(GN_ID_cuMemRelease);
-    uint64_t val;
-    if (!gn_table_take(handle, GN_KIND_VMM, &val))
-        return real(handle);
-    CUresult r = real(handle);
-    gn_settle_free(r, handle, val);
-    return r;
+    uint64_t val = gn_free_begin(handle, GN_KIND_VMM);
+    return gn_free_end(real(handle), handle, val);
 }

@@ -1,7 +1,8 @@
 /*
  * preload.h: what the parts of libgpunode-preload.so share: the hook table,
- * the hot state read on every allocation, the lock-free pointer table and
- * the inline accounting fast path.
+ * the hot state read on every allocation, the lock-free pointer table, the
+ * inline accounting fast path, and the allocation and free bodies every
+ * hook shares.
  *
  * Must not: be included by anything outside native/src (the region header is
  * the only public contract); declare anything exported except the hooks.
@@ -13,6 +14,7 @@
 #include "gpunode_memcap.h"
 
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #define GN_EXPORT __attribute__((visibility("default")))
@@ -225,17 +227,120 @@ static inline int gn_table_take(uint64_t key, unsigned kind, uint64_t *val)
 
 void gn_table_reset(void);
 void gn_lost_tracking(const char *what, uint64_t key, uint64_t bytes);
+CUresult gn_denied(int verdict, CUresult err, const char *what, uint64_t bytes);
 
-/* After the driver freed (or failed to free) a tracked allocation. */
-static inline void gn_settle_free(CUresult r, uint64_t key, uint64_t val)
+/* ---- the one allocation body and the one free body ----
+ *
+ * Every allocation hook is
+ *
+ *     struct gn_alloc a;
+ *     if (!gn_alloc_begin(&a, kind, bytes, ordinal, __func__))
+ *         return a.refused;
+ *     return gn_alloc_end(&a, real(...), out, sizeof *out);
+ *
+ * and every free hook is
+ *
+ *     uint64_t val = gn_free_begin(key, kind);
+ *     return gn_free_end(real(...), key, val);
+ *
+ * (pitched allocations also move their estimate to the driver's real size
+ * with gn_alloc_resize before gn_alloc_end). The driver is called in exactly
+ * one place per hook. `a` never leaves these inline helpers (the cold paths
+ * get the packed table value), so the compiler keeps it in registers and
+ * the hot path costs what a hand-written body would. */
+
+/* An allocation between its reservation and the driver's answer. */
+struct gn_alloc {
+    uint64_t bytes;   /* reserved, and recorded on success */
+    unsigned dev;     /* region device index */
+    unsigned kind;    /* enum gn_kind: how to free it again */
+    int counted;      /* 0: passed through uncounted (fail-open) */
+    CUresult refused; /* what the hook returns when gn_alloc_begin says no */
+    const char *what; /* the hook's name, for log lines */
+};
+
+/* The pointer-table value that records the allocation. */
+static inline uint64_t gn_alloc_val(const struct gn_alloc *a)
 {
+    return gn_pack(a->bytes, a->dev, a->kind);
+}
+
+/* Cold: free what the driver just allocated (`val` says how much, where,
+ * and of which kind), return the reservation, refuse the allocation. */
+CUresult gn_alloc_undo(uint64_t key, uint64_t val);
+CUresult gn_alloc_lost(const char *what, uint64_t key, uint64_t val);
+
+/* Reserve bytes (on the device with CUDA ordinal `ordinal`, -1: the current
+ * context's). 1: call the driver, then gn_alloc_end; 0: refused, return
+ * a->refused without calling it. */
+static inline int gn_alloc_begin(struct gn_alloc *a, unsigned kind, uint64_t bytes, int ordinal, const char *what)
+{
+    unsigned dev = 0;
+    CUresult err = CUDA_SUCCESS;
+    int verdict = gn_reserve(bytes, ordinal, &dev, &err);
+    a->bytes = bytes;
+    a->dev = dev;
+    a->kind = kind;
+    a->counted = verdict == GN_TRACK;
+    a->what = what;
+    if (GN_LIKELY(verdict == GN_TRACK || verdict == GN_PASS))
+        return 1;
+    a->refused = gn_denied(verdict, err, what, bytes);
+    return 0;
+}
+
+/* The key the driver wrote through the hook's output parameter: a 32-bit
+ * legacy device pointer, a 64-bit pointer or handle, or an opaque pointer. */
+static inline uint64_t gn_out_key(const void *out, size_t size)
+{
+    if (size == sizeof(uint32_t)) {
+        uint32_t k;
+        __builtin_memcpy(&k, out, sizeof(k));
+        return k;
+    }
+    uint64_t k;
+    __builtin_memcpy(&k, out, sizeof(k));
+    return k;
+}
+
+/* After the driver's call `r`: roll the reservation back if it failed,
+ * else record the key read from `out` so the matching free returns the
+ * bytes. If the pointer table is full the allocation is undone and refused,
+ * never left uncounted. */
+static inline CUresult gn_alloc_end(const struct gn_alloc *a, CUresult r, const void *out, size_t out_size)
+{
+    if (GN_UNLIKELY(!a->counted))
+        return r;
+    if (GN_UNLIKELY(r != CUDA_SUCCESS)) {
+        gn_unreserve(a->dev, a->bytes);
+        return r;
+    }
+    uint64_t key = gn_out_key(out, out_size), val = gn_alloc_val(a);
+    if (GN_UNLIKELY(!gn_table_put(key, val)))
+        return gn_alloc_lost(a->what, key, val);
+    return r;
+}
+
+/* Before the driver frees `key`: take its entry. 0: not one of ours (or
+ * not of this kind), the free passes through. */
+static inline uint64_t gn_free_begin(uint64_t key, unsigned kind)
+{
+    uint64_t val;
+    return gn_table_take(key, kind, &val) ? val : 0;
+}
+
+/* After the driver's free `r`: return the bytes, or put the entry back if
+ * the driver refused to free it. */
+static inline CUresult gn_free_end(CUresult r, uint64_t key, uint64_t val)
+{
+    if (!val)
+        return r;
     if (GN_LIKELY(r == CUDA_SUCCESS))
         gn_unreserve(gn_val_dev(val), gn_val_bytes(val));
     else if (GN_UNLIKELY(!gn_table_put(key, val)))
         gn_lost_tracking("restore after a failed free", key, gn_val_bytes(val));
+    return r;
 }
-
-CUresult gn_denied(int verdict, CUresult err, const char *what, uint64_t bytes);
 
 /* ---- dlsym ---- */
 
