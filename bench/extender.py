@@ -34,7 +34,7 @@ import numpy as np
 
 from gpunode.cluster.extender.core import Extender, ExtenderConfig
 from gpunode.cluster.extender.server import ExtenderServer
-from gpunode.cluster.extender.state import WorkloadTracker
+from gpunode.cluster.extender.workload import WorkloadTracker
 from gpunode.contract.nodestate import ANNOTATION_KEY, GpuRecord, NodeGpuState, encode
 from gpunode.placement import TargetPod, TargetWorkload
 

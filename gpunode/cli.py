@@ -1,8 +1,13 @@
-"""The `gpunode` command: parse arguments, load the configuration, call one function.
+"""The `gpunode` command: pick the subcommand, import only what it needs, call one function.
 
-Every failure the user can fix comes out as one message with a HINT line and a
-non-zero exit status (2 for configuration errors, 1 otherwise); no traceback
-for expected errors.
+Every failure the user can fix comes out as `gpunode: <message>` and a `HINT: <hint>`
+line, with the error's exit code (2 for configuration errors, 1 otherwise); no
+traceback for expected errors.
+
+The parser is built in two steps so that starting the agent never imports the
+extender, the simulator or numpy: COMMANDS names every subcommand with its one-line
+help (all `gpunode --help` needs), and only the subcommand named on the command line
+has its module imported to register its flags and the function that runs it.
 """
 
 from __future__ import annotations
@@ -13,12 +18,14 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from gpunode import __version__
 from gpunode.config import agent as config_mod
-from gpunode.errors import ConfigError, GpunodeError
+from gpunode.contract.names import GIB
+from gpunode.errors import GpunodeError
 
 log = logging.getLogger("gpunode")
 
@@ -144,7 +151,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
     header = ("RESOURCE", "DEVICE ID", "GPU", "KIND", "NUMA", "CAP", "WHY")
     table = [header]
     for r in rows:
-        cap = f"{r['memory_cap_bytes'] / 2**30:.1f}Gi" if r["memory_cap_bytes"] else "-"
+        cap = f"{r['memory_cap_bytes'] / GIB:.1f}Gi" if r["memory_cap_bytes"] else "-"
         numa = "-" if r["numa_node"] is None else str(r["numa_node"])
         table.append((r["resource"], r["id"], str(r["gpu_index"]), r["kind"], numa, cap, r["reason"]))
     widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
@@ -165,63 +172,129 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if all(c.ok for c in results) else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="gpunode", description="GPU sharing and telemetry agent for GPU nodes"
-    )
-    parser.add_argument("--version", action="version", version=f"gpunode {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+# What each subcommand's register function adds its parser to.
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
-    p = sub.add_parser("agent", help="run the node agent (device plugins, health, metrics)")
+
+def _register_agent(sub: Subparsers) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser("agent", help=COMMANDS["agent"].help)
     _add_node_flags(p)
     p.add_argument(
         "--sim-control-socket", type=Path, help="serve fault injection for the simulated node here"
     )
     p.set_defaults(func=cmd_agent)
+    return p
 
-    p = sub.add_parser("devices", help="show every resource and device ID that would be advertised, and why")
+
+def _register_devices(sub: Subparsers) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser("devices", help=COMMANDS["devices"].help)
     _add_node_flags(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_devices)
+    return p
 
-    p = sub.add_parser(
-        "doctor", help="diagnose this node: driver, GPUs, configuration, kubelet, native parts"
-    )
+
+def _register_doctor(sub: Subparsers) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser("doctor", help=COMMANDS["doctor"].help)
     _add_node_flags(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_doctor)
+    return p
 
-    for register in _optional_registrations():
-        register(sub)
+
+def _register_sim(sub: Subparsers) -> argparse.ArgumentParser:
+    from gpunode.node.devices.simnode.cli import register_cli
+
+    return register_cli(sub)
+
+
+def _register_extender(sub: Subparsers) -> argparse.ArgumentParser:
+    from gpunode.cluster.extender.cli import register_extender_cli, run_extender_cli
+
+    p = register_extender_cli(sub)
+    p.set_defaults(func=run_extender_cli)
+    return p
+
+
+def _register_simulate(sub: Subparsers) -> argparse.ArgumentParser:
+    from gpunode.cluster.tracesim.simulate import register_simulate_cli, run_simulate_cli
+
+    p = register_simulate_cli(sub)
+    p.set_defaults(func=run_simulate_cli)
+    return p
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its one-line help, and the function that imports its module and adds its parser.
+
+    `register` adds a parser named like the COMMANDS key, with the same help, whose defaults
+    carry func (the function that runs the subcommand with the parsed arguments).
+    """
+
+    help: str
+    register: Callable[[Subparsers], argparse.ArgumentParser]
+
+
+COMMANDS: dict[str, Command] = {
+    "agent": Command("run the node agent (device plugins, health, metrics)", _register_agent),
+    "devices": Command(
+        "show every resource and device ID that would be advertised, and why", _register_devices
+    ),
+    "doctor": Command(
+        "diagnose this node: driver, GPUs, configuration, kubelet, native parts", _register_doctor
+    ),
+    "sim": Command("inject faults into a running simulated node", _register_sim),
+    "extender": Command(
+        "run the kube-scheduler extender (filter, prioritize, bind) for GPU placement", _register_extender
+    ),
+    "simulate": Command(
+        "replay an openb trace through the placement policies (FGD paper protocol)", _register_simulate
+    ),
+}
+
+
+def build_parser(command: str | None) -> argparse.ArgumentParser:
+    """The parser listing every subcommand, with the flags of `command` only.
+
+    Only `command`'s module is imported; the other subcommands appear by name and help,
+    which is all `gpunode --help` shows. With None (or an unknown name) no module is
+    imported and parsing stops at the subcommand with argparse's usage error.
+    """
+    parser = argparse.ArgumentParser(
+        prog="gpunode", description="GPU sharing and telemetry agent for GPU nodes"
+    )
+    parser.add_argument("--version", action="version", version=f"gpunode {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, entry in COMMANDS.items():
+        if name == command:
+            entry.register(sub)
+        else:
+            sub.add_parser(name, help=entry.help)
     return parser
 
 
-def _optional_registrations() -> list[Callable[[Any], object]]:
-    """Subcommands owned by other modules: each registers its parser and the function that runs it."""
-    from gpunode.cluster.extender.cli import register_extender_cli, run_extender_cli
-    from gpunode.cluster.tracesim.simulate import register_simulate_cli, run_simulate_cli
-    from gpunode.node.devices.simnode.control import register_cli as register_sim
+def command_in(argv: Sequence[str]) -> str | None:
+    """The subcommand `argv` names: its first word that is not an option (top-level options take no value)."""
+    for word in argv:
+        if not word.startswith("-"):
+            return word if word in COMMANDS else None
+    return None
 
-    def extender(sub: Any) -> None:
-        register_extender_cli(sub).set_defaults(func=run_extender_cli)
 
-    def simulate(sub: Any) -> None:
-        register_simulate_cli(sub).set_defaults(func=run_simulate_cli)
-
-    return [register_sim, extender, simulate]
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse a full command line; only the named subcommand's module gets imported."""
+    return build_parser(command_in(argv)).parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Run the command line (sys.argv by default) and return the exit status."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return int(args.func(args))
-    except ConfigError as exc:
-        print(f"gpunode: {exc}", file=sys.stderr)
-        return 2
     except GpunodeError as exc:
-        print(f"gpunode: {exc}", file=sys.stderr)
-        return 1
+        print(f"gpunode: {exc}\nHINT: {exc.hint}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         return 130
 

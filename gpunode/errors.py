@@ -1,27 +1,37 @@
 """The one exception tree of gpunode.
 
-Every error that can stop the agent or a command derives from GpunodeError and
-carries a hint: one sentence telling the operator what to do about it. Errors
-from third-party libraries (NVML, gRPC, HTTP, YAML) are translated into this
+Every error that can stop the agent or a command derives from GpunodeError. Each
+carries three things the caller renders as it sees fit:
+
+- str(exc): the message, one line naming the problem (log lines stay whole);
+- exc.hint: one sentence telling the operator what to do about it;
+- exc.exit_code: the status `gpunode` exits with (2 for configuration errors, 1 otherwise).
+
+Errors from third-party libraries (NVML, gRPC, HTTP, YAML) are translated into this
 tree at the edge where they occur; nothing else in the package should let a
-foreign exception escape to the user.
+foreign exception escape to the user. This module imports nothing of gpunode, so
+every layer can raise from it.
 """
 
 from __future__ import annotations
 
+# -- base ---------------------------------------------------------------------------------------
+
 
 class GpunodeError(Exception):
-    """Base class. str() gives the message followed by a HINT line."""
+    """Base class: str() is the one-line message, `hint` the remedy, `exit_code` the CLI status."""
 
     default_hint = "see `gpunode doctor` for a diagnosis of this node"
+    exit_code = 1
 
     def __init__(self, message: str, *, hint: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.hint = hint or self.default_hint
+        super().__init__(_one_line(message))
+        self.hint = _one_line(hint or self.default_hint)
 
-    def __str__(self) -> str:
-        return f"{self.message}\nHINT: {self.hint}"
+
+def _one_line(text: str) -> str:
+    """Text from other libraries (YAML, HTTP bodies) may span lines; a message never does."""
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 class ConfigError(GpunodeError):
@@ -30,12 +40,16 @@ class ConfigError(GpunodeError):
     default_hint = (
         "fix the named key; `gpunode devices --config FILE` validates a file without starting anything"
     )
+    exit_code = 2
 
 
 class ProfileError(ConfigError):
     """A simulated-node profile that cannot be loaded."""
 
     default_hint = "check the profile against the bundled ones (gpunode/node/devices/simnode/profiles/*.yaml)"
+
+
+# -- the node: devices, allocation, memory caps, metrics -----------------------------------------
 
 
 class BackendError(GpunodeError):
@@ -71,6 +85,21 @@ class DeviceNotFound(GpunodeError):
     default_hint = "list the node's devices with `gpunode devices`"
 
 
+class SimFaultError(GpunodeError):
+    """A fault or process request the simulated node cannot carry out."""
+
+    default_hint = "list the simulated GPUs with `gpunode sim list --socket PATH` and check the request"
+
+
+class SimControlError(GpunodeError):
+    """The control socket of a simulated node cannot be served or reached, or refused a request."""
+
+    default_hint = (
+        "start the agent with --backend sim and pass the control socket it reports to --socket; "
+        "`gpunode sim list --socket PATH` shows the GPUs"
+    )
+
+
 class AllocationError(GpunodeError):
     """A request the device plugin must refuse (unknown/unhealthy device, too many devices, ...)."""
 
@@ -83,7 +112,112 @@ class MemcapError(GpunodeError):
     default_hint = "reinstall gpunode so that the native library and the CFFI module are rebuilt"
 
 
+# -- servers and Kubernetes ---------------------------------------------------------------------
+
+
+class ListenError(GpunodeError):
+    """An HTTP server could not listen on its address."""
+
+    default_hint = "choose another address, or stop the process that already listens there"
+
+
+class MetricsServerError(ListenError):
+    """The metrics endpoint could not listen."""
+
+    default_hint = "choose another gpunode.metrics.listen address, or stop what already listens there"
+
+
 class KubeError(GpunodeError):
     """A Kubernetes API or kubelet API call failed."""
 
     default_hint = "check the agent's service account RBAC and that the API server is reachable"
+
+
+class KubeApiError(KubeError):
+    """The API server answered with an error status."""
+
+    def __init__(self, message: str, *, status: int, reason: str = "", hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.status = status
+        self.reason = reason
+
+
+class KubeNotFound(KubeApiError):
+    """404: the object does not exist (any more)."""
+
+
+class KubeConflict(KubeApiError):
+    """409: a precondition (UID, resourceVersion) did not hold."""
+
+
+class EvictionBlocked(KubeApiError):
+    """429 on an eviction: a PodDisruptionBudget does not allow it now."""
+
+    default_hint = "the eviction is retried until the deadline; check the pod's PodDisruptionBudget"
+
+    def __init__(self, message: str, *, retry_after_s: float | None) -> None:
+        super().__init__(message, status=429, reason="TooManyRequests")
+        self.retry_after_s = retry_after_s
+
+
+class KubeUnreachable(KubeError):
+    """No answer: connection refused, reset, or the request timed out."""
+
+    default_hint = "check that the API server is reachable from the node (network policy, proxy, DNS)"
+
+
+# -- the node-state contract and placement ------------------------------------------------------
+
+
+class NodeStateError(GpunodeError):
+    """A node GPU-state annotation that cannot be used: broken JSON, a bad field, an unknown version."""
+
+    default_hint = (
+        "the gpunode agent on that node publishes this annotation; check that it runs and that its "
+        "version matches the extender's (gpunode.io/gpu-state must be version v1)"
+    )
+
+
+class PlacementError(GpunodeError, ValueError):
+    """Base of placement's errors; also a ValueError, as bad arguments are."""
+
+    default_hint = "check the pod's GPU request and the node's published GPU state"
+
+
+class InvalidRequest(PlacementError):
+    """A request that no GPU could ever satisfy as written (negative, mixed kinds, ...)."""
+
+    default_hint = (
+        "ask for exactly one kind of GPU resource per pod: whole GPUs (nvidia.com/gpu), a fraction "
+        "(gpunode.io/gpu-memory and/or gpunode.io/gpu-milli) or one MIG profile (nvidia.com/mig-<profile>)"
+    )
+
+
+class InvalidState(PlacementError):
+    """A node or GPU state that contradicts itself (more free than total, duplicate UUIDs, ...)."""
+
+    default_hint = "the node's GPU state is inconsistent; check the agent that published it (gpunode devices)"
+
+
+class Unsatisfiable(PlacementError):
+    """A request that the given GPUs cannot satisfy (too few, or the required ones are missing)."""
+
+    default_hint = "the node does not have enough free GPUs of the requested kind for this request"
+
+
+# -- the cluster: extender and trace simulator --------------------------------------------------
+
+
+class BadRequest(GpunodeError):
+    """An HTTP request the extender cannot read (broken JSON, wrong shape); answered with 400."""
+
+    default_hint = "kube-scheduler sends ExtenderArgs JSON; check the extender's urlPrefix and verbs"
+
+
+class TraceError(GpunodeError):
+    """A trace file that cannot be used: missing, wrong columns, or a bad value."""
+
+    default_hint = (
+        "point --trace-dir at a folder holding the openb CSVs (csv/openb_node_list_gpu_node.csv and "
+        "csv/openb_pod_list_<name>.csv), as published with the FGD paper"
+    )

@@ -257,6 +257,7 @@ def test_configuration_error_exits_2_with_a_hint(
         assert fragment in err
     hint_lines = [line for line in err.splitlines() if line.startswith("HINT: ")]
     assert len(hint_lines) == 1 and len(hint_lines[0]) > len("HINT: ")
+    assert err.splitlines() == [err.splitlines()[0], hint_lines[0]]  # the message is one line, then the hint
     assert "Traceback" not in err
 
 

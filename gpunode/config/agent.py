@@ -13,7 +13,8 @@ GPUs cannot satisfy, a device selector that matches nothing) are made by
 inventory.build_inventory, also before anything is advertised.
 
 The `gpunode.metrics`, `gpunode.health` and `gpunode.remediation` sections are
-parsed by their parsers in this package (config.metrics, config.health), so one
+parsed by their parsers in this package (config.metrics, config.health), and
+`flags.plugin`, `sharing` and `gpunode.fractional` by config.sharing, so one
 load validates the whole file.
 """
 
@@ -33,135 +34,38 @@ from gpunode.config.health import (
     parse_remediation_config,
 )
 from gpunode.config.metrics import MetricsConfig, parse_metrics_config
-from gpunode.config.reader import SectionReader, load_yaml, parse_bytes, parse_resource_name
+from gpunode.config.reader import SectionReader, load_yaml
+from gpunode.config.sharing import (
+    DEVICE_ID_STRATEGIES,
+    DEVICE_LIST_STRATEGIES,
+    Fractional,
+    PluginFlags,
+    SharedResource,
+    TimeSlicing,
+    parse_fractional,
+    parse_plugin_flags,
+    parse_replica_cap,
+    parse_sharing,
+)
+from gpunode.contract.names import shared_resource_default
 from gpunode.errors import ConfigError
 
 DEFAULT_KUBELET_DIR = Path("/var/lib/kubelet/device-plugins")
 DEFAULT_STATE_DIR = Path("/var/lib/gpunode")
 DEFAULT_POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
-GIB = 2**30
 
 MIG_STRATEGIES = ("none", "single", "mixed")
-DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")
-DEVICE_ID_STRATEGIES = ("uuid", "index")
 BACKENDS = ("auto", "nvml", "sim")
 
 
 @dataclass(frozen=True)
-class DeviceSelector:
-    """Which devices a setting applies to: all of them, or the listed GPU indexes, MIG indexes
-    ("<gpu>:<mig>") and GPU or MIG UUIDs. Selecting a GPU selects its MIG devices too."""
-
-    all: bool = True
-    indexes: tuple[int, ...] = ()
-    uuids: tuple[str, ...] = ()
-    where: str = ""  # the config key it came from, for messages
-    mig_indexes: tuple[tuple[int, int], ...] = ()  # (GPU index, MIG device index)
-
-    def matches(self, index: int, uuid: str) -> bool:
-        """Whether a whole GPU is selected."""
-        return self.all or index in self.indexes or uuid in self.uuids
-
-    def matches_mig(self, gpu_index: int, gpu_uuid: str, mig_index: int, mig_uuid: str) -> bool:
-        """Whether one MIG device is selected: by itself, or through its parent GPU."""
-        return (
-            self.matches(gpu_index, gpu_uuid)
-            or (gpu_index, mig_index) in self.mig_indexes
-            or mig_uuid in self.uuids
-        )
-
-    def describe(self) -> str:
-        if self.all:
-            return "all GPUs"
-        parts = [f"index {i}" for i in self.indexes] + [f"MIG index {g}:{m}" for g, m in self.mig_indexes]
-        return ", ".join(parts + list(self.uuids))
-
-
-def parse_device_selector(value: object, where: str) -> DeviceSelector:
-    """`all`, or a list of GPU indexes, MIG indexes ("0:1") and GPU/MIG UUIDs (the NVIDIA `devices` field)."""
-    if value == "all":
-        return DeviceSelector(all=True, where=where)
-    if isinstance(value, int) and not isinstance(value, bool):
-        raise ConfigError(
-            f"{where}: a bare number ({value}) is a device count in the NVIDIA schema, which gpunode "
-            "does not support",
-            hint=f"list the GPU indexes instead, e.g. devices: [{value}] for the GPU with index {value}",
-        )
-    if isinstance(value, str):
-        value = [v.strip() for v in value.split(",") if v.strip()]
-    if not isinstance(value, list) or not value:
-        raise ConfigError(
-            f"{where}: expected `all` or a non-empty list of GPU indexes or UUIDs, got {value!r}"
-        )
-    indexes: list[int] = []
-    mig_indexes: list[tuple[int, int]] = []
-    uuids: list[str] = []
-    for item in value:
-        if isinstance(item, int) and not isinstance(item, bool) and item >= 0:
-            indexes.append(item)
-        elif isinstance(item, str) and item.isdigit():
-            indexes.append(int(item))
-        elif isinstance(item, str) and re.fullmatch(r"\d+:\d+", item):
-            gpu, mig = item.split(":")
-            mig_indexes.append((int(gpu), int(mig)))
-        elif isinstance(item, str) and re.fullmatch(r"(GPU|MIG)-[0-9A-Za-z][-0-9A-Za-z/]*", item):
-            uuids.append(item)
-        else:
-            raise ConfigError(
-                f"{where}: {item!r} is not a GPU index (0), a MIG index (0:1) or a GPU/MIG UUID (GPU-..., MIG-...)"
-            )
-    return DeviceSelector(
-        all=False,
-        indexes=tuple(dict.fromkeys(indexes)),
-        uuids=tuple(dict.fromkeys(uuids)),
-        where=where,
-        mig_indexes=tuple(dict.fromkeys(mig_indexes)),
-    )
-
-
-@dataclass(frozen=True)
-class PluginFlags:
-    """NVIDIA `flags.plugin`: how Allocate hands devices to the container runtime."""
-
-    pass_device_specs: bool = False
-    device_list_strategy: tuple[str, ...] = ("envvar",)
-    device_id_strategy: str = "uuid"
-    container_driver_root: str = "/driver-root"
-    cdi_annotation_prefix: str = "cdi.k8s.io/"
-
-
-@dataclass(frozen=True)
-class SharedResource:
-    """One `sharing.timeSlicing.resources[]` entry."""
-
-    name: str  # the resource being shared: nvidia.com/gpu or nvidia.com/mig-<profile>
-    replicas: int
-    rename: str | None
-    devices: DeviceSelector
-
-
-@dataclass(frozen=True)
-class TimeSlicing:
-    rename_by_default: bool = False
-    fail_requests_greater_than_one: bool = False
-    resources: tuple[SharedResource, ...] = ()
-
-
-@dataclass(frozen=True)
-class Fractional:
-    """gpunode.fractional: GPUs shared by memory, each container capped by the interposer."""
-
-    devices: DeviceSelector | None = None  # None: no GPU is fractional
-    resource_name: str = "gpunode.io/gpu-memory"
-    unit_bytes: int = GIB
-    fail_open: bool = False  # what the interposer does when its region is unusable
-    ld_so_preload: bool = False  # also mount /etc/ld.so.preload so clearing LD_PRELOAD does not escape
-    gc_interval_s: float = 60.0  # how often regions of vanished containers are looked for
-    gc_grace_s: float = 600.0  # a region younger than this is kept even if the kubelet does not list it yet
-
-
-@dataclass(frozen=True)
 class Config:
+    """The agent's validated configuration (built by load() or parse_config(); frozen).
+
+    Field comments give units and choices: durations are seconds (`_s`), `source` names the file the
+    settings came from and `origins` the flag or variable that set each setting not from the file.
+    """
+
     source: str = "<defaults>"  # the file it came from
     # NVIDIA device-plugin settings
     mig_strategy: str = "none"
@@ -192,6 +96,7 @@ class Config:
 
     @property
     def kubelet_socket(self) -> Path:
+        """The kubelet's device-plugin registration socket, kubelet_dir/kubelet.sock."""
         return self.kubelet_dir / "kubelet.sock"
 
     def origin(self, setting: str, key: str) -> str:
@@ -202,105 +107,6 @@ class Config:
 # --- the file ----------------------------------------------------------------------------------
 
 
-def _parse_plugin_flags(r: SectionReader) -> PluginFlags:
-    strategies_raw = r.raw("deviceListStrategy", "envvar")
-    strategies = [strategies_raw] if isinstance(strategies_raw, str) else strategies_raw
-    if not isinstance(strategies, list) or not strategies:
-        raise ConfigError(f"{r.key_path('deviceListStrategy')}: expected a strategy or a list of them")
-    for s in strategies:
-        if s not in DEVICE_LIST_STRATEGIES:
-            raise ConfigError(
-                f"{r.key_path('deviceListStrategy')}: expected one of {', '.join(DEVICE_LIST_STRATEGIES)}, "
-                f"got {s!r}"
-            )
-    flags = PluginFlags(
-        pass_device_specs=r.get("passDeviceSpecs", bool, False),
-        device_list_strategy=tuple(dict.fromkeys(strategies)),
-        device_id_strategy=r.choice("deviceIDStrategy", DEVICE_ID_STRATEGIES, "uuid"),
-        container_driver_root=r.get("containerDriverRoot", str, "/driver-root"),
-        cdi_annotation_prefix=r.get("cdiAnnotationPrefix", str, "cdi.k8s.io/"),
-    )
-    r.raw("nvidiaCTKPath", None)  # accepted for compatibility; gpunode writes no CDI spec files
-    r.finish()
-    return flags
-
-
-def _parse_time_slicing(r: SectionReader) -> TimeSlicing:
-    rename_by_default = r.get("renameByDefault", bool, False)
-    fail_gt_one = r.get("failRequestsGreaterThanOne", bool, False)
-    items = r.raw("resources", [])
-    if not isinstance(items, list):
-        raise ConfigError(f"{r.key_path('resources')}: expected a list")
-    resources: list[SharedResource] = []
-    for i, item in enumerate(items):
-        ir = SectionReader(item, f"{r.key_path('resources')}[{i}]")
-        name = parse_resource_name(ir.get("name", str), ir.key_path("name"))
-        if name != "nvidia.com/gpu" and not name.startswith("nvidia.com/mig-"):
-            raise ConfigError(
-                f"{ir.key_path('name')}: only nvidia.com/gpu and nvidia.com/mig-<profile> can be "
-                f"time-sliced, got {name!r}"
-            )
-        replicas = ir.get("replicas", int)
-        if replicas < 2:
-            raise ConfigError(f"{ir.key_path('replicas')}: must be at least 2 to share a GPU, got {replicas}")
-        rename = ir.get("rename", str, None)
-        if rename is not None:
-            rename = parse_resource_name(rename, ir.key_path("rename"))
-        devices = ir.parse("devices", parse_device_selector, DeviceSelector(where=ir.key_path("devices")))
-        ir.finish()
-        if any(res.name == name for res in resources):
-            raise ConfigError(f"{ir.key_path('name')}: {name} is listed twice under timeSlicing.resources")
-        resources.append(SharedResource(name=name, replicas=replicas, rename=rename, devices=devices))
-    r.finish()
-    return TimeSlicing(rename_by_default, fail_gt_one, tuple(resources))
-
-
-def _parse_replica_cap(value: object, where: str) -> str | int | None:
-    """`equal` (the GPU's memory divided by its replicas), `none`, or a size per replica."""
-    if value in ("none", None):
-        return None
-    if value == "equal":
-        return "equal"
-    try:
-        cap = parse_bytes(value, where=where)
-    except ConfigError:
-        raise ConfigError(f"{where}: expected equal, none or a size such as 10Gi, got {value!r}") from None
-    if cap == 0:
-        raise ConfigError(f"{where}: a replica memory cap must be more than 0 bytes (or `none`)")
-    return cap
-
-
-def _parse_fractional(r: SectionReader) -> Fractional:
-    devices = r.parse("devices", parse_device_selector, None)
-    if devices is not None and (devices.mig_indexes or any(u.startswith("MIG-") for u in devices.uuids)):
-        raise ConfigError(
-            f"{r.key_path('devices')}: fractional sharing applies to whole GPUs, not to MIG devices",
-            hint="list GPU indexes or GPU UUIDs (GPU-...)",
-        )
-    name = parse_resource_name(
-        r.get("resourceName", str, "gpunode.io/gpu-memory"), r.key_path("resourceName")
-    )
-    if name == "nvidia.com/gpu" or name.startswith("nvidia.com/mig-"):
-        raise ConfigError(
-            f"{r.key_path('resourceName')}: {name} is already advertised for whole GPUs or MIG devices",
-            hint="give fractional GPUs a resource of their own, e.g. gpunode.io/gpu-memory",
-        )
-    unit = r.size("unit", GIB)
-    if unit < 2**20:
-        raise ConfigError(f"{r.key_path('unit')}: the unit must be at least 1Mi, got {unit} bytes")
-    frac = Fractional(
-        devices=devices,
-        resource_name=name,
-        unit_bytes=unit,
-        fail_open=r.get("failOpen", bool, False),
-        ld_so_preload=r.get("ldSoPreload", bool, False),
-        gc_interval_s=r.duration("gcInterval", 60.0),
-        gc_grace_s=r.duration("gcGrace", 600.0),
-    )
-    r.finish()
-    return frac
-
-
 def parse_config(data: object, source: str) -> Config:
     """Validate a whole configuration document (already parsed from YAML/JSON)."""
     top = SectionReader(data, f"{source}: ")
@@ -308,14 +114,27 @@ def parse_config(data: object, source: str) -> Config:
     if version != "v1":
         raise ConfigError(f"{source}: version: only v1 is supported, got {version!r}")
     cfg = Config(source=source)
+    cfg = _parse_flags(top.section("flags"), cfg)
+    cfg = replace(cfg, time_slicing=parse_sharing(top.section("sharing")))
+    _check_imex(top.section("imex"))
+    if top.raw("resources", None) is not None:
+        raise ConfigError(
+            f"{source}: resources: custom resource patterns are not supported",
+            hint="use sharing.timeSlicing.resources[].rename to name shared resources",
+        )
+    cfg = _parse_gpunode(top.section("gpunode"), cfg)
+    top.finish()
+    return cfg
 
-    flags = top.section("flags")
+
+def _parse_flags(flags: SectionReader, cfg: Config) -> Config:
+    """The NVIDIA `flags` section: MIG strategy, driver root and `flags.plugin`; GPUDirect and MPS are refused."""
     cfg = replace(
         cfg,
         mig_strategy=flags.choice("migStrategy", MIG_STRATEGIES, "none"),
         fail_on_init_error=flags.get("failOnInitError", bool, True),
         nvidia_driver_root=flags.get("nvidiaDriverRoot", str, "/"),
-        plugin=_parse_plugin_flags(flags.section("plugin")),
+        plugin=parse_plugin_flags(flags.section("plugin")),
     )
     for ignored in ("gfd", "useNodeFeatureAPI", "deviceDiscoveryStrategy"):
         flags.raw(ignored, None)  # NVIDIA settings that concern other components; accepted, no effect
@@ -329,17 +148,11 @@ def parse_config(data: object, source: str) -> Config:
     if flags.raw("mpsRoot", None) is not None:
         raise ConfigError(f"{flags.key_path('mpsRoot')}: MPS is not supported; use gpunode.fractional")
     flags.finish()
+    return cfg
 
-    sharing = top.section("sharing")
-    if sharing.raw("mps", None) is not None:
-        raise ConfigError(
-            f"{sharing.key_path('mps')}: MPS sharing is not supported by gpunode",
-            hint="use gpunode.fractional for memory-capped sharing, or sharing.timeSlicing",
-        )
-    cfg = replace(cfg, time_slicing=_parse_time_slicing(sharing.section("timeSlicing")))
-    sharing.finish()
 
-    imex = top.section("imex")
+def _check_imex(imex: SectionReader) -> None:
+    """The NVIDIA `imex` section: accepted only without channels."""
     if imex.raw("channelIDs", []):
         raise ConfigError(
             f"{imex.key_path('channelIDs')}: IMEX channels are not supported by gpunode",
@@ -348,13 +161,9 @@ def parse_config(data: object, source: str) -> Config:
     imex.get("required", bool, False)
     imex.finish()
 
-    if top.raw("resources", None) is not None:
-        raise ConfigError(
-            f"{source}: resources: custom resource patterns are not supported",
-            hint="use sharing.timeSlicing.resources[].rename to name shared resources",
-        )
 
-    own = top.section("gpunode")
+def _parse_gpunode(own: SectionReader, cfg: Config) -> Config:
+    """gpunode's own section: the agent's settings, then the metrics, health and remediation sections."""
     node_state = own.section("nodeState")
     cfg = replace(
         cfg,
@@ -367,8 +176,8 @@ def parse_config(data: object, source: str) -> Config:
         node_name=own.get("nodeName", str, ""),
         log_level=own.choice("logLevel", ("debug", "info", "warning", "error"), "info"),
         replica_placement=own.choice("replicaPlacement", ("spread", "pack"), "spread"),
-        replica_memory_cap=own.parse("replicaMemoryCap", _parse_replica_cap, None),
-        fractional=_parse_fractional(own.section("fractional")),
+        replica_memory_cap=own.parse("replicaMemoryCap", parse_replica_cap, None),
+        fractional=parse_fractional(own.section("fractional")),
         rediscover_interval_s=own.duration("rediscoverInterval", 30.0),
         publish_node_state=node_state.get("enabled", bool, True),
         publish_interval_s=node_state.duration("interval", 60.0),
@@ -382,7 +191,6 @@ def parse_config(data: object, source: str) -> Config:
         remediation=parse_remediation_config(own.raw("remediation", {}), own.key_path("remediation")),
     )
     own.finish()
-    top.finish()
     return cfg
 
 
@@ -391,7 +199,7 @@ def shared_resource_name(cfg: Config, res: SharedResource) -> str:
     if res.rename:
         return res.rename
     if cfg.time_slicing.rename_by_default:
-        return f"{res.name}.shared"
+        return shared_resource_default(res.name)
     return res.name
 
 

@@ -36,6 +36,7 @@ class XidPolicy:
     count_window_s: float = 600.0
 
     def classify(self, code: int) -> str:
+        """The verdict for XID `code`: "ignored", "fatal", "instance-fatal" or, in no list, "counted"."""
         if code in self.ignored:
             return IGNORED
         if code in self.fatal:
@@ -47,6 +48,8 @@ class XidPolicy:
 
 @dataclass(frozen=True)
 class HealthConfig:
+    """Settings of the `gpunode.health` section: probing, recovery window, XID and ECC rules (times in s)."""
+
     enabled: bool = True
     probe_interval_s: float = 10.0
     probe_timeout_s: float = 5.0  # a probe (an NVML call) that takes longer counts as a failure
@@ -60,6 +63,8 @@ class HealthConfig:
 
 @dataclass(frozen=True)
 class BareMetalConfig:
+    """How baremetal remediation stops the processes on a faulty GPU: signals, or a hook command (seconds)."""
+
     term_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this long
     hook: tuple[str, ...] | None = None  # run this command instead of signalling the processes
     hook_timeout_s: float = 60.0
@@ -67,6 +72,8 @@ class BareMetalConfig:
 
 @dataclass(frozen=True)
 class RemediationConfig:
+    """Settings of the `gpunode.remediation` section: mode, eviction pacing and retries, node marking."""
+
     mode: str = "kubernetes"  # kubernetes | baremetal | off
     dry_run: bool = False
     kubeconfig: str | None = None  # None: the in-cluster service account, else ~/.kube/config
@@ -105,6 +112,7 @@ def _codes(r: SectionReader, key: str, default: tuple[int, ...]) -> frozenset[in
 
 
 def parse_xid_policy(r: SectionReader) -> XidPolicy:
+    """Parse the `xid` section; ConfigError when a code is not positive or is in two lists."""
     ignored = _codes(r, "ignored", DEFAULT_IGNORED)
     fatal = _codes(r, "fatal", DEFAULT_FATAL)
     instance = _codes(r, "instanceFatal", DEFAULT_INSTANCE_FATAL)

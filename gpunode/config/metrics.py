@@ -54,6 +54,7 @@ class MetricsConfig:
 
     @property
     def listen_address(self) -> ListenAddress:
+        """`listen` parsed into host and port; ConfigError if it is not HOST:PORT."""
         return parse_listen(self.listen, "listen")
 
 

@@ -31,23 +31,24 @@ does not know, newer ones included, rather than guess. Readers that see an
 unknown field ignore it, so v1 can grow optional fields. The JSON Schema of v1
 ships as gpunode/examples/node-gpu-state-v1.schema.json.
 
-This module converts between JSON and placement's NodeState; it does no I/O.
+This module converts between JSON and these records; it does no I/O.
+Placement's view of a node (free rather than assigned) is built from them by
+gpunode.placement.published, so the contract depends on nothing above it.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpunode.errors import GpunodeError
-from gpunode.placement import MILLI_PER_GPU, SHARING_MODES, GpuState, NodeState, PlacementError
+from gpunode.contract.names import MILLI_PER_GPU, NODE_STATE_ANNOTATION, SHARING_MODES, Sharing
+from gpunode.contract.reader import SectionReader
+from gpunode.errors import NodeStateError
 
-ANNOTATION_KEY = "gpunode.io/gpu-state"
+ANNOTATION_KEY = NODE_STATE_ANNOTATION
 VERSION = "v1"
 SUPPORTED_VERSIONS = (VERSION,)
 HEALTH_VALUES = ("Healthy", "Unhealthy")
@@ -55,17 +56,10 @@ SCHEMA_PATH = Path(__file__).resolve().parents[1] / "examples" / "node-gpu-state
 MAX_TEXT_BYTES = 256 * 1024  # an annotation value larger than this is refused before parsing
 
 
-class NodeStateError(GpunodeError):
-    """A node GPU-state annotation that cannot be used: broken JSON, a bad field, an unknown version."""
-
-    default_hint = (
-        "the gpunode agent on that node publishes this annotation; check that it runs and that its "
-        "version matches the extender's (gpunode.io/gpu-state must be version v1)"
-    )
-
-
 @dataclass(frozen=True)
 class MigInstance:
+    """One MIG instance of a GPU: its profile, its UUID, and whether a container holds it."""
+
     profile: str
     uuid: str
     assigned: bool
@@ -83,11 +77,14 @@ class GpuRecord:
     milli_assigned: int = 0
     memory_assigned_bytes: int = 0
     healthy: bool = True
-    sharing: str = "fractional"
+    sharing: Sharing = Sharing.FRACTIONAL
     mig: tuple[MigInstance, ...] = ()
     nvlink_peers: tuple[str, ...] = ()
     numa_node: int | None = None
     pods: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sharing", Sharing(self.sharing))
 
 
 @dataclass(frozen=True)
@@ -107,45 +104,6 @@ class NodeGpuState:
         """namespace/name of every pod the annotation says holds a GPU or a share of one."""
         return frozenset(p for g in self.gpus for p in g.pods)
 
-    def to_node_state(
-        self, *, cpu_milli_free: int, memory_free_bytes: int, labels: Mapping[str, str] | None = None
-    ) -> NodeState:
-        """Placement's view; the CPU/memory given are used when the annotation does not carry them."""
-        gpus = []
-        for g in self.gpus:
-            mig_free: dict[str, int] = {}
-            for m in g.mig:
-                mig_free.setdefault(m.profile, 0)
-                if not m.assigned:
-                    mig_free[m.profile] += 1
-            gpus.append(
-                GpuState(
-                    uuid=g.uuid,
-                    index=g.index,
-                    model=g.model,
-                    milli_free=max(0, g.milli_capacity - g.milli_assigned),
-                    memory_total_bytes=g.memory_total_bytes,
-                    memory_free_bytes=max(0, g.memory_total_bytes - g.memory_assigned_bytes),
-                    numa_node=g.numa_node,
-                    nvlink_peers=frozenset(g.nvlink_peers),
-                    healthy=g.healthy,
-                    mig_free=mig_free,
-                    sharing=g.sharing,  # type: ignore[arg-type]
-                )
-            )
-        try:
-            return NodeState(
-                name=self.node,
-                gpus=tuple(gpus),
-                cpu_milli_free=self.cpu_milli_free if self.cpu_milli_free is not None else cpu_milli_free,
-                memory_free_bytes=self.memory_free_bytes
-                if self.memory_free_bytes is not None
-                else memory_free_bytes,
-                labels=labels or {},
-            )
-        except PlacementError as exc:
-            raise NodeStateError(f"node {self.node}: {exc.message}") from exc
-
 
 # ----- encode --------------------------------------------------------------------------------------
 
@@ -160,7 +118,7 @@ def _gpu_to_json(g: GpuRecord) -> dict[str, Any]:
         "milliAssigned": g.milli_assigned,
         "memoryAssignedBytes": g.memory_assigned_bytes,
         "health": "Healthy" if g.healthy else "Unhealthy",
-        "sharing": g.sharing,
+        "sharing": g.sharing.value,
         "mig": [{"profile": m.profile, "uuid": m.uuid, "assigned": m.assigned} for m in g.mig],
         "nvlinkPeers": list(g.nvlink_peers),
         "numaNode": g.numa_node,
@@ -170,41 +128,8 @@ def _gpu_to_json(g: GpuRecord) -> dict[str, Any]:
     return out
 
 
-def record_from_gpu_state(gpu: GpuState, *, pods: Sequence[str] = ()) -> GpuRecord:
-    """A GpuRecord from placement's GpuState (free turned back into assigned; MIG as counts of free)."""
-    mig = tuple(
-        MigInstance(profile=profile, uuid=f"{gpu.uuid}/{profile}/{i}", assigned=False)
-        for profile, n in sorted(gpu.mig_free.items())
-        for i in range(n)
-    )
-    return GpuRecord(
-        uuid=gpu.uuid,
-        index=gpu.index,
-        model=gpu.model,
-        memory_total_bytes=gpu.memory_total_bytes,
-        milli_capacity=MILLI_PER_GPU,
-        milli_assigned=MILLI_PER_GPU - gpu.milli_free,
-        memory_assigned_bytes=gpu.memory_total_bytes - gpu.memory_free_bytes,
-        healthy=gpu.healthy,
-        sharing=gpu.sharing,
-        mig=mig,
-        nvlink_peers=tuple(sorted(gpu.nvlink_peers)),
-        numa_node=gpu.numa_node,
-        pods=tuple(pods),
-    )
-
-
-def encode(state: NodeGpuState | NodeState, *, generation: int = 0, updated: float | None = None) -> str:
-    """The annotation value (compact JSON) for a NodeGpuState, or for a placement NodeState."""
-    if isinstance(state, NodeState):
-        state = NodeGpuState(
-            node=state.name,
-            updated=time.time() if updated is None else updated,
-            generation=generation,
-            gpus=tuple(record_from_gpu_state(g) for g in state.gpus),
-            cpu_milli_free=state.cpu_milli_free,
-            memory_free_bytes=state.memory_free_bytes,
-        )
+def encode(state: NodeGpuState) -> str:
+    """The annotation value (compact JSON) of a NodeGpuState."""
     doc: dict[str, Any] = {
         "version": VERSION,
         "node": state.node,
@@ -222,122 +147,51 @@ def encode(state: NodeGpuState | NodeState, *, generation: int = 0, updated: flo
 # ----- decode --------------------------------------------------------------------------------------
 
 
-class _Reader:
-    """Typed access to one JSON object, with the path of each field for error messages."""
-
-    def __init__(self, data: object, where: str) -> None:
-        if not isinstance(data, dict):
-            raise NodeStateError(f"{where}: expected an object, got {type(data).__name__}")
-        self.data = data
-        self.where = where
-
-    def _get(self, key: str, required: bool) -> Any:
-        if key not in self.data or self.data[key] is None:
-            if required:
-                raise NodeStateError(f"{self.where}.{key}: required field is missing")
-            return None
-        return self.data[key]
-
-    def opt_int(
-        self, key: str, *, required: bool = True, minimum: int = 0, maximum: int | None = None
-    ) -> int | None:
-        value = self._get(key, required)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise NodeStateError(f"{self.where}.{key}: expected an integer, got {value!r}")
-        if value < minimum or (maximum is not None and value > maximum):
-            bound = f"{minimum}..{maximum}" if maximum is not None else f">= {minimum}"
-            raise NodeStateError(f"{self.where}.{key}: expected {bound}, got {value}")
-        return value
-
-    def req_int(self, key: str, *, minimum: int = 0, maximum: int | None = None) -> int:
-        value = self.opt_int(key, minimum=minimum, maximum=maximum)
-        assert value is not None
-        return value
-
-    def text(self, key: str, *, required: bool = True, choices: Sequence[str] = ()) -> str:
-        value = self._get(key, required)
-        if value is None:
-            return ""
-        if not isinstance(value, str):
-            raise NodeStateError(f"{self.where}.{key}: expected a string, got {value!r}")
-        if choices and value not in choices:
-            raise NodeStateError(f"{self.where}.{key}: expected one of {', '.join(choices)}, got {value!r}")
-        return value
-
-    def seconds(self, key: str) -> float:
-        value = self._get(key, True)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-            or value < 0
-        ):
-            raise NodeStateError(
-                f"{self.where}.{key}: expected a non-negative number of seconds, got {value!r}"
-            )
-        return float(value)
-
-    def items(self, key: str, *, required: bool = True) -> list[Any]:
-        value = self._get(key, required)
-        if value is None:
-            return []
-        if not isinstance(value, list):
-            raise NodeStateError(f"{self.where}.{key}: expected a list, got {type(value).__name__}")
-        return value
-
-    def text_list(self, key: str) -> tuple[str, ...]:
-        items = self.items(key, required=False)
-        if not all(isinstance(i, str) and i for i in items):
-            raise NodeStateError(f"{self.where}.{key}: expected a list of non-empty strings")
-        return tuple(items)
+def _reader(data: object, where: str) -> SectionReader:
+    """A strict reader of one JSON object of the annotation; every refusal is a NodeStateError."""
+    return SectionReader(data, where, error=NodeStateError, json_object=True)
 
 
-def _decode_gpu(data: object, where: str) -> GpuRecord:
-    r = _Reader(data, where)
-    uuid = r.text("uuid")
+def _decode_mig(r: SectionReader) -> MigInstance:
+    assigned = r.flag("assigned")
+    profile, uuid = r.get("profile", str), r.get("uuid", str)
+    if not profile or not uuid:
+        raise NodeStateError(f"{r.where}: profile and uuid cannot be empty")
+    return MigInstance(profile=profile, uuid=uuid, assigned=assigned)
+
+
+def _decode_gpu(r: SectionReader) -> GpuRecord:
+    uuid = r.get("uuid", str)
     if not uuid:
-        raise NodeStateError(f"{where}.uuid: cannot be empty")
-    memory_total = r.req_int("memoryTotalBytes")
-    capacity = r.req_int("milliCapacity", maximum=MILLI_PER_GPU)
-    assigned = r.req_int("milliAssigned")
-    memory_assigned = r.req_int("memoryAssignedBytes")
+        raise r.fail("uuid", "cannot be empty")
+    memory_total = r.integer("memoryTotalBytes", minimum=0)
+    capacity = r.integer("milliCapacity", minimum=0, maximum=MILLI_PER_GPU)
+    assigned = r.integer("milliAssigned", minimum=0)
+    memory_assigned = r.integer("memoryAssignedBytes", minimum=0)
     if assigned > capacity:
-        raise NodeStateError(f"{where}.milliAssigned: {assigned} exceeds milliCapacity {capacity}")
+        raise r.fail("milliAssigned", f"{assigned} exceeds milliCapacity {capacity}")
     if memory_assigned > memory_total:
-        raise NodeStateError(
-            f"{where}.memoryAssignedBytes: {memory_assigned} exceeds memoryTotalBytes {memory_total}"
-        )
-    mig = []
-    for i, item in enumerate(r.items("mig")):
-        m = _Reader(item, f"{where}.mig[{i}]")
-        assigned_flag = m._get("assigned", True)
-        if not isinstance(assigned_flag, bool):
-            raise NodeStateError(f"{where}.mig[{i}].assigned: expected true or false, got {assigned_flag!r}")
-        profile, mig_uuid = m.text("profile"), m.text("uuid")
-        if not profile or not mig_uuid:
-            raise NodeStateError(f"{where}.mig[{i}]: profile and uuid cannot be empty")
-        mig.append(MigInstance(profile=profile, uuid=mig_uuid, assigned=assigned_flag))
+        raise r.fail("memoryAssignedBytes", f"{memory_assigned} exceeds memoryTotalBytes {memory_total}")
+    mig = tuple(_decode_mig(r.item(item, r.key_path(f"mig[{i}]"))) for i, item in enumerate(r.items("mig")))
     return GpuRecord(
         uuid=uuid,
-        index=r.req_int("index"),
-        model=r.text("model"),
+        index=r.integer("index", minimum=0),
+        model=r.get("model", str),
         memory_total_bytes=memory_total,
         milli_capacity=capacity,
         milli_assigned=assigned,
         memory_assigned_bytes=memory_assigned,
-        healthy=r.text("health", choices=HEALTH_VALUES) == "Healthy",
-        sharing=r.text("sharing", choices=SHARING_MODES),
-        mig=tuple(mig),
-        nvlink_peers=r.text_list("nvlinkPeers"),
-        numa_node=r.opt_int("numaNode", required=False),
-        pods=r.text_list("pods"),
+        healthy=r.choice("health", HEALTH_VALUES) == "Healthy",
+        sharing=Sharing(r.choice("sharing", SHARING_MODES)),
+        mig=mig,
+        nvlink_peers=r.text_list("nvlinkPeers", ()),
+        numa_node=r.integer("numaNode", None, minimum=0),
+        pods=r.text_list("pods", ()),
     )
 
 
-def decode(text: str | bytes, *, node: str | None = None) -> NodeGpuState:
-    """Parse and check an annotation value; `node`, when given, must match the annotation's node."""
+def _json_text(text: str | bytes) -> object:
+    """The parsed JSON of an annotation value, refusing non-UTF-8, oversized and broken text."""
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8")
@@ -350,45 +204,54 @@ def decode(text: str | bytes, *, node: str | None = None) -> NodeGpuState:
             f"{ANNOTATION_KEY}: {len(text)} bytes is more than the {MAX_TEXT_BYTES} accepted"
         )
     try:
-        data = json.loads(text)
+        return json.loads(text)
     except (json.JSONDecodeError, RecursionError) as exc:
         raise NodeStateError(f"{ANNOTATION_KEY}: broken JSON: {exc}") from exc
-    r = _Reader(data, ANNOTATION_KEY)
-    version = r.text("version")
+
+
+def _check_gpus(gpus: tuple[GpuRecord, ...]) -> None:
+    """What holds across the GPUs of one node: unique UUIDs and indexes, peers on the node."""
+    where = f"{ANNOTATION_KEY}.gpus"
+    uuids = [g.uuid for g in gpus]
+    if len(set(uuids)) != len(uuids):
+        raise NodeStateError(f"{where}: duplicate GPU UUIDs")
+    indexes = [g.index for g in gpus]
+    if len(set(indexes)) != len(indexes):
+        raise NodeStateError(f"{where}: duplicate GPU indexes")
+    known = set(uuids)
+    for g in gpus:
+        if g.uuid in g.nvlink_peers or any(p not in known for p in g.nvlink_peers):
+            raise NodeStateError(f"{where}: GPU {g.uuid} lists an NVLink peer that is not on the node")
+
+
+def decode(text: str | bytes, *, node: str | None = None) -> NodeGpuState:
+    """Parse and check an annotation value; `node`, when given, must match the annotation's node."""
+    r = _reader(_json_text(text), ANNOTATION_KEY)
+    version = r.get("version", str)
     if version not in SUPPORTED_VERSIONS:
         raise NodeStateError(
             f"{ANNOTATION_KEY}: version {version!r} is not supported (this extender reads "
             f"{', '.join(SUPPORTED_VERSIONS)})",
             hint="run an extender at least as new as the agents, or pin the agents to publish v1",
         )
-    name = r.text("node")
+    name = r.get("node", str)
     if not name:
-        raise NodeStateError(f"{ANNOTATION_KEY}.node: cannot be empty")
+        raise r.fail("node", "cannot be empty")
     if node is not None and name != node:
-        raise NodeStateError(f"{ANNOTATION_KEY}.node: says {name!r} but it is on node {node!r}")
-    gpus = tuple(_decode_gpu(g, f"{ANNOTATION_KEY}.gpus[{i}]") for i, g in enumerate(r.items("gpus")))
-    uuids = [g.uuid for g in gpus]
-    if len(set(uuids)) != len(uuids):
-        raise NodeStateError(f"{ANNOTATION_KEY}.gpus: duplicate GPU UUIDs")
-    indexes = [g.index for g in gpus]
-    if len(set(indexes)) != len(indexes):
-        raise NodeStateError(f"{ANNOTATION_KEY}.gpus: duplicate GPU indexes")
-    known = set(uuids)
-    for g in gpus:
-        if g.uuid in g.nvlink_peers or any(p not in known for p in g.nvlink_peers):
-            raise NodeStateError(
-                f"{ANNOTATION_KEY}.gpus: GPU {g.uuid} lists an NVLink peer that is not on the node"
-            )
-    known_keys = {"version", "node", "updated", "generation", "cpuMilliFree", "memoryFreeBytes", "gpus"}
+        raise r.fail("node", f"says {name!r} but it is on node {node!r}")
+    gpus = tuple(
+        _decode_gpu(r.item(item, r.key_path(f"gpus[{i}]"))) for i, item in enumerate(r.items("gpus"))
+    )
+    _check_gpus(gpus)
     return NodeGpuState(
         node=name,
-        updated=r.seconds("updated"),
-        generation=r.req_int("generation"),
+        updated=r.number("updated", minimum=0),
+        generation=r.integer("generation", minimum=0),
         gpus=gpus,
-        cpu_milli_free=r.opt_int("cpuMilliFree", required=False),
-        memory_free_bytes=r.opt_int("memoryFreeBytes", required=False),
+        cpu_milli_free=r.integer("cpuMilliFree", None, minimum=0),
+        memory_free_bytes=r.integer("memoryFreeBytes", None, minimum=0),
         version=version,
-        extra={k: v for k, v in data.items() if k not in known_keys},
+        extra=r.unread(),
     )
 
 

@@ -12,12 +12,11 @@ policy of its own.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import threading
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,13 @@ from gpunode.node.devices.base import Backend, DeviceEvent, EventKind
 from gpunode.node.inventory import Inventory, build_inventory
 from gpunode.node.kubelet.deviceplugin import PluginManager, socket_name
 from gpunode.node.memcap.checkpoint import Checkpoint
+from gpunode.node.parts import (
+    build_health,
+    build_metrics,
+    build_publisher,
+    build_region_keeper,
+    serve_sim_control,
+)
 from gpunode.node.state import DeviceState
 
 log = logging.getLogger(__name__)
@@ -134,7 +140,7 @@ class Agent:
         except BackendUnavailable as exc:
             if self.config.fail_on_init_error:
                 raise
-            log.error("%s", exc)
+            log.error("%s (hint: %s)", exc, exc.hint)
             log.error("failOnInitError is false: the agent stays up and advertises nothing")
             await self._stop_async.wait()
             return
@@ -200,13 +206,16 @@ class Agent:
         try:
             gpus = await asyncio.to_thread(self.backend.gpus)
         except GpunodeError as exc:
-            log.warning("rediscovery failed: %s", exc.message)
+            log.warning("rediscovery failed: %s", exc)
             return
         try:
             inventory = build_inventory(gpus, self.config, strict=False)
         except ConfigError as exc:
             log.error(
-                "rediscovery: the configuration no longer fits the GPUs, keeping the last inventory: %s", exc
+                "rediscovery: the configuration no longer fits the GPUs, keeping the last inventory: "
+                "%s (hint: %s)",
+                exc,
+                exc.hint,
             )
             return
         before = {d.id for d in self.state.snapshot().inventory.devices}
@@ -243,7 +252,7 @@ class Agent:
                 config = self._config_loader()
                 inventory = build_inventory(await asyncio.to_thread(self.backend.gpus), config)
             except GpunodeError as exc:
-                log.error("reload refused, keeping the running configuration: %s", exc)
+                log.error("reload refused, keeping the running configuration: %s (hint: %s)", exc, exc.hint)
                 continue
             sdnotify.notify("RELOADING=1")
             for section in ("health", "remediation", "metrics"):
@@ -295,27 +304,8 @@ class Agent:
         return out
 
     def _start_health(self, tg: asyncio.TaskGroup) -> None:
-        from gpunode.node.health import HealthMonitor
-        from gpunode.node.health.remediation import build_remediator
-
         assert self.state is not None
-        health_cfg = self.config.health
-        rem_cfg = self.config.remediation
-        if rem_cfg.mode == "kubernetes" and not self.config.node_name:
-            log.warning(
-                "remediation: no node name (set NODE_NAME or --node-name), so no pod is evicted; "
-                "devices are still marked unhealthy"
-            )
-            rem_cfg = replace(rem_cfg, mode="off")
-        remediator = build_remediator(
-            rem_cfg,
-            backend=self.backend,
-            node_name=self.config.node_name,
-            pod_resources_socket=str(self.config.pod_resources_socket),
-        )
-        self.health = HealthMonitor(
-            backend=self.backend, state=self.state, config=health_cfg, remediator=remediator
-        )
+        self.health, remediator = build_health(self.config, self.backend, self.state)
         self.remediator = remediator
         self.event_listeners.append(self.health.handle_event)
         tg.create_task(self.health.run(), name="health")
@@ -323,26 +313,14 @@ class Agent:
             tg.create_task(remediator.run(), name="remediation")
 
     def _start_metrics(self, tg: asyncio.TaskGroup) -> None:
-        from gpunode.node.kubelet.podresources import PodAttribution
-        from gpunode.node.metrics import MetricsCollector, serve_metrics
+        from gpunode.node.metrics import serve_metrics
 
         assert self.state is not None
-        state = self.state
-        cfg = self.config.metrics
-        if not cfg.enabled:
+        collector = build_metrics(self.config, self.backend, self.state, self.unhealthy_devices)
+        if collector is None:
             return
-        attribution = PodAttribution(
-            cfg.pod_resources_socket or str(self.config.pod_resources_socket), ttl_s=cfg.attribution_ttl_s
-        )
-        self.metrics = MetricsCollector(
-            backend=self.backend,
-            hostname=self.config.node_name,
-            config=cfg,
-            inventory=lambda: state.snapshot().inventory,
-            health=self.unhealthy_devices,
-            attribution=attribution,
-            regions_root=self.config.state_dir / "memcap",
-        )
+        cfg = self.config.metrics
+        self.metrics = collector
         self.event_listeners.append(self.metrics.record_event)
         tg.create_task(self.metrics.run(), name="metrics-collector")
         self.metrics_ready = asyncio.Event()
@@ -383,76 +361,20 @@ class Agent:
         assert self.state is not None
         if not self._uses_caps(self.state.snapshot().inventory):
             return
-        from gpunode.node.kubelet.podresources import list_container_devices
-        from gpunode.node.memcap.gc import RegionKeeper
-
-        socket_path = str(self.config.pod_resources_socket)
-        frac = self.config.fractional
-        self.region_keeper = RegionKeeper(
-            root=self.config.state_dir / "memcap",
-            checkpoint=self.checkpoint,
-            list_containers=lambda: list_container_devices(socket_path, timeout_s=5.0),
-            interval_s=frac.gc_interval_s,
-            grace_s=frac.gc_grace_s,
-        )
+        self.region_keeper = build_region_keeper(self.config, self.checkpoint)
         tg.create_task(self.region_keeper.run(), name="memcap-regions")
 
     def _start_publisher(self, tg: asyncio.TaskGroup) -> None:
         """Annotate this node's Node object with its GPU state, for the scheduler extender."""
-        from gpunode.infra.kube import KubeClient
-        from gpunode.node.kubelet.podresources import list_container_devices
-        from gpunode.node.publish import NodeStatePublisher
-
         assert self.state is not None
-        if not self.config.publish_node_state:
+        publisher = build_publisher(self.config, self.state)
+        if publisher is None:
             return
-        if not self.config.node_name:
-            log.info("node state: no node name (NODE_NAME), so the GPU-state annotation is not published")
-            return
-        rem_cfg = self.config.remediation
-        socket_path = str(self.config.pod_resources_socket)
-        clients: list[KubeClient] = []
-
-        def patch(node: str, annotations: Mapping[str, str | None]) -> None:
-            if not clients:
-                clients.append(
-                    KubeClient.from_environment(
-                        kubeconfig=rem_cfg.kubeconfig, request_timeout_s=rem_cfg.request_timeout_s
-                    )
-                )
-            clients[0].patch_node_annotations(node, annotations)
-
-        async def holders() -> dict[str, str]:
-            out: dict[str, str] = {}
-            for c in await list_container_devices(socket_path, timeout_s=5.0):
-                for dev in c.device_ids:
-                    out[dev] = f"{c.namespace}/{c.pod}"
-            return out
-
-        self.publisher = NodeStatePublisher(
-            state=self.state,
-            node_name=self.config.node_name,
-            patch=patch,
-            read_holders=holders,
-            interval_s=self.config.publish_interval_s,
-        )
+        self.publisher = publisher
         tg.create_task(self.publisher.run(), name="node-state-publisher")
 
     async def _sim_control(self) -> None:
-        from gpunode.node.devices.simnode.backend import SimBackend
-        from gpunode.node.devices.simnode.control import serve_control
-
-        path = self.config.sim_control_socket
-        backend = self.backend
-        if path is None or not isinstance(backend, SimBackend):
-            return
-        handle = await asyncio.to_thread(serve_control, backend, path)
-        log.info("simulated node control socket: %s (try `gpunode sim list --socket %s`)", path, path)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            with contextlib.suppress(Exception):
-                handle.close()
+        await serve_sim_control(self.config, self.backend)
 
 
 class _Stop(Exception):

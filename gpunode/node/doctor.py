@@ -23,6 +23,8 @@ OK, WARN, FAIL = "ok", "warn", "fail"
 
 @dataclass(frozen=True)
 class Check:
+    """The outcome of one doctor check: status "ok", "warn" or "fail", what it found, and a hint to fix it."""
+
     name: str
     status: str  # ok | warn | fail
     detail: str
@@ -30,6 +32,7 @@ class Check:
 
     @property
     def ok(self) -> bool:
+        """Whether the check did not fail (a warning counts as ok)."""
         return self.status != FAIL
 
 
@@ -46,7 +49,7 @@ def _check_backend(cfg: Config) -> Check:
     try:
         backend = detect_backend(cfg.backend, cfg.sim_profile)
     except GpunodeError as exc:
-        return Check("gpu backend", FAIL, exc.message, exc.hint)
+        return Check("gpu backend", FAIL, str(exc), exc.hint)
     try:
         gpus = backend.gpus()
         driver = backend.driver_version() or "unknown"
@@ -57,7 +60,7 @@ def _check_backend(cfg: Config) -> Check:
             detail += f"; {mig} with MIG enabled"
         return Check("gpu backend", OK, detail)
     except GpunodeError as exc:
-        return Check("gpu backend", FAIL, exc.message, exc.hint)
+        return Check("gpu backend", FAIL, str(exc), exc.hint)
     finally:
         backend.close()
 
@@ -68,7 +71,7 @@ def _check_inventory(cfg: Config) -> Check:
     try:
         inventory = Agent(cfg).open()
     except GpunodeError as exc:
-        return Check("advertised devices", FAIL, exc.message, exc.hint)
+        return Check("advertised devices", FAIL, str(exc), exc.hint)
     parts = [f"{len(inventory.by_resource(r))} x {r}" for r in inventory.resources()]
     if inventory.warnings:
         return Check(
@@ -155,6 +158,10 @@ def _check_memcap() -> Check:
 
 
 def checks(cfg: Config) -> list[Check]:
+    """Run every check: Python, backend, advertised devices, memory caps, state dir, kubelet, pod-resources.
+
+    A check that raises becomes a failed Check; it does not stop the others.
+    """
     steps: list[Callable[[], Check]] = [
         _check_python,
         lambda: _check_backend(cfg),
@@ -174,6 +181,7 @@ def checks(cfg: Config) -> list[Check]:
 
 
 def render(results: list[Check], *, as_json: bool = False) -> str:
+    """The results as text (a line each, with a HINT line under a warning or failure), or as JSON."""
     if as_json:
         return json.dumps([asdict(c) for c in results], indent=2)
     mark = {OK: "[ ok ]", WARN: "[warn]", FAIL: "[FAIL]"}

@@ -4,7 +4,8 @@ Pure functions over frozen data: no I/O, no NVML, no gRPC. `build_inventory`
 decides one sharing mode per GPU (whole, time-sliced, fractional or MIG),
 names every advertised device the way the NVIDIA device plugin does (GPU UUID,
 MIG UUID, `<id>::<n>` replicas) plus gpunode's memory units
-(`<id>::mem<n>`), and says why each device is advertised. It also makes the
+(`<id>::mem<n>`; both formats are gpunode.contract.deviceids), and says why
+each device is advertised. It also makes the
 configuration checks that need the GPUs in hand: a MIG strategy the GPUs cannot
 satisfy, a device selector naming a GPU that does not exist or matching none,
 two sharing modes for one GPU.
@@ -13,18 +14,15 @@ two sharing modes for one GPU.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from gpunode.config.agent import Config, DeviceSelector, SharedResource, shared_resource_name
+from gpunode.config.agent import Config, shared_resource_name
+from gpunode.config.sharing import DeviceSelector, SharedResource
+from gpunode.contract.deviceids import memory_unit_id, replica_id
+from gpunode.contract.names import GIB, GPU_RESOURCE, Sharing, mig_resource_name
 from gpunode.errors import ConfigError
 from gpunode.node.devices.base import Gpu, MigDevice
-
-GPU_RESOURCE = "nvidia.com/gpu"
-MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
-
-# Sharing modes of a physical GPU.
-WHOLE, TIME_SLICED, FRACTIONAL, MIG = "whole", "time-sliced", "fractional", "mig"
 
 
 @dataclass(frozen=True)
@@ -50,7 +48,7 @@ class AdvertisedDevice:
 class Inventory:
     devices: tuple[AdvertisedDevice, ...] = ()
     gpus: tuple[Gpu, ...] = ()  # the physical GPUs the devices come from
-    modes: tuple[tuple[str, str], ...] = ()  # (GPU UUID, sharing mode) in GPU order
+    modes: tuple[tuple[str, Sharing], ...] = ()  # (GPU UUID, sharing mode) in GPU order
     warnings: tuple[str, ...] = ()
     _by_id: dict[str, AdvertisedDevice] = field(default_factory=dict, compare=False, repr=False)
 
@@ -69,7 +67,7 @@ class Inventory:
     def gpu(self, gpu_uuid: str) -> Gpu | None:
         return next((g for g in self.gpus if g.uuid == gpu_uuid), None)
 
-    def mode_of(self, gpu_uuid: str) -> str | None:
+    def mode_of(self, gpu_uuid: str) -> Sharing | None:
         return dict(self.modes).get(gpu_uuid)
 
 
@@ -77,10 +75,6 @@ def region_key(device_ids: Iterable[str]) -> str:
     """The memory-cap region key of one container's allocation (order-independent)."""
     joined = ",".join(sorted(set(device_ids)))
     return hashlib.sha256(joined.encode()).hexdigest()[:20]
-
-
-def mig_resource_name(profile: str) -> str:
-    return f"{MIG_RESOURCE_PREFIX}{profile}"
 
 
 def _check_selector(selector: DeviceSelector, gpus: Sequence[Gpu]) -> None:
@@ -196,10 +190,10 @@ def _emit(
     name = shared_resource_name(cfg, sharing)
     why = f"{reason}; time-sliced into {sharing.replicas} replicas ({sharing.devices.where or 'all'})"
     if cap is not None:
-        why += f", each capped at {cap / 2**30:.1f} GiB"
+        why += f", each capped at {cap / GIB:.1f} GiB"
     out.extend(
         AdvertisedDevice(
-            id=f"{base}::{n}",
+            id=replica_id(base, n),
             resource=name,
             gpu_uuid=gpu.uuid,
             mig_uuid=mig.uuid if mig else None,
@@ -212,6 +206,20 @@ def _emit(
     )
 
 
+class _Problems:
+    """Configuration problems found with the GPUs in hand: fatal at start-up, warnings on rediscovery."""
+
+    def __init__(self, strict: bool, warnings: list[str]) -> None:
+        self.strict = strict
+        self.warnings = warnings
+
+    def __call__(self, message: str, hint: str | None = None) -> None:
+        """Raise the problem as a ConfigError (strict), or keep it as a warning."""
+        if self.strict:
+            raise ConfigError(message, hint=hint)
+        self.warnings.append(message)
+
+
 def build_inventory(gpus: Sequence[Gpu], cfg: Config, *, strict: bool = True) -> Inventory:
     """Everything the node advertises, or a ConfigError if the configuration does not fit these GPUs.
 
@@ -219,86 +227,29 @@ def build_inventory(gpus: Sequence[Gpu], cfg: Config, *, strict: bool = True) ->
     since vanished gives a warning instead of an error, so a hot-unplug never stops the agent.
     """
     warnings = _check_mig_strategy(cfg, gpus)
-
-    def problem(message: str, hint: str | None = None) -> None:
-        """A configuration that does not fit the GPUs: fatal at start-up, a warning on rediscovery."""
-        if strict:
-            raise ConfigError(message, hint=hint)
-        warnings.append(message)
-
-    frac = cfg.fractional
-    selectors = [r.devices for r in cfg.time_slicing.resources]
-    if frac.devices is not None:
-        selectors.append(frac.devices)
+    problem = _Problems(strict, warnings)
+    selectors = _selectors(cfg)
     for sel in selectors:
         try:
             _check_selector(sel, gpus)
         except ConfigError as exc:
-            problem(exc.message, exc.hint)
+            problem(str(exc), exc.hint)
 
     devices: list[AdvertisedDevice] = []
-    modes: list[tuple[str, str]] = []
+    modes: list[tuple[str, Sharing]] = []
     matched: dict[str, int] = {}
 
     def count(selector: DeviceSelector) -> None:
         matched[selector.where] = matched.get(selector.where, 0) + 1
 
     for gpu in gpus:
-        use_mig = gpu.mig_enabled and cfg.mig_strategy != "none"
-        fractional = frac.devices is not None and frac.devices.matches(gpu.index, gpu.uuid)
-        sliced = None if use_mig else _slicing_for(cfg, GPU_RESOURCE, gpu)
-        if frac.devices is not None and fractional:
-            count(frac.devices)
-        if sliced is not None:
-            count(sliced.devices)
-        if fractional and (gpu.mig_enabled or sliced is not None):
-            problem(
-                f"{cfg.source}: GPU {gpu.index} ({gpu.uuid}) is selected by gpunode.fractional.devices "
-                f"and uses {'MIG' if gpu.mig_enabled else 'time-slicing'}: a GPU has one sharing mode at a time",
-                hint="narrow one of the device selectors",
-            )
-            fractional = False
-        if use_mig:
-            modes.append((gpu.uuid, MIG))
-            for mig in gpu.mig_devices:
-                resource = GPU_RESOURCE if cfg.mig_strategy == "single" else mig_resource_name(mig.profile)
-                sliced_mig = _slicing_for(cfg, resource, gpu, mig)
-                if sliced_mig is not None:
-                    count(sliced_mig.devices)
-                _emit(
-                    devices,
-                    cfg,
-                    resource=resource,
-                    gpu=gpu,
-                    mig=mig,
-                    reason=f"MIG {mig.profile} (GI {mig.gi_id}, CI {mig.ci_id}) on GPU {gpu.index}, "
-                    f"migStrategy {cfg.mig_strategy}",
-                )
-        elif fractional:
-            modes.append((gpu.uuid, FRACTIONAL))
-            units = gpu.memory_total_bytes // frac.unit_bytes
-            if units == 0:
-                problem(
-                    f"{cfg.source}: gpunode.fractional.unit: {frac.unit_bytes} bytes is more than the "
-                    f"{gpu.memory_total_bytes} bytes of GPU {gpu.index} ({gpu.uuid}): it would advertise nothing",
-                    hint="choose a unit smaller than the GPU's memory, such as 1Gi",
-                )
-            devices.extend(
-                AdvertisedDevice(
-                    id=f"{_base_id(gpu)}::mem{n}",
-                    resource=frac.resource_name,
-                    gpu_uuid=gpu.uuid,
-                    mig_uuid=None,
-                    kind="memory",
-                    numa_node=gpu.numa_node,
-                    memory_cap_bytes=frac.unit_bytes,
-                    reason=f"fractional GPU {gpu.index}: {units} units of {frac.unit_bytes / 2**30:g} GiB, "
-                    "memory capped by the interposer",
-                )
-                for n in range(units)
-            )
+        mode = _sharing_mode(cfg, gpu, count, problem)
+        modes.append((gpu.uuid, mode))
+        if mode == Sharing.MIG:
+            _advertise_mig_devices(devices, cfg, gpu, count)
+        elif mode == Sharing.FRACTIONAL:
+            devices.extend(_memory_units(cfg, gpu, problem))
         else:
-            modes.append((gpu.uuid, TIME_SLICED if sliced is not None else WHOLE))
             note = " (MIG enabled, migStrategy none)" if gpu.mig_enabled else ""
             _emit(
                 devices, cfg, resource=GPU_RESOURCE, gpu=gpu, mig=None, reason=f"whole GPU {gpu.index}{note}"
@@ -307,14 +258,100 @@ def build_inventory(gpus: Sequence[Gpu], cfg: Config, *, strict: bool = True) ->
     for sel in selectors:
         if not sel.all and not matched.get(sel.where):
             problem(f"{sel.where}: the selector ({sel.describe()}) matches no GPU that can use it")
-    shared_unrenamed = any(
-        r.name == GPU_RESOURCE and shared_resource_name(cfg, r) == GPU_RESOURCE
-        for r in cfg.time_slicing.resources
-    )
-    mode_set = {m for _, m in modes}
-    if shared_unrenamed and {WHOLE, TIME_SLICED} <= mode_set:
+    if _shares_gpu_resource(cfg, modes):
         warnings.append(
             "whole and time-sliced GPUs share the resource nvidia.com/gpu; set "
             "sharing.timeSlicing.renameByDefault or rename to tell them apart"
         )
     return Inventory(devices=tuple(devices), gpus=tuple(gpus), modes=tuple(modes), warnings=tuple(warnings))
+
+
+def _selectors(cfg: Config) -> list[DeviceSelector]:
+    """The device selectors of the configuration: each time-sliced resource's, then gpunode.fractional's."""
+    frac = cfg.fractional
+    selectors = [r.devices for r in cfg.time_slicing.resources]
+    if frac.devices is not None:
+        selectors.append(frac.devices)
+    return selectors
+
+
+def _sharing_mode(
+    cfg: Config, gpu: Gpu, count: Callable[[DeviceSelector], None], problem: _Problems
+) -> Sharing:
+    """The one sharing mode of a GPU, counting the selectors that match it; two modes are a problem."""
+    frac = cfg.fractional
+    use_mig = gpu.mig_enabled and cfg.mig_strategy != "none"
+    fractional = frac.devices is not None and frac.devices.matches(gpu.index, gpu.uuid)
+    sliced = None if use_mig else _slicing_for(cfg, GPU_RESOURCE, gpu)
+    if frac.devices is not None and fractional:
+        count(frac.devices)
+    if sliced is not None:
+        count(sliced.devices)
+    if fractional and (gpu.mig_enabled or sliced is not None):
+        problem(
+            f"{cfg.source}: GPU {gpu.index} ({gpu.uuid}) is selected by gpunode.fractional.devices "
+            f"and uses {'MIG' if gpu.mig_enabled else 'time-slicing'}: a GPU has one sharing mode at a time",
+            hint="narrow one of the device selectors",
+        )
+        fractional = False
+    if use_mig:
+        return Sharing.MIG
+    if fractional:
+        return Sharing.FRACTIONAL
+    return Sharing.TIME_SLICED if sliced is not None else Sharing.WHOLE
+
+
+def _advertise_mig_devices(
+    devices: list[AdvertisedDevice], cfg: Config, gpu: Gpu, count: Callable[[DeviceSelector], None]
+) -> None:
+    """Append the MIG devices of a GPU in MIG mode, under the resource names the MIG strategy gives."""
+    for mig in gpu.mig_devices:
+        resource = GPU_RESOURCE if cfg.mig_strategy == "single" else mig_resource_name(mig.profile)
+        sliced_mig = _slicing_for(cfg, resource, gpu, mig)
+        if sliced_mig is not None:
+            count(sliced_mig.devices)
+        _emit(
+            devices,
+            cfg,
+            resource=resource,
+            gpu=gpu,
+            mig=mig,
+            reason=f"MIG {mig.profile} (GI {mig.gi_id}, CI {mig.ci_id}) on GPU {gpu.index}, "
+            f"migStrategy {cfg.mig_strategy}",
+        )
+
+
+def _memory_units(cfg: Config, gpu: Gpu, problem: _Problems) -> list[AdvertisedDevice]:
+    """The memory units of a fractional GPU, each capped at one unit by the interposer."""
+    frac = cfg.fractional
+    units = gpu.memory_total_bytes // frac.unit_bytes
+    if units == 0:
+        problem(
+            f"{cfg.source}: gpunode.fractional.unit: {frac.unit_bytes} bytes is more than the "
+            f"{gpu.memory_total_bytes} bytes of GPU {gpu.index} ({gpu.uuid}): it would advertise nothing",
+            hint="choose a unit smaller than the GPU's memory, such as 1Gi",
+        )
+    return [
+        AdvertisedDevice(
+            id=memory_unit_id(_base_id(gpu), n),
+            resource=frac.resource_name,
+            gpu_uuid=gpu.uuid,
+            mig_uuid=None,
+            kind="memory",
+            numa_node=gpu.numa_node,
+            memory_cap_bytes=frac.unit_bytes,
+            reason=f"fractional GPU {gpu.index}: {units} units of {frac.unit_bytes / GIB:g} GiB, "
+            "memory capped by the interposer",
+        )
+        for n in range(units)
+    ]
+
+
+def _shares_gpu_resource(cfg: Config, modes: Sequence[tuple[str, Sharing]]) -> bool:
+    """Whether whole and time-sliced GPUs would both be advertised as nvidia.com/gpu."""
+    shared_unrenamed = any(
+        r.name == GPU_RESOURCE and shared_resource_name(cfg, r) == GPU_RESOURCE
+        for r in cfg.time_slicing.resources
+    )
+    mode_set = {m for _, m in modes}
+    return shared_unrenamed and {Sharing.WHOLE, Sharing.TIME_SLICED} <= mode_set

@@ -16,67 +16,28 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 
-from gpunode.contract.nodestate import ANNOTATION_KEY, GpuRecord, MigInstance, NodeGpuState, encode
+from gpunode.contract.nodestate import ANNOTATION_KEY, NodeGpuState, encode
 from gpunode.errors import GpunodeError
-from gpunode.node.inventory import FRACTIONAL, MIG, TIME_SLICED
+from gpunode.node.allocation.accounting import gpu_records
 from gpunode.node.state import DeviceState, Snapshot
-from gpunode.placement import MILLI_PER_GPU
 
 log = logging.getLogger(__name__)
-
-MIG_COMPUTE_SLICES = 7  # A100/H100: a GPU has 7 compute slices
 
 
 def node_gpu_state(
     snapshot: Snapshot, *, node: str, holders: Mapping[str, str], generation: int = 0, updated: float = 0.0
 ) -> NodeGpuState:
-    """The annotation content: per GPU capacity, assignment (device ID -> "namespace/pod"), health, topology."""
-    inv = snapshot.inventory
-    records: list[GpuRecord] = []
-    for gpu in inv.gpus:
-        devices = [d for d in inv.devices if d.gpu_uuid == gpu.uuid]
-        held = [d for d in devices if d.id in holders]
-        mode = inv.mode_of(gpu.uuid) or "whole"
-        total = gpu.memory_total_bytes
-        mig: tuple[MigInstance, ...] = ()
-        if mode == MIG:
-            held_migs = {d.mig_uuid for d in held}
-            mig = tuple(MigInstance(m.profile, m.uuid, m.uuid in held_migs) for m in gpu.mig_devices)
-            slices = sum(m.slices for m in gpu.mig_devices if m.uuid in held_migs)
-            milli = min(MILLI_PER_GPU, slices * MILLI_PER_GPU // MIG_COMPUTE_SLICES)
-            memory = sum(m.memory_total_bytes for m in gpu.mig_devices if m.uuid in held_migs)
-        elif mode == FRACTIONAL:
-            memory = min(total, sum(d.memory_cap_bytes or 0 for d in held))
-            milli = memory * MILLI_PER_GPU // total if total else 0
-        elif mode == TIME_SLICED:
-            share = len(held) / len(devices) if devices else 0.0
-            milli = round(share * MILLI_PER_GPU)
-            caps = [d.memory_cap_bytes for d in held if d.memory_cap_bytes is not None]
-            memory = min(total, sum(caps)) if caps else round(share * total)
-        else:
-            milli = MILLI_PER_GPU if held else 0
-            memory = total if held else 0
-        records.append(
-            GpuRecord(
-                uuid=gpu.uuid,
-                index=gpu.index,
-                model=gpu.model,
-                memory_total_bytes=total,
-                milli_capacity=MILLI_PER_GPU,
-                milli_assigned=milli,
-                memory_assigned_bytes=memory,
-                healthy=gpu.uuid not in snapshot.unhealthy,
-                sharing={FRACTIONAL: "fractional", TIME_SLICED: "time-sliced", MIG: "mig"}.get(mode, "whole"),
-                mig=mig,
-                nvlink_peers=tuple(sorted(p for p in gpu.nvlink_peers if p != gpu.uuid)),
-                numa_node=gpu.numa_node,
-                pods=tuple(sorted({holders[d.id] for d in held})),
-            )
-        )
-    return NodeGpuState(node=node, updated=updated, generation=generation, gpus=tuple(records))
+    """The annotation content: per GPU capacity, assignment (device ID -> "namespace/pod"), health, topology.
+
+    The per-GPU accounting is gpunode.node.allocation.accounting's, the same the node's
+    GetPreferredAllocation decides on.
+    """
+    return NodeGpuState(
+        node=node, updated=updated, generation=generation, gpus=gpu_records(snapshot, holders)
+    )
 
 
 class NodeStatePublisher:
@@ -87,7 +48,7 @@ class NodeStatePublisher:
         *,
         state: DeviceState,
         node_name: str,
-        patch: Callable[[str, Mapping[str, str | None]], None],
+        patch: Callable[[str, Mapping[str, str | None]], Awaitable[None]],
         read_holders: Callable[[], object],
         interval_s: float = 60.0,
         debounce_s: float = 0.5,
@@ -116,9 +77,7 @@ class NodeStatePublisher:
             if isinstance(result, Mapping):
                 self._holders = {str(k): str(v) for k, v in result.items()}
         except GpunodeError as exc:
-            log.warning(
-                "node state: cannot read assignments from the kubelet, using the last known: %s", exc.message
-            )
+            log.warning("node state: cannot read assignments from the kubelet, using the last known: %s", exc)
 
     def current(self) -> NodeGpuState:
         return node_gpu_state(self.state.snapshot(), node=self.node_name, holders=self._holders)
@@ -132,7 +91,7 @@ class NodeStatePublisher:
             return False
         generation = self.generation + 1 if changed else self.generation
         doc = replace(content, generation=generation, updated=time.time())
-        await asyncio.to_thread(self._patch, self.node_name, {ANNOTATION_KEY: encode(doc)})
+        await self._patch(self.node_name, {ANNOTATION_KEY: encode(doc)})
         self.generation = generation
         self.published = doc
         return True
@@ -154,7 +113,7 @@ class NodeStatePublisher:
                 wait_s = max(0.0, next_refresh - loop.time())
             except GpunodeError as exc:
                 self.failures += 1
-                log.warning("node state: publishing failed (retry in %.0fs): %s", delay, exc.message)
+                log.warning("node state: publishing failed (retry in %.0fs): %s", delay, exc)
                 wait_s, delay = delay, min(delay * 2, self.retry_max_s)
             if ready is not None and not ready.is_set():
                 ready.set()

@@ -22,6 +22,8 @@ HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
 
 @dataclass(frozen=True)
 class DeviceStatus:
+    """One advertised device with its health as ListAndWatch reports it, and the reason when unhealthy."""
+
     device: AdvertisedDevice
     healthy: bool
     reason: str = ""  # why unhealthy
@@ -29,23 +31,28 @@ class DeviceStatus:
 
 @dataclass(frozen=True)
 class Snapshot:
+    """The device state at one version: inventory, vanished devices, unhealthy UUIDs of all sources."""
+
     version: int
     inventory: Inventory
     vanished: tuple[AdvertisedDevice, ...] = ()  # advertised before, their GPU is gone now
     unhealthy: Mapping[str, str] = field(default_factory=dict)  # GPU or MIG UUID -> reason (all sources)
 
     def resources(self) -> tuple[str, ...]:
+        """Resource names to serve: the inventory's, then those that only vanished devices have, in order."""
         names = list(self.inventory.resources())
         names += [d.resource for d in self.vanished if d.resource not in names]
         return tuple(dict.fromkeys(names))
 
     def health_of(self, device: AdvertisedDevice) -> tuple[bool, str]:
+        """(healthy, reason) of one device: unhealthy when its GPU or its MIG device is named unhealthy."""
         for uuid in (device.gpu_uuid, device.mig_uuid):
             if uuid is not None and uuid in self.unhealthy:
                 return False, self.unhealthy[uuid]
         return True, ""
 
     def statuses(self, resource: str) -> tuple[DeviceStatus, ...]:
+        """The status of every device of `resource`; vanished devices are listed last, unhealthy."""
         out = [DeviceStatus(d, *self.health_of(d)) for d in self.inventory.by_resource(resource)]
         out += [
             DeviceStatus(d, False, "GPU vanished from the node")
@@ -55,6 +62,7 @@ class Snapshot:
         return tuple(out)
 
     def status(self, device_id: str) -> DeviceStatus | None:
+        """The status of one device ID (vanished devices are unhealthy), or None when it is not known."""
         device = self.inventory.by_id(device_id)
         if device is not None:
             return DeviceStatus(device, *self.health_of(device))
@@ -84,6 +92,7 @@ class DeviceState:
         return Snapshot(self._version, self._inventory, tuple(self._vanished.values()), unhealthy)
 
     def snapshot(self) -> Snapshot:
+        """The current Snapshot (immutable; a change makes a new one)."""
         with self._lock:
             return self._snapshot
 
@@ -112,6 +121,7 @@ class DeviceState:
             self._changed()
 
     def forget_vanished(self) -> None:
+        """Stop listing the devices whose GPU vanished (they are no longer advertised at all)."""
         with self._lock:
             if self._vanished:
                 self._vanished.clear()

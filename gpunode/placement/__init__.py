@@ -12,6 +12,7 @@ Entry points:
 - the node:  preferred_whole_gpus(), preferred_fraction_gpu(), preferred_replicas()
 - measure:   fragmentation(), TargetWorkload
 - many nodes at once: placement.batch.ClusterArrays (numpy; same decisions)
+- a published node: placement.published.node_state() (the annotation's records as a NodeState)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from gpunode.errors import InvalidRequest
 from gpunode.placement.fit import (
     allocatable_share,
     apply_request,
@@ -32,14 +34,10 @@ from gpunode.placement.model import (
     MILLI_PER_GPU,
     SHARING_MODES,
     GpuState,
-    InvalidRequest,
-    InvalidState,
     NodeState,
     Placement,
-    PlacementError,
     Request,
     Sharing,
-    Unsatisfiable,
 )
 from gpunode.placement.ours import fill_fragmentation, gpunode_choice, gpunode_gpu_score, node_fragmentations
 from gpunode.placement.policies import (
@@ -74,18 +72,14 @@ __all__ = [
     "POLICIES",
     "SHARING_MODES",
     "GpuState",
-    "InvalidRequest",
-    "InvalidState",
     "NodeCapacity",
     "NodeChoice",
     "NodeState",
     "Placement",
-    "PlacementError",
     "Request",
     "Sharing",
     "TargetPod",
     "TargetWorkload",
-    "Unsatisfiable",
     "apply_request",
     "candidate_gpus",
     "check_policy",

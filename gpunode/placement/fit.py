@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from functools import lru_cache
 
-from gpunode.placement.model import MILLI_PER_GPU, GpuState, InvalidState, NodeState, Request
+from gpunode.errors import InvalidState
+from gpunode.placement.model import MILLI_PER_GPU, GpuState, NodeState, Request
 
 _WHOLE_MODES = ("whole", "fractional")
 
@@ -56,6 +57,7 @@ def fits_fraction(gpu: GpuState, request: Request) -> bool:
 
 
 def fits_mig(gpu: GpuState, request: Request) -> bool:
+    """The MIG request fits this GPU right now: a free instance of its profile on a healthy `mig` GPU."""
     if request.mig_profile is None:
         return False
     return (
@@ -107,6 +109,7 @@ def unfit_reason(node: NodeState, request: Request) -> str | None:
 
 
 def fits(node: NodeState, request: Request) -> bool:
+    """Whether the request fits the node (unfit_reason gives why not)."""
     return unfit_reason(node, request) is None
 
 

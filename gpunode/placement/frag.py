@@ -23,8 +23,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from gpunode.errors import InvalidRequest
 from gpunode.placement.fit import allocatable_share, model_matches
-from gpunode.placement.model import MILLI_PER_GPU, GpuState, InvalidRequest, NodeState
+from gpunode.placement.model import MILLI_PER_GPU, GpuState, NodeState
 
 FGD_MAX_SCORE = 100
 # sigmoid(x) rounds to exactly 1.0 in float64 once exp(-x) < 2**-53, i.e. x > 36.74.
@@ -53,6 +54,7 @@ class TargetPod:
 
     @property
     def whole(self) -> bool:
+        """Whether the shape asks for whole GPUs (1000 milli-GPU each)."""
         return self.gpu_milli == MILLI_PER_GPU
 
 
@@ -85,6 +87,7 @@ class NodeCapacity:
 
     @property
     def node_class(self) -> tuple[str, int, int]:
+        """The node's kind, (model, GPU count, CPU milli-cores): node pressure is shared per kind."""
         return (self.model, self.gpus, self.cpu_milli)
 
     def takes(self, pod: TargetPod) -> bool:
@@ -225,6 +228,10 @@ def node_pressure(nodes: Sequence[NodeCapacity], demand: Sequence[TargetPod]) ->
 
 
 def serves_target(gpu: GpuState, pod: TargetPod) -> bool:
+    """Whether the GPU could serve the shape by health, model and sharing mode (free share aside).
+
+    Whole-GPU shapes use `whole` or `fractional` GPUs; fractional shapes only `fractional` ones.
+    """
     if not gpu.healthy or not model_matches(gpu.model, pod.gpu_models):
         return False
     return gpu.sharing in ("whole", "fractional") if pod.whole else gpu.sharing == "fractional"

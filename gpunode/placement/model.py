@@ -12,42 +12,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Literal, get_args
+from typing import Literal
 
-from gpunode.errors import GpunodeError
+from gpunode.contract.names import MILLI_PER_GPU, SHARING_MODES, Sharing
+from gpunode.errors import InvalidRequest, InvalidState
 
-MILLI_PER_GPU = 1000
-Sharing = Literal["whole", "fractional", "time-sliced", "mig"]
-SHARING_MODES: tuple[str, ...] = get_args(Sharing)
 EMPTY_MAPPING: Mapping[str, int] = MappingProxyType({})
 EMPTY_LABELS: Mapping[str, str] = MappingProxyType({})
-
-
-class PlacementError(GpunodeError, ValueError):
-    """Base of placement's errors; also a ValueError, as bad arguments are."""
-
-    default_hint = "check the pod's GPU request and the node's published GPU state"
-
-
-class InvalidRequest(PlacementError):
-    """A request that no GPU could ever satisfy as written (negative, mixed kinds, ...)."""
-
-    default_hint = (
-        "ask for exactly one kind of GPU resource per pod: whole GPUs (nvidia.com/gpu), a fraction "
-        "(gpunode.io/gpu-memory and/or gpunode.io/gpu-milli) or one MIG profile (nvidia.com/mig-<profile>)"
-    )
-
-
-class InvalidState(PlacementError):
-    """A node or GPU state that contradicts itself (more free than total, duplicate UUIDs, ...)."""
-
-    default_hint = "the node's GPU state is inconsistent; check the agent that published it (gpunode devices)"
-
-
-class Unsatisfiable(PlacementError):
-    """A request that the given GPUs cannot satisfy (too few, or the required ones are missing)."""
-
-    default_hint = "the node does not have enough free GPUs of the requested kind for this request"
 
 
 def _freeze_mapping(value: Mapping[str, int] | None) -> Mapping[str, int]:
@@ -74,7 +45,7 @@ class GpuState:
     nvlink_peers: frozenset[str] = frozenset()
     healthy: bool = True
     mig_free: Mapping[str, int] = field(default_factory=lambda: EMPTY_MAPPING)
-    sharing: Sharing = "fractional"
+    sharing: Sharing = Sharing.FRACTIONAL
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mig_free", _freeze_mapping(self.mig_free))
@@ -94,6 +65,7 @@ class GpuState:
             raise InvalidState(
                 f"GPU {self.uuid}: sharing must be one of {', '.join(SHARING_MODES)}, got {self.sharing!r}"
             )
+        object.__setattr__(self, "sharing", Sharing(self.sharing))
         if any(n < 0 for n in self.mig_free.values()):
             raise InvalidState(f"GPU {self.uuid}: free MIG instance counts cannot be negative")
         if self.uuid in self.nvlink_peers:
@@ -137,6 +109,7 @@ class NodeState:
             raise InvalidState(f"node {self.name}: duplicate GPU UUIDs")
 
     def gpu(self, uuid: str) -> GpuState:
+        """The GPU with this UUID; InvalidState when the node has none."""
         for g in self.gpus:
             if g.uuid == uuid:
                 return g
@@ -183,6 +156,7 @@ class Request:
 
     @property
     def kind(self) -> Literal["cpu", "whole", "fraction", "mig"]:
+        """What the request asks for: "whole" GPUs, a "fraction" of one, a "mig" instance, or only "cpu"."""
         if self.gpus:
             return "whole"
         if self.gpu_milli or self.gpu_memory_bytes:

@@ -42,9 +42,10 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+from gpunode.errors import InvalidRequest
 from gpunode.placement.fit import allocatable_share, apply_request, candidate_gpus, unfit_reason
 from gpunode.placement.frag import TargetPod, TargetWorkload, fragmentation, serves_target
-from gpunode.placement.model import MILLI_PER_GPU, GpuState, InvalidRequest, NodeState, Request
+from gpunode.placement.model import MILLI_PER_GPU, GpuState, NodeState, Request
 from gpunode.placement.policies import NodeChoice, default_gpus, mig_score
 
 FRACTION_FIT_WEIGHT = 2.0  # milli-GPU of fill fragmentation worth one milli-GPU left free on the chosen GPU

@@ -25,9 +25,10 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gpunode.errors import InvalidRequest
 from gpunode.placement.fit import allocatable_share, apply_request, candidate_gpus, unfit_reason
 from gpunode.placement.frag import TargetWorkload, fragmentation
-from gpunode.placement.model import MILLI_PER_GPU, GpuState, InvalidRequest, NodeState, Request
+from gpunode.placement.model import MILLI_PER_GPU, GpuState, NodeState, Request
 from gpunode.placement.topology import preferred_whole_gpus
 
 MAX_SPEC_CPU_MILLI = 128_000  # the normalisers of bestfit and dotprod in the FGD simulator
@@ -71,6 +72,11 @@ def _request_milli(request: Request, gpu: GpuState | None) -> int:
 
 
 def default_gpus(node: NodeState, request: Request, candidates: tuple[GpuState, ...]) -> tuple[str, ...]:
+    """The GPUs a policy takes by default from the fitting `candidates` (UUIDs; empty for a CPU-only request).
+
+    Whole GPUs by topology.preferred_whole_gpus, a fraction on the tightest GPU, a MIG instance on the GPU
+    with the fewest free instances of its profile.
+    """
     kind = request.kind
     if kind == "whole":
         return preferred_whole_gpus(node, count=request.gpus, available=[g.uuid for g in candidates])
@@ -103,6 +109,10 @@ def _clamp_score(value: float) -> int:
 
 
 def mig_score(node: NodeState, request: Request, candidates: tuple[GpuState, ...], pack: bool) -> NodeChoice:
+    """Score of a MIG request from the free instances of its profile (capped at 100) on the fitting GPUs.
+
+    pack=True scores 100 - free (fullest node first), else free (emptiest first).
+    """
     assert request.mig_profile is not None
     free = sum(g.mig_free.get(request.mig_profile, 0) for g in candidates)
     score = MAX_SCORE - min(free, MAX_SCORE) if pack else min(free, MAX_SCORE)
@@ -115,6 +125,11 @@ def bestfit_choice(
     workload: TargetWorkload | None = None,
     rng: random.Random | None = None,
 ) -> NodeChoice | None:
+    """The bestfit policy: 100*(1 - leftover ratio) after placing, truncated to 0..100; None if no fit.
+
+    The leftover ratio is the mean of leftover CPU / 128 cores and leftover GPU share / 8 GPUs. A fraction
+    takes the tightest GPU; a MIG request packs (mig_score).
+    """
     candidates = _fitting(node, request)
     if candidates is None:
         return None
@@ -131,6 +146,10 @@ def spread_choice(
     workload: TargetWorkload | None = None,
     rng: random.Random | None = None,
 ) -> NodeChoice | None:
+    """The spread policy, bestfit's mirror: 100*leftover ratio, truncated to 0..100; None if it does not fit.
+
+    A fraction takes the emptiest GPU; a MIG request spreads (mig_score with pack=False).
+    """
     candidates = _fitting(node, request)
     if candidates is None:
         return None
@@ -151,6 +170,11 @@ def dotprod_choice(
     workload: TargetWorkload | None = None,
     rng: random.Random | None = None,
 ) -> NodeChoice | None:
+    """The dotprod policy: 100*(1 - <free, request>/2), truncated to 0..100; None if it does not fit.
+
+    Both vectors are (CPU / 128 cores, GPU share / 8 GPUs). A fraction takes the tightest GPU; a MIG
+    request packs (mig_score).
+    """
     candidates = _fitting(node, request)
     if candidates is None:
         return None
@@ -170,6 +194,12 @@ def packing_choice(
     workload: TargetWorkload | None = None,
     rng: random.Random | None = None,
 ) -> NodeChoice | None:
+    """The packing policy; None if the request does not fit.
+
+    Placing on shared GPUs scores 50..100 (the less free share they have, the higher), on free GPUs of a
+    used node 33..49, on an empty node max(33 - n, n) for n free GPUs; a CPU-only request scores 0 and a
+    MIG request packs (mig_score).
+    """
     candidates = _fitting(node, request)
     if candidates is None:
         return None
@@ -197,6 +227,10 @@ def random_choice(
     workload: TargetWorkload | None = None,
     rng: random.Random | None = None,
 ) -> NodeChoice | None:
+    """The random policy: every fitting node scores 0; None if the request does not fit.
+
+    A fraction takes a GPU drawn from `rng` (the tightest GPU without one); other requests the defaults.
+    """
     candidates = _fitting(node, request)
     if candidates is None:
         return None
@@ -219,6 +253,11 @@ def fgd_choice(
     workload: TargetWorkload | None = None,
     rng: random.Random | None = None,
 ) -> NodeChoice | None:
+    """The FGD policy: the score of the fragmentation decrease (workload.fgd_score); None if it does not fit.
+
+    A fraction takes the GPU with the best score (the lowest index on ties); a MIG request packs
+    (mig_score). Raises InvalidRequest when `workload` is None.
+    """
     workload = _need_workload(workload, "fgd")
     candidates = _fitting(node, request)
     if candidates is None:

@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 from itertools import combinations
 from math import comb
 
-from gpunode.placement.model import GpuState, NodeState, Unsatisfiable
+from gpunode.errors import Unsatisfiable
+from gpunode.placement.model import GpuState, NodeState
 
 # Above this many subsets to compare, grow the set greedily instead of enumerating.
 _MAX_SUBSETS = 20_000

@@ -6,7 +6,11 @@ import argparse
 import asyncio
 import http.client
 import json
+import socket
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -16,10 +20,11 @@ import pytest
 from gpunode.cluster.extender.cli import build_extender, register_extender_cli
 from gpunode.cluster.extender.core import Extender, ExtenderConfig
 from gpunode.cluster.extender.kubeapi import KubeApi
+from gpunode.cluster.extender.pods import request_from_pod
 from gpunode.cluster.extender.server import ExtenderServer, serve_extender
-from gpunode.cluster.extender.state import request_from_pod
 from gpunode.contract.nodestate import ANNOTATION_KEY, GpuRecord, NodeGpuState, encode
-from gpunode.errors import ConfigError
+from gpunode.errors import ConfigError, ListenError
+from tests.shared.test_http import accept_queue
 
 GIB = 2**30
 
@@ -272,6 +277,8 @@ def api() -> Iterator[FakeApiServer]:
 def start(extender: Extender) -> tuple[ExtenderServer, Client]:
     server = ExtenderServer(extender, port=0)
     server.start()
+    if isinstance(extender.binder, KubeApi):
+        extender.binder.attach(server.loop)  # its binds run on the loop the server runs on
     return server, Client(server.port)
 
 
@@ -479,7 +486,7 @@ def test_cli_flags_build_an_extender(api: FakeApiServer, tmp_path: Any) -> None:
     )
     extender, client = build_extender(args)
     assert extender.config == ExtenderConfig(policy="fgd", memory_unit_bytes=2**29, reservation_ttl_s=90.0)
-    assert client is not None and client.list_nodes()[0]["metadata"]["name"] == "n1"
+    assert client is not None and asyncio.run(client.list_nodes_async())[0]["metadata"]["name"] == "n1"
 
 
 @pytest.mark.parametrize(
@@ -510,9 +517,139 @@ def test_serve_extender_coroutine_serves_until_cancelled() -> None:
     assert asyncio.run(scenario()) == (200, {"status": "ok", "nodes": 0})
 
 
+# ----- the server under load, its worker threads and its loop --------------------------------------------------
+
+
+@pytest.mark.parametrize("clients", [32, 128])
+def test_simultaneous_connections_are_all_answered(clients: int) -> None:
+    """kube-scheduler opens many connections at once: while the server's loop is held up, every one of them
+    waits, complete, in the accept queue (none is refused or reset), and every request is then answered."""
+    extender = Extender()
+    extender.refresh_nodes([v1_node("n1", gpu_state("n1", [1000, 1000]))])
+    server, client = start(extender)
+    body = json.dumps({"Pod": v1_pod(), "NodeNames": ["n1"]}).encode()
+    release = threading.Event()
+    barrier = threading.Barrier(clients)
+    results: list[object] = [None] * clients
+
+    async def hold_the_loop() -> None:
+        release.wait(30)  # blocks the server's event loop on purpose: nothing is accepted meanwhile
+
+    def one(i: int) -> None:
+        try:
+            barrier.wait(30)
+            results[i] = client.call("POST", "/filter", raw=body)[0]
+        except Exception as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
+    try:
+        held = asyncio.run_coroutine_threadsafe(hold_the_loop(), server.loop)
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while accept_queue(server.port)[0] < clients and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert accept_queue(server.port)[0] == clients
+        release.set()
+        held.result(30)
+        for t in threads:
+            t.join(60)
+    finally:
+        release.set()
+        server.stop()
+    assert results == [200] * clients
+
+
+def test_healthz_answers_while_a_filter_runs_in_a_worker_thread() -> None:
+    extender = Extender()
+    entered, release = threading.Event(), threading.Event()
+    real_filter = extender.filter
+
+    def slow_filter(body: object) -> dict[str, Any]:
+        entered.set()
+        release.wait(30)
+        return real_filter(body)
+
+    extender.filter = slow_filter  # type: ignore[method-assign]
+    server, client = start(extender)
+    answers: list[tuple[int, Any]] = []
+    body = {"Pod": v1_pod(), "Nodes": node_list(v1_node("n1", gpu_state("n1", [1000])))}
+    filtering = threading.Thread(target=lambda: answers.append(client.post("filter", body)))
+    try:
+        filtering.start()
+        assert entered.wait(10)
+        assert client.call("GET", "/healthz") == (200, {"status": "ok", "nodes": 0})
+        assert not answers  # the filter is still running
+        release.set()
+        filtering.join(30)
+    finally:
+        release.set()
+        server.stop()
+    assert answers[0][0] == 200 and answers[0][1]["Nodes"]["items"]
+
+
+def test_a_binder_runs_its_coroutines_on_the_server_loop() -> None:
+    """Extender.bind calls the binder in a worker thread; an asyncio binder submits to `server.loop`."""
+
+    class LoopBinder:
+        server: ExtenderServer
+        ran_on: list[asyncio.AbstractEventLoop] = []
+
+        def bind(self, *, namespace: str, name: str, uid: str, node: str, gpu_uuids: tuple[str, ...]) -> None:
+            async def call() -> None:
+                self.ran_on.append(asyncio.get_running_loop())
+
+            asyncio.run_coroutine_threadsafe(call(), self.server.loop).result(10)
+
+    binder = LoopBinder()
+    server, client = start(Extender(binder=binder))
+    binder.server = server
+    try:
+        args = {"PodName": "p", "PodNamespace": "ns", "PodUID": "u", "Node": "n1"}
+        assert client.post("bind", args) == (200, {"Error": ""})
+        assert binder.ran_on == [server.loop]
+    finally:
+        server.stop()
+
+
+def held_port() -> tuple[socket.socket, int]:
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    return holder, holder.getsockname()[1]
+
+
+def test_an_address_in_use_is_a_one_line_listen_error() -> None:
+    holder, port = held_port()
+    try:
+        with pytest.raises(ListenError) as info:
+            ExtenderServer(Extender(), port=port).start()
+    finally:
+        holder.close()
+    assert str(info.value) == f"cannot listen for extender on 127.0.0.1:{port}: Address already in use"
+    assert "--listen" in info.value.hint
+
+
+def test_the_cli_on_an_address_in_use_exits_1_with_one_line() -> None:
+    holder, port = held_port()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "gpunode.cli", "extender", "--listen", f"127.0.0.1:{port}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        holder.close()
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith("HINT:")]
+    assert errors == [f"gpunode: cannot listen for extender on 127.0.0.1:{port}: Address already in use"]
+
+
 def test_batch_and_per_node_paths_agree_in_the_extender() -> None:
     """Nodes the batch form covers are scored in bulk; the rest one by one. Both give score_node's values."""
-    from gpunode.cluster.extender.state import WorkloadTracker
+    from gpunode.cluster.extender.workload import WorkloadTracker
     from gpunode.placement import TargetPod, TargetWorkload, score_node
 
     workload = TargetWorkload(

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from gpunode.cluster.extender.core import Extender, ExtenderConfig
-from gpunode.cluster.extender.state import Reservations, parse_quantity, request_from_pod
-from gpunode.placement import InvalidRequest, Request
+from gpunode.cluster.extender.pods import parse_quantity, request_from_pod
+from gpunode.cluster.extender.reservations import Reservations
+from gpunode.errors import InvalidRequest
+from gpunode.placement import Request
 from tests.cluster.test_extender import GIB, gpu_state, node_list, v1_node, v1_pod
 
 # ----- pod requests --------------------------------------------------------------------------------------------
@@ -142,7 +144,7 @@ def test_two_pods_between_two_annotation_updates_never_share_a_gpu() -> None:
 
 
 def test_the_workload_gets_model_pressure_from_the_nodes_known() -> None:
-    from gpunode.cluster.extender.state import WorkloadTracker
+    from gpunode.cluster.extender.workload import WorkloadTracker
     from gpunode.placement import TargetPod, TargetWorkload
 
     workload = TargetWorkload(
@@ -167,7 +169,7 @@ def test_the_workload_gets_model_pressure_from_the_nodes_known() -> None:
 
 def test_the_workload_gets_node_pressure_from_the_pods_and_nodes_seen() -> None:
     """Learned shapes (all of them, not only the typical ones) press the kinds of node that fit them."""
-    from gpunode.cluster.extender.state import WorkloadTracker
+    from gpunode.cluster.extender.workload import WorkloadTracker
 
     big = v1_node("big", gpu_state("big", [1000] * 8))
     big["status"]["allocatable"]["cpu"] = "128"

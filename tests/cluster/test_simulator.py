@@ -22,15 +22,8 @@ from gpunode.cluster.tracesim.simulate import (
     unallocated_at,
     write_outputs,
 )
-from gpunode.cluster.tracesim.trace import (
-    TraceError,
-    TracePod,
-    build_arrivals,
-    load_nodes,
-    load_pods,
-    target_workload,
-)
-from gpunode.errors import ConfigError, GpunodeError
+from gpunode.cluster.tracesim.trace import TracePod, build_arrivals, load_nodes, load_pods, target_workload
+from gpunode.errors import ConfigError, GpunodeError, TraceError
 
 NODE_HEADER = ["sn", "cpu_milli", "memory_mib", "gpu", "model"]
 POD_HEADER = [
@@ -123,7 +116,7 @@ def test_bad_node_lists(tmp_path: Path, header: list[str], row: list[object], me
         csv.writer(f).writerows([header, row])
     with pytest.raises(TraceError) as err:
         load_nodes(path)
-    assert message in err.value.message and "HINT:" in str(err.value)
+    assert message in str(err.value) and err.value.hint
 
 
 @pytest.mark.parametrize(

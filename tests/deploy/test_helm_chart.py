@@ -34,7 +34,7 @@ import pytest
 import yaml
 from kubernetes.client import ApiClient
 
-from gpunode.cli import build_parser
+from gpunode.cli import parse_args
 from gpunode.config.agent import parse_config
 from gpunode.node import memcap
 from gpunode.node.devices.base import DeviceEvent, EventKind
@@ -269,7 +269,7 @@ def test_daemonset_contract() -> None:
         "--config",
         "/etc/gpunode/config.yaml",
     ]
-    build_parser().parse_args(container["args"])  # the CLI takes these arguments
+    parse_args(container["args"])  # the CLI takes these arguments
     env = {e["name"]: e for e in container["env"]}
     assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert env["GPUNODE_CONFIG"]["value"] == "/etc/gpunode/config.yaml"
@@ -406,7 +406,7 @@ def granted(out: Rendered, role: str) -> dict[str, set[str]] | None:
         return None
     result: dict[str, set[str]] = {}
     for rule in roles[0]["rules"]:
-        # Core group only: gpunode/infra/kube.py posts Events to /api/v1, not events.k8s.io.
+        # Core group only: gpunode/infra/kube/client.py posts Events to /api/v1, not events.k8s.io.
         assert rule["apiGroups"] == [""], rule
         assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
         for res in rule["resources"]:

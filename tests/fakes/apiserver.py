@@ -1,16 +1,21 @@
-"""An HTTP stand-in for the Kubernetes API server on loopback, for the calls the node agent makes.
+"""An HTTP stand-in for the Kubernetes API server on loopback, for the calls gpunode.infra.kube makes.
 
-It serves the handful of core/v1 and policy/v1 paths gpunode.infra.kube uses, with
-the API server's status codes and metav1.Status bodies: GET a pod, POST a pod
-eviction (201, or 429 while a PodDisruptionBudget blocks it), DELETE a pod
-(UID preconditions answered with 409), POST Events, GET and PATCH a node (JSON
-merge patch, strategic merge of conditions on the status subresource, JSON
-patch with `test`). Every request is recorded with its decoded body. Tests can
-make it answer 429/500 a number of times, hang before answering, or stop
-listening altogether (and come back on the same port).
+It serves the handful of core/v1 and policy/v1 paths the agent and the extender
+use, with the API server's status codes and metav1.Status bodies: GET and
+merge-PATCH a pod, POST a pod eviction (201, or 429 while a
+PodDisruptionBudget blocks it), POST a pod binding (409 when already bound),
+DELETE a pod (UID preconditions answered with 409), POST Events, GET and PATCH a
+node (JSON merge patch, strategic merge of conditions on the status subresource,
+JSON patch with `test`), and list and watch pods and nodes: lists carry the
+resourceVersion (and pages with limit/continue), a watch streams every change
+after its resourceVersion, BOOKMARKs when asked, until timeoutSeconds, and an
+ERROR 410 Expired when the version is older than the last compact(). Every
+request is recorded with its decoded body. Tests can make it answer 429/500 a
+number of times, hang before answering, or stop listening altogether (and come
+back on the same port).
 
-It keeps no watch, no admission, no authentication: it stands in for what the
-agent can see of an API server, nothing more.
+It keeps no admission, no authentication, no selectors: it stands in for what
+gpunode can see of an API server, nothing more.
 """
 
 from __future__ import annotations
@@ -24,104 +29,21 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-
-@dataclass(frozen=True)
-class Recorded:
-    method: str
-    path: str
-    query: dict[str, str]
-    content_type: str
-    body: Any
-    at: float  # time.monotonic() when the request arrived
-    authorization: str = ""  # the Authorization header as sent
-
-
-@dataclass
-class _Failure:
-    method: str
-    pattern: re.Pattern[str]
-    status: int
-    times: int | None  # None: until cleared
-    retry_after_s: float | None = None
-
-
-@dataclass
-class _Hang:
-    pattern: re.Pattern[str]
-    seconds: float
-
-
-@dataclass
-class _State:
-    pods: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
-    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
-    events: list[dict[str, Any]] = field(default_factory=list)
-    requests: list[Recorded] = field(default_factory=list)
-    pdb_blocks: dict[tuple[str, str], int | None] = field(default_factory=dict)
-    failures: list[_Failure] = field(default_factory=list)
-    hangs: list[_Hang] = field(default_factory=list)
-    termination_s: float = 0.0
-    version: int = 1
-
-
-def _status(code: int, reason: str, message: str, **details: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "kind": "Status",
-        "apiVersion": "v1",
-        "metadata": {},
-        "status": "Success" if code < 300 else "Failure",
-        "message": message,
-        "reason": reason,
-        "code": code,
-    }
-    if details:
-        body["details"] = details
-    return body
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386 JSON merge patch."""
-    if not isinstance(patch, dict):
-        return patch
-    result = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = merge_patch(result.get(key), value)
-    return result
-
-
-def _pointer(path: str) -> list[str]:
-    return [p.replace("~1", "/").replace("~0", "~") for p in path.split("/")[1:]]
-
-
-def json_patch(target: dict[str, Any], ops: list[dict[str, Any]]) -> dict[str, Any]:
-    """RFC 6902 JSON patch for object members (test, add, replace, remove). Raises ValueError on a failed test."""
-    doc = json.loads(json.dumps(target))
-    for op in ops:
-        parts = _pointer(op["path"])
-        parent: Any = doc
-        for p in parts[:-1]:
-            parent = parent.setdefault(p, {})
-        last = parts[-1]
-        kind = op["op"]
-        if kind == "test":
-            if parent.get(last) != op["value"]:
-                raise ValueError(f"test failed at {op['path']}: {parent.get(last)!r} != {op['value']!r}")
-        elif kind in ("add", "replace"):
-            parent[last] = op["value"]
-        elif kind == "remove":
-            parent.pop(last, None)
-        else:
-            raise ValueError(f"unsupported op {kind}")
-    return doc
+from tests.fakes.apistore import (
+    EVICT,
+    REASONS,
+    ApiStore,
+    Failure,
+    Hang,
+    Recorded,
+    collection_of,
+    status_body,
+)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -183,15 +105,66 @@ class _Handler(BaseHTTPRequestHandler):
             headers = {}
             if injected.retry_after_s is not None:
                 headers["Retry-After"] = str(int(injected.retry_after_s))
-            reason = _REASONS.get(injected.status, "Injected")
-            self._reply(injected.status, _status(injected.status, reason, "injected failure"), headers)
+            reason = REASONS.get(injected.status, "Injected")
+            self._reply(injected.status, status_body(injected.status, reason, "injected failure"), headers)
+            return
+        kind, namespace = collection_of(parts.path)
+        if self.command == "GET" and kind and rec.query.get("watch") in ("1", "true"):
+            self._watch(kind, namespace, rec.query)
             return
         with owner._cond:
             code, out, headers = owner._route(
-                self.command, parts.path, body, self.headers.get("Content-Type", "")
+                self.command, parts.path, body, self.headers.get("Content-Type", ""), rec.query
             )
             owner._cond.notify_all()
         self._reply(code, out, headers)
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def _watch(self, kind: str, namespace: str | None, query: dict[str, str]) -> None:
+        """Stream the changes after query's resourceVersion until timeoutSeconds, as the API server does."""
+        owner = self.server.owner
+        since = int(query.get("resourceVersion") or 0)
+        deadline = time.monotonic() + float(query.get("timeoutSeconds") or 1800)
+        bookmarks = query.get("allowWatchBookmarks") in ("1", "true")
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        try:
+            with owner._cond:
+                if since == 0:  # "from now": the current objects as ADDED first
+                    lines = [{"type": "ADDED", "object": o} for o in owner._objects(kind, namespace)]
+                    since = owner._state.version
+                    for line in lines:
+                        self._chunk(json.dumps(line).encode() + b"\n")
+            while not self.server.closing and time.monotonic() < deadline:
+                with owner._cond:
+                    st = owner._state
+                    if since < st.compacted:
+                        gone = status_body(
+                            410, "Expired", f"too old resource version: {since} ({st.compacted})"
+                        )
+                        self._chunk(json.dumps({"type": "ERROR", "object": gone}).encode() + b"\n")
+                        break
+                    lines = [
+                        {"type": t, "object": o}
+                        for v, t, k, o in st.history
+                        if v > since
+                        and k == kind
+                        and (t != "BOOKMARK" or bookmarks)
+                        and (namespace is None or o["metadata"].get("namespace") == namespace)
+                    ]
+                    since = st.version
+                    if not lines:
+                        owner._cond.wait(0.05)
+                for line in lines:
+                    self._chunk(json.dumps(line).encode() + b"\n")
+            self._chunk(b"")
+        except OSError:
+            self.close_connection = True  # the client went away
 
     do_GET = do_POST = do_PATCH = do_DELETE = do_PUT = _handle
 
@@ -202,6 +175,7 @@ class _Server(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], owner: ApiServerStandIn) -> None:
         self.owner = owner
+        self.closing = False  # ends the watches being streamed
         self.connections: set[socket.socket] = set()
         self.connections_lock = threading.Lock()
         super().__init__(address, _Handler)
@@ -218,29 +192,13 @@ class _Server(ThreadingHTTPServer):
                 conn.shutdown(socket.SHUT_RDWR)
 
 
-_REASONS = {
-    403: "Forbidden",
-    404: "NotFound",
-    409: "Conflict",
-    429: "TooManyRequests",
-    500: "InternalError",
-    503: "ServiceUnavailable",
-}
-_POD = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)$")
-_EVICT = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)/eviction$")
-_EVENTS = re.compile(r"^/api/v1/namespaces/([^/]+)/events$")
-_NODE = re.compile(r"^/api/v1/nodes/([^/]+)$")
-_NODE_STATUS = re.compile(r"^/api/v1/nodes/([^/]+)/status$")
-
-
-class ApiServerStandIn:
+class ApiServerStandIn(ApiStore):
     """Serves on http://127.0.0.1:<port> until stopped; `url` is the address for KubeClient.for_host."""
 
     def __init__(self, port: int = 0, *, tls: tuple[str, str] | None = None) -> None:
         """tls: (certificate file, key file) to serve HTTPS, as a real API server does."""
         self._tls = tls
-        self._cond = threading.Condition()
-        self._state = _State()
+        super().__init__()
         self._port = port
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -266,6 +224,7 @@ class ApiServerStandIn:
         """Stop listening (connections are refused until start() again, on the same port)."""
         if self._server is None:
             return
+        self._server.closing = True
         self._server.shutdown()
         self._server.server_close()
         self._server.close_connections()
@@ -301,9 +260,13 @@ class ApiServerStandIn:
                     "uid": uid,
                     "resourceVersion": self._bump(),
                 },
-                "spec": {"nodeName": node_name},
+                "spec": {
+                    "nodeName": node_name,
+                    "containers": [{"name": "main", "image": "registry.example/app:1"}],
+                },
                 "status": {"phase": "Running"},
             }
+            self._record("ADDED", "pods", self._state.pods[(namespace, name)])
         return uid
 
     def add_node(self, name: str, *, labels: dict[str, str] | None = None) -> None:
@@ -321,6 +284,37 @@ class ApiServerStandIn:
                 "spec": {},
                 "status": {"conditions": []},
             }
+            self._record("ADDED", "nodes", self._state.nodes[name])
+
+    def pod(self, namespace: str, name: str) -> dict[str, Any]:
+        with self._cond:
+            return json.loads(json.dumps(self._state.pods[(namespace, name)]))
+
+    def delete_node(self, name: str) -> None:
+        with self._cond:
+            node = self._state.nodes.pop(name)
+            node["metadata"]["resourceVersion"] = self._bump()
+            self._record("DELETED", "nodes", node)
+
+    def compact(self) -> None:
+        """Forget the change history so far: a watch from an older resourceVersion gets 410 Expired."""
+        with self._cond:
+            self._state.compacted = self._state.version
+            self._state.history.clear()
+
+    def bookmark(self, kind: str) -> str:
+        """Send watchers of `kind` ("pods", "nodes") that asked for them a BOOKMARK; returns its resourceVersion."""
+        with self._cond:
+            version = self._bump()
+            self._state.history.append(
+                (int(version), "BOOKMARK", kind, {"metadata": {"resourceVersion": version}})
+            )
+            self._cond.notify_all()
+            return version
+
+    def watches(self, path: str | None = None) -> list[Recorded]:
+        """The watch requests received, optionally only paths matching a regular expression."""
+        return [r for r in self.requests("GET", path) if r.query.get("watch") in ("1", "true")]
 
     def pods(self) -> list[tuple[str, str]]:
         with self._cond:
@@ -348,7 +342,7 @@ class ApiServerStandIn:
         """(namespace, pod) of every eviction request received, in order, answered or not."""
         out = []
         for r in self.requests("POST", r"/eviction$"):
-            m = _EVICT.match(r.path)
+            m = EVICT.match(r.path)
             assert m is not None
             out.append((m.group(1), m.group(2)))
         return out
@@ -375,12 +369,12 @@ class ApiServerStandIn:
     ) -> None:
         """Answer `status` to requests with this method whose path matches the regex, `times` times (None: always)."""
         with self._cond:
-            self._state.failures.append(_Failure(method, re.compile(path), status, times, retry_after_s))
+            self._state.failures.append(Failure(method, re.compile(path), status, times, retry_after_s))
 
     def hang(self, path: str, seconds: float) -> None:
         """Wait `seconds` before answering requests whose path matches the regex."""
         with self._cond:
-            self._state.hangs.append(_Hang(re.compile(path), seconds))
+            self._state.hangs.append(Hang(re.compile(path), seconds))
 
     def clear_faults(self) -> None:
         with self._cond:
@@ -401,172 +395,3 @@ class ApiServerStandIn:
                 if left <= 0:
                     raise TimeoutError(f"API server stand-in: timed out waiting for {what}")
                 self._cond.wait(min(left, 0.05))
-
-    # -- request handling (called with the lock held) --------------------------------------
-
-    def _bump(self) -> str:
-        self._state.version += 1
-        return str(self._state.version)
-
-    def _take_failure(self, method: str, path: str) -> _Failure | None:
-        for f in self._state.failures:
-            if f.method == method and f.pattern.search(path):
-                if f.times is not None:
-                    f.times -= 1
-                    if f.times <= 0:
-                        self._state.failures.remove(f)
-                return f
-        return None
-
-    def _route(self, method: str, path: str, body: Any, content_type: str) -> tuple[int, Any, dict[str, str]]:
-        st = self._state
-        if m := _EVICT.match(path):
-            if method != "POST":
-                return 405, _status(405, "MethodNotAllowed", "method not allowed"), {}
-            return self._evict(m.group(1), m.group(2), body)
-        if m := _POD.match(path):
-            key = (m.group(1), m.group(2))
-            pod = st.pods.get(key)
-            if pod is None:
-                return (
-                    404,
-                    _status(404, "NotFound", f'pods "{key[1]}" not found', name=key[1], kind="pods"),
-                    {},
-                )
-            if method == "GET":
-                return 200, pod, {}
-            if method == "DELETE":
-                want = ((body or {}).get("preconditions") or {}).get("uid")
-                if want and want != pod["metadata"]["uid"]:
-                    return (
-                        409,
-                        _status(409, "Conflict", "Precondition failed: UID in precondition does not match"),
-                        {},
-                    )
-                del st.pods[key]
-                return 200, pod, {}
-            return 405, _status(405, "MethodNotAllowed", "method not allowed"), {}
-        if m := _EVENTS.match(path):
-            if method != "POST" or not isinstance(body, dict):
-                return 400, _status(400, "BadRequest", "expected an Event"), {}
-            if body.get("metadata", {}).get("namespace", m.group(1)) != m.group(1):
-                return (
-                    400,
-                    _status(400, "BadRequest", "the namespace of the object does not match the URL"),
-                    {},
-                )
-            st.events.append(body)
-            return 201, body, {}
-        if m := _NODE_STATUS.match(path):
-            return self._patch_node(m.group(1), method, body, content_type, status=True)
-        if m := _NODE.match(path):
-            return self._patch_node(m.group(1), method, body, content_type, status=False)
-        return 404, _status(404, "NotFound", f"the server could not find the requested resource ({path})"), {}
-
-    def _evict(self, namespace: str, name: str, body: Any) -> tuple[int, Any, dict[str, str]]:
-        st = self._state
-        pod = st.pods.get((namespace, name))
-        if pod is None:
-            return 404, _status(404, "NotFound", f'pods "{name}" not found', name=name, kind="pods"), {}
-        if (
-            not isinstance(body, dict)
-            or body.get("kind") != "Eviction"
-            or body.get("apiVersion") != "policy/v1"
-        ):
-            return 400, _status(400, "BadRequest", "expected a policy/v1 Eviction"), {}
-        want = ((body.get("deleteOptions") or {}).get("preconditions") or {}).get("uid")
-        if want and want != pod["metadata"]["uid"]:
-            return (
-                409,
-                _status(409, "Conflict", "Precondition failed: UID in precondition does not match"),
-                {},
-            )
-        key = (namespace, name)
-        if key in st.pdb_blocks:
-            left = st.pdb_blocks[key]
-            if left is None or left > 0:
-                if left is not None:
-                    st.pdb_blocks[key] = left - 1
-                return (
-                    429,
-                    _status(
-                        429,
-                        "TooManyRequests",
-                        "Cannot evict pod as it would violate the pod's disruption budget.",
-                        causes=[
-                            {
-                                "reason": "DisruptionBudget",
-                                "message": "The disruption budget needs 1 healthy pods",
-                            }
-                        ],
-                    ),
-                    {},
-                )
-            del st.pdb_blocks[key]
-        if "All" not in ((body.get("deleteOptions") or {}).get("dryRun") or []):
-            self._terminate(key)
-        return 201, _status(201, "", ""), {}
-
-    def _terminate(self, key: tuple[str, str]) -> None:
-        """Delete a pod: at once, or (with a termination delay) mark it terminating and delete it later."""
-        st = self._state
-        if not st.termination_s:
-            del st.pods[key]
-            return
-        pod = st.pods[key]
-        pod["metadata"]["deletionTimestamp"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        uid = pod["metadata"]["uid"]
-
-        def remove() -> None:
-            with self._cond:
-                if st.pods.get(key, {}).get("metadata", {}).get("uid") == uid:
-                    del st.pods[key]
-                    self._cond.notify_all()
-
-        timer = threading.Timer(st.termination_s, remove)
-        timer.daemon = True
-        timer.start()
-
-    def _patch_node(
-        self, name: str, method: str, body: Any, content_type: str, *, status: bool
-    ) -> tuple[int, Any, dict[str, str]]:
-        st = self._state
-        node = st.nodes.get(name)
-        if node is None:
-            return 404, _status(404, "NotFound", f'nodes "{name}" not found', name=name, kind="nodes"), {}
-        if method == "GET":
-            return 200, node, {}
-        if method != "PATCH":
-            return 405, _status(405, "MethodNotAllowed", "method not allowed"), {}
-        ctype = content_type.split(";")[0].strip()
-        if ctype == "application/merge-patch+json" and isinstance(body, dict):
-            if status:
-                body = {"status": body.get("status", {})}
-            else:
-                body = {k: v for k, v in body.items() if k != "status"}
-            new = merge_patch(node, body)
-        elif ctype == "application/strategic-merge-patch+json" and isinstance(body, dict):
-            conditions = (body.get("status") or {}).get("conditions") if status else None
-            rest = {k: v for k, v in body.items() if k != "status"} if not status else {}
-            new = merge_patch(node, rest)
-            if conditions:
-                merged = {c["type"]: c for c in node.get("status", {}).get("conditions", [])}
-                for c in conditions:
-                    merged[c["type"]] = {**merged.get(c["type"], {}), **c}
-                new.setdefault("status", {})["conditions"] = list(merged.values())
-        elif ctype == "application/json-patch+json" and isinstance(body, list):
-            try:
-                new = json_patch(node, body)
-            except ValueError as exc:
-                return 422, _status(422, "Invalid", str(exc)), {}
-        else:
-            return (
-                415,
-                _status(
-                    415, "UnsupportedMediaType", f"the body of the request was in an unknown format: {ctype}"
-                ),
-                {},
-            )
-        new["metadata"]["resourceVersion"] = self._bump()
-        st.nodes[name] = new
-        return 200, new, {}

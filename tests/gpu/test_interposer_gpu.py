@@ -51,7 +51,7 @@ def gpu_region(tmp_path_factory: pytest.TempPathFactory) -> tuple[memcap.Region,
     try:
         backend = NvmlBackend()
     except BackendUnavailable as exc:
-        pytest.skip(f"no usable NVML here: {exc.message}")
+        pytest.skip(f"no usable NVML here: {exc}")
     try:
         gpus = backend.gpus()
     finally:

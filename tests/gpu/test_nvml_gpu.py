@@ -24,7 +24,7 @@ def _why_no_gpu() -> str | None:
     try:
         backend = NvmlBackend()
     except BackendUnavailable as e:
-        return f"no usable NVML here: {e.message}"
+        return f"no usable NVML here: {e}"
     try:
         return None if backend.gpus() else "NVML starts but sees no GPU"
     finally:

@@ -21,7 +21,7 @@ import pytest
 
 from gpunode.errors import BackendError, BackendUnavailable, ConfigError, DeviceNotFound, GpuLostError
 from gpunode.node.devices.base import Backend, EventKind
-from gpunode.node.devices.nvml.backend import NvmlBackend, normalize_bus_id
+from gpunode.node.devices.nvml.backend import NvmlBackend
 from gpunode.node.devices.select import detect_backend
 from gpunode.node.devices.simnode.backend import SimBackend
 
@@ -547,12 +547,12 @@ def test_nvml_errors_are_translated(code: int, outcome: type[Exception] | None) 
     with pytest.raises(outcome) as err:
         backend.sample(uuid)
     assert type(err.value) is outcome
-    assert "HINT:" in str(err.value)
+    assert err.value.hint
     if outcome is GpuLostError:
         assert isinstance(err.value, GpuLostError) and err.value.uuid == uuid
     if outcome is BackendError:
         assert isinstance(err.value, BackendError)
-        assert "nvmlDeviceGetPowerUsage" in err.value.message and uuid in err.value.message
+        assert "nvmlDeviceGetPowerUsage" in str(err.value) and uuid in str(err.value)
 
 
 def test_unknown_error_from_a_vanished_gpu_is_a_lost_gpu() -> None:
@@ -594,7 +594,7 @@ def test_a_function_missing_from_nvidia_ml_py_reads_as_absent() -> None:
 def test_nvml_that_cannot_start_is_unavailable_with_a_hint(code: int, message: str, hint: str) -> None:
     with pytest.raises(BackendUnavailable) as err:
         NvmlBackend(nvml=FakeNvml([], init_error=code))
-    assert message in err.value.message
+    assert message in str(err.value)
     assert hint in err.value.hint
 
 
@@ -662,7 +662,7 @@ def test_minor_number_falls_back_to_procfs(tmp_path: Path) -> None:
     assert NvmlBackend(nvml=FakeNvml(gpus), procfs_root=tmp_path).gpus()[1].minor == 5
     with pytest.raises(BackendError) as err:
         NvmlBackend(nvml=FakeNvml(gpus), procfs_root=tmp_path / "none").gpus()
-    assert "minor number" in err.value.message
+    assert "minor number" in str(err.value)
 
 
 def test_mig_devices_are_discovered_with_profiles_and_instance_ids() -> None:
@@ -933,18 +933,6 @@ def test_close_releases_everything_nvml_gave() -> None:
     assert backend.wait_event(1) is None
 
 
-@pytest.mark.parametrize(
-    ("raw", "normal"),
-    [
-        ("0000:3b:00.0", "00000000:3B:00.0"),
-        ("00000000:18:00.0", "00000000:18:00.0"),
-        ("0001:af:1f.7", "00000001:AF:1F.7"),
-    ],
-)
-def test_bus_ids_take_nvml_form(raw: str, normal: str) -> None:
-    assert normalize_bus_id(raw) == normal
-
-
 # -- backend selection ---------------------------------------------------------------------------
 
 
@@ -965,7 +953,7 @@ def test_auto_picks_nvml_when_it_sees_gpus() -> None:
 def test_auto_never_simulates_and_says_why(fake: FakeNvml, message: str) -> None:
     with pytest.raises(BackendUnavailable) as err:
         detect_backend("auto", nvml=fake)
-    assert message in err.value.message
+    assert message in str(err.value)
     assert "--backend sim" in err.value.hint
     if fake.init_error is None:
         assert fake.shutdown  # the NVML session it opened is closed again
@@ -975,7 +963,7 @@ def test_auto_on_this_machine_uses_nvml_or_says_plainly_why_not() -> None:
     try:
         backend = detect_backend("auto")
     except BackendUnavailable as e:
-        assert e.message.startswith("--backend auto")
+        assert str(e).startswith("--backend auto")
         assert "--backend sim" in e.hint
         return
     try:
@@ -992,4 +980,4 @@ def test_explicit_kinds() -> None:
     assert isinstance(nvml, NvmlBackend) and nvml.gpus() == ()  # explicit nvml may start with no GPU yet
     with pytest.raises(ConfigError) as err:
         detect_backend("cuda")
-    assert "expected one of auto, nvml, sim, got 'cuda'" in err.value.message
+    assert "expected one of auto, nvml, sim, got 'cuda'" in str(err.value)

@@ -90,7 +90,7 @@ def test_missing_socket_is_a_clear_kube_error(tmp_path: Path) -> None:
     path = str(tmp_path / "nope.sock")
     with pytest.raises(KubeError) as info:
         asyncio.run(list_container_devices(path))
-    assert "does not exist" in info.value.message and path in info.value.message
+    assert "does not exist" in str(info.value) and path in str(info.value)
     assert "hostPath" in info.value.hint
 
 

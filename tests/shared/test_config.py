@@ -2,7 +2,7 @@
 
 Files under tests/data/configs are written the way users write them (the NVIDIA README's and helm
 chart's shapes); the invalid cases are written to a temporary file so that every message can be
-checked for the file's name, the key, and a HINT line.
+checked for the file's name, the key, and a hint.
 """
 
 from __future__ import annotations
@@ -293,12 +293,11 @@ def test_invalid_file(path: Path) -> None:
     assert fragments, f"{path.name} says which error it expects in `# error:` lines"
     with pytest.raises(ConfigError) as info:
         read_config_file(path)
-    message = info.value.message
+    message = str(info.value)
     assert message.startswith(f"{path}: "), message
     for fragment in fragments:
         assert fragment in message
-    rendered = str(info.value)
-    assert rendered.startswith(message) and "\nHINT: " in rendered and info.value.hint
+    assert "\n" not in message and info.value.hint
 
 
 def test_broken_yaml_points_at_the_line_and_column(tmp_path: Path) -> None:
@@ -326,7 +325,7 @@ def test_unreadable_file(tmp_path: Path, make: Any, fragment: str) -> None:
     path = make(tmp_path)
     with pytest.raises(ConfigError) as info:
         read_config_file(path)
-    assert info.value.message.startswith(str(path)) and fragment in info.value.message
+    assert str(info.value).startswith(str(path)) and fragment in str(info.value)
 
 
 def test_nothing_is_half_applied_when_a_later_key_is_bad(tmp_path: Path) -> None:
@@ -589,8 +588,8 @@ def test_bad_environment_names_the_variable(environ: dict[str, str], fragments: 
     with pytest.raises(ConfigError) as info:
         load(environ=environ)
     for fragment in fragments:
-        assert fragment in info.value.message
-    assert "\nHINT: " in str(info.value)
+        assert fragment in str(info.value)
+    assert info.value.hint
 
 
 def test_unknown_command_line_setting_is_refused() -> None:

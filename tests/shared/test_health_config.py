@@ -145,8 +145,8 @@ HEALTH_ERRORS = {
 def test_health_errors_name_the_key(section: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError) as err:
         parse_health_config(section, "f.yaml: gpunode.health")
-    assert re.search(message, err.value.message), err.value.message
-    assert err.value.message.startswith("f.yaml: gpunode.health")
+    assert re.search(message, str(err.value)), str(err.value)
+    assert str(err.value).startswith("f.yaml: gpunode.health")
 
 
 REMEDIATION_ERRORS = {
@@ -163,7 +163,7 @@ REMEDIATION_ERRORS = {
 def test_remediation_errors_name_the_key(section: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError) as err:
         parse_remediation_config(section, "f.yaml: gpunode.remediation")
-    assert re.search(message, err.value.message), err.value.message
+    assert re.search(message, str(err.value)), str(err.value)
 
 
 def test_describe_xid() -> None:

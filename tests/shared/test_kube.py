@@ -1,15 +1,16 @@
-"""gpunode.infra.kube against the API server stand-in over real loopback HTTP, through the `kubernetes` client."""
+"""gpunode.infra.kube against the API server stand-in over real loopback HTTP."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeAlias
 
 import pytest
-from kubernetes.config import kube_config
 
 from gpunode.errors import KubeError
 from gpunode.infra.kube import (
@@ -25,6 +26,8 @@ from gpunode.infra.kube import (
 )
 from tests.fakes.apiserver import ApiServerStandIn
 
+Run: TypeAlias = Callable[[Awaitable[Any]], Any]
+
 
 @pytest.fixture
 def api() -> Iterator[ApiServerStandIn]:
@@ -34,15 +37,23 @@ def api() -> Iterator[ApiServerStandIn]:
 
 
 @pytest.fixture
-def kube(api: ApiServerStandIn) -> Iterator[KubeClient]:
+def run() -> Iterator[Run]:
+    """Runs one coroutine to completion; every call of a test runs on the same event loop."""
+    loop = asyncio.new_event_loop()
+    yield loop.run_until_complete
+    loop.close()
+
+
+@pytest.fixture
+def kube(api: ApiServerStandIn, run: Run) -> Iterator[KubeClient]:
     client = KubeClient.for_host(api.url, token="secret-token", request_timeout_s=1.0)
     yield client
-    client.close()
+    run(client.close())
 
 
-def test_get_pod_reads_uid_node_and_phase(api: ApiServerStandIn, kube: KubeClient) -> None:
+def test_get_pod_reads_uid_node_and_phase(api: ApiServerStandIn, kube: KubeClient, run: Run) -> None:
     uid = api.add_pod("team-a", "trainer-0", node_name="node-a")
-    pod = kube.get_pod("team-a", "trainer-0")
+    pod = run(kube.get_pod("team-a", "trainer-0"))
     assert (pod.namespace, pod.name, pod.uid, pod.node_name, pod.phase, pod.deleting) == (
         "team-a",
         "trainer-0",
@@ -55,17 +66,17 @@ def test_get_pod_reads_uid_node_and_phase(api: ApiServerStandIn, kube: KubeClien
     assert request.path == "/api/v1/namespaces/team-a/pods/trainer-0"
 
 
-def test_bearer_token_is_sent(api: ApiServerStandIn, kube: KubeClient) -> None:
+def test_bearer_token_is_sent(api: ApiServerStandIn, kube: KubeClient, run: Run) -> None:
     api.add_pod("ns", "p")
-    kube.get_pod("ns", "p")
+    run(kube.get_pod("ns", "p"))
     assert api.requests("GET")[-1].authorization == "Bearer secret-token"
 
 
 def test_eviction_is_a_policy_v1_eviction_with_uid_precondition(
-    api: ApiServerStandIn, kube: KubeClient
+    api: ApiServerStandIn, kube: KubeClient, run: Run
 ) -> None:
     uid = api.add_pod("ns", "p")
-    kube.evict_pod("ns", "p", uid=uid, grace_period_s=30)
+    run(kube.evict_pod("ns", "p", uid=uid, grace_period_s=30))
     body = api.requests("POST", r"/eviction$")[-1].body
     assert body == {
         "apiVersion": "policy/v1",
@@ -76,42 +87,44 @@ def test_eviction_is_a_policy_v1_eviction_with_uid_precondition(
     assert api.pods() == []
 
 
-def test_eviction_blocked_by_a_pdb_raises_eviction_blocked(api: ApiServerStandIn, kube: KubeClient) -> None:
+def test_eviction_blocked_by_a_pdb_raises_eviction_blocked(
+    api: ApiServerStandIn, kube: KubeClient, run: Run
+) -> None:
     api.add_pod("ns", "p")
     api.block_evictions("ns", "p", times=1)
     with pytest.raises(EvictionBlocked) as err:
-        kube.evict_pod("ns", "p")
-    assert err.value.status == 429 and "disruption budget" in err.value.message
-    kube.evict_pod("ns", "p")  # the budget allows it now
+        run(kube.evict_pod("ns", "p"))
+    assert err.value.status == 429 and "disruption budget" in str(err.value)
+    run(kube.evict_pod("ns", "p"))  # the budget allows it now
     assert api.pods() == []
 
 
-def test_retry_after_header_is_read(api: ApiServerStandIn, kube: KubeClient) -> None:
+def test_retry_after_header_is_read(api: ApiServerStandIn, kube: KubeClient, run: Run) -> None:
     api.add_pod("ns", "p")
     api.fail("POST", r"/eviction$", 429, times=1, retry_after_s=7)
     with pytest.raises(EvictionBlocked) as err:
-        kube.evict_pod("ns", "p")
+        run(kube.evict_pod("ns", "p"))
     assert err.value.retry_after_s == 7.0
 
 
-def test_dry_run_eviction_leaves_the_pod(api: ApiServerStandIn, kube: KubeClient) -> None:
+def test_dry_run_eviction_leaves_the_pod(api: ApiServerStandIn, kube: KubeClient, run: Run) -> None:
     api.add_pod("ns", "p")
-    kube.evict_pod("ns", "p", dry_run=True)
+    run(kube.evict_pod("ns", "p", dry_run=True))
     assert api.pods() == [("ns", "p")]
 
 
-def test_eviction_of_a_replaced_pod_is_a_conflict(api: ApiServerStandIn, kube: KubeClient) -> None:
+def test_eviction_of_a_replaced_pod_is_a_conflict(api: ApiServerStandIn, kube: KubeClient, run: Run) -> None:
     api.add_pod("ns", "p", uid="new-uid")
     with pytest.raises(KubeConflict):
-        kube.evict_pod("ns", "p", uid="old-uid")
+        run(kube.evict_pod("ns", "p", uid="old-uid"))
     assert api.pods() == [("ns", "p")]
 
 
-def test_delete_pod_with_precondition(api: ApiServerStandIn, kube: KubeClient) -> None:
+def test_delete_pod_with_precondition(api: ApiServerStandIn, kube: KubeClient, run: Run) -> None:
     uid = api.add_pod("ns", "p")
     with pytest.raises(KubeConflict):
-        kube.delete_pod("ns", "p", uid="someone-else")
-    kube.delete_pod("ns", "p", uid=uid, grace_period_s=0)
+        run(kube.delete_pod("ns", "p", uid="someone-else"))
+    run(kube.delete_pod("ns", "p", uid=uid, grace_period_s=0))
     assert api.pods() == []
     assert api.requests("DELETE")[-1].body == {
         "apiVersion": "v1",
@@ -131,40 +144,44 @@ def test_delete_pod_with_precondition(api: ApiServerStandIn, kube: KubeClient) -
     ],
 )
 def test_error_statuses_are_translated(
-    api: ApiServerStandIn, kube: KubeClient, status: int, error: type[KubeError], reason: str
+    api: ApiServerStandIn, kube: KubeClient, run: Run, status: int, error: type[KubeError], reason: str
 ) -> None:
     api.add_pod("ns", "p")
     api.fail("GET", r"/pods/p$", status)
     with pytest.raises(error) as err:
-        kube.get_pod("ns", "p")
+        run(kube.get_pod("ns", "p"))
     assert isinstance(err.value, KubeApiError) and err.value.status == status
-    assert err.value.reason == reason and f"HTTP {status}" in err.value.message
+    assert err.value.reason == reason and f"HTTP {status}" in str(err.value)
     if status == 403:
         assert "RBAC" in err.value.hint
 
 
-def test_a_hanging_api_server_times_out(api: ApiServerStandIn, kube: KubeClient) -> None:
+def test_a_hanging_api_server_times_out(api: ApiServerStandIn, kube: KubeClient, run: Run) -> None:
     api.add_pod("ns", "p")
     api.hang(r"/pods/p$", 3.0)
     with pytest.raises(KubeUnreachable) as err:
-        kube.get_pod("ns", "p")
-    assert "did not answer" in err.value.message
+        run(kube.get_pod("ns", "p"))
+    assert "did not answer" in str(err.value)
 
 
-def test_an_api_server_that_is_down_is_unreachable(api: ApiServerStandIn, kube: KubeClient) -> None:
+def test_an_api_server_that_is_down_is_unreachable(api: ApiServerStandIn, kube: KubeClient, run: Run) -> None:
     api.stop()
     with pytest.raises(KubeUnreachable) as err:
-        kube.get_pod("ns", "p")
-    assert "Connection refused" in err.value.message or "refused" in err.value.message.lower()
+        run(kube.get_pod("ns", "p"))
+    assert "Connection refused" in str(err.value) or "refused" in str(err.value).lower()
     api.start()  # back on the same port: the same client works again
     api.add_pod("ns", "p")
-    assert kube.get_pod("ns", "p").name == "p"
+    assert run(kube.get_pod("ns", "p")).name == "p"
 
 
-def test_events_on_pod_and_node(api: ApiServerStandIn, kube: KubeClient) -> None:
+def test_events_on_pod_and_node(api: ApiServerStandIn, kube: KubeClient, run: Run) -> None:
     uid = api.add_pod("ns", "p")
-    kube.post_event(ObjectRef("Pod", "p", "ns", uid), reason="GpuFaultEviction", message="m1", host="node-a")
-    kube.post_event(ObjectRef("Node", "node-a"), reason="GpuUnhealthy", message="m2", host="node-a")
+    run(
+        kube.post_event(
+            ObjectRef("Pod", "p", "ns", uid), reason="GpuFaultEviction", message="m1", host="node-a"
+        )
+    )
+    run(kube.post_event(ObjectRef("Node", "node-a"), reason="GpuUnhealthy", message="m2", host="node-a"))
     pod_event, node_event = api.events()
     assert pod_event["metadata"]["namespace"] == "ns"
     assert pod_event["involvedObject"] == {
@@ -185,48 +202,58 @@ def test_events_on_pod_and_node(api: ApiServerStandIn, kube: KubeClient) -> None
     assert pod_event["metadata"]["name"] != node_event["metadata"]["name"]
 
 
-def test_node_annotations_set_and_removed(api: ApiServerStandIn, kube: KubeClient) -> None:
-    kube.patch_node_annotations("node-a", {"gpunode.io/unhealthy-gpus": '{"GPU-1": "XID 79"}'})
+def test_node_annotations_set_and_removed(api: ApiServerStandIn, kube: KubeClient, run: Run) -> None:
+    run(kube.patch_node_annotations("node-a", {"gpunode.io/unhealthy-gpus": '{"GPU-1": "XID 79"}'}))
     assert api.node("node-a")["metadata"]["annotations"] == {
         "gpunode.io/unhealthy-gpus": '{"GPU-1": "XID 79"}'
     }
     assert api.requests("PATCH")[-1].content_type == "application/merge-patch+json"
-    kube.patch_node_annotations("node-a", {"gpunode.io/unhealthy-gpus": None})
+    run(kube.patch_node_annotations("node-a", {"gpunode.io/unhealthy-gpus": None}))
     assert api.node("node-a")["metadata"]["annotations"] == {}
 
 
-def test_node_labels_keep_other_labels(api: ApiServerStandIn, kube: KubeClient) -> None:
-    kube.patch_node_labels("node-a", {"gpunode.io/unhealthy-gpus": "1"})
+def test_node_labels_keep_other_labels(api: ApiServerStandIn, kube: KubeClient, run: Run) -> None:
+    run(kube.patch_node_labels("node-a", {"gpunode.io/unhealthy-gpus": "1"}))
     assert api.node("node-a")["metadata"]["labels"] == {
         "kubernetes.io/hostname": "node-a",
         "gpunode.io/unhealthy-gpus": "1",
     }
 
 
-def test_taint_added_replaced_and_removed(api: ApiServerStandIn, kube: KubeClient) -> None:
-    kube.set_node_taint("node-a", "gpunode.io/gpu-fault", Taint("gpunode.io/gpu-fault", "1", "NoSchedule"))
-    kube.set_node_taint("node-a", "other", Taint("other", "x", "NoExecute"))
-    kube.set_node_taint("node-a", "gpunode.io/gpu-fault", Taint("gpunode.io/gpu-fault", "2", "NoSchedule"))
+def test_taint_added_replaced_and_removed(api: ApiServerStandIn, kube: KubeClient, run: Run) -> None:
+    run(
+        kube.set_node_taint(
+            "node-a", "gpunode.io/gpu-fault", Taint("gpunode.io/gpu-fault", "1", "NoSchedule")
+        )
+    )
+    run(kube.set_node_taint("node-a", "other", Taint("other", "x", "NoExecute")))
+    run(
+        kube.set_node_taint(
+            "node-a", "gpunode.io/gpu-fault", Taint("gpunode.io/gpu-fault", "2", "NoSchedule")
+        )
+    )
     assert api.node("node-a")["spec"]["taints"] == [
         {"key": "other", "value": "x", "effect": "NoExecute"},
         {"key": "gpunode.io/gpu-fault", "value": "2", "effect": "NoSchedule"},
     ]
-    kube.set_node_taint("node-a", "gpunode.io/gpu-fault", None)
+    run(kube.set_node_taint("node-a", "gpunode.io/gpu-fault", None))
     assert api.node("node-a")["spec"]["taints"] == [{"key": "other", "value": "x", "effect": "NoExecute"}]
 
 
-def test_taint_retries_when_the_node_changed_in_between(api: ApiServerStandIn, kube: KubeClient) -> None:
+def test_taint_retries_when_the_node_changed_in_between(
+    api: ApiServerStandIn, kube: KubeClient, run: Run
+) -> None:
     api.fail("PATCH", r"/nodes/node-a$", 409, times=1)
-    kube.set_node_taint("node-a", "k", Taint("k", "v", "NoSchedule"))
+    run(kube.set_node_taint("node-a", "k", Taint("k", "v", "NoSchedule")))
     assert api.node("node-a")["spec"]["taints"] == [{"key": "k", "value": "v", "effect": "NoSchedule"}]
     patches = api.requests("PATCH")
     assert len(patches) == 2 and patches[0].body[0]["op"] == "test"
 
 
-def test_node_condition_merged_by_type(api: ApiServerStandIn, kube: KubeClient) -> None:
-    kube.set_node_condition("node-a", NodeCondition("GpuUnhealthy", "True", "XidFatal", "GPU-1: XID 79"))
-    kube.set_node_condition("node-a", NodeCondition("Other", "False", "Fine", ""))
-    kube.set_node_condition("node-a", NodeCondition("GpuUnhealthy", "False", "AllHealthy", ""))
+def test_node_condition_merged_by_type(api: ApiServerStandIn, kube: KubeClient, run: Run) -> None:
+    run(kube.set_node_condition("node-a", NodeCondition("GpuUnhealthy", "True", "XidFatal", "GPU-1: XID 79")))
+    run(kube.set_node_condition("node-a", NodeCondition("Other", "False", "Fine", "")))
+    run(kube.set_node_condition("node-a", NodeCondition("GpuUnhealthy", "False", "AllHealthy", "")))
     conditions = {c["type"]: c for c in api.node("node-a")["status"]["conditions"]}
     assert set(conditions) == {"GpuUnhealthy", "Other"}
     assert (conditions["GpuUnhealthy"]["status"], conditions["GpuUnhealthy"]["reason"]) == (
@@ -236,7 +263,7 @@ def test_node_condition_merged_by_type(api: ApiServerStandIn, kube: KubeClient) 
     assert api.requests("PATCH")[-1].path == "/api/v1/nodes/node-a/status"
 
 
-def test_kubeconfig_file_is_used(api: ApiServerStandIn, tmp_path: Path) -> None:
+def test_kubeconfig_file_is_used(api: ApiServerStandIn, tmp_path: Path, run: Run) -> None:
     kubeconfig = tmp_path / "config"
     kubeconfig.write_text(
         json.dumps(
@@ -252,15 +279,15 @@ def test_kubeconfig_file_is_used(api: ApiServerStandIn, tmp_path: Path) -> None:
     )
     client = KubeClient.from_environment(kubeconfig=str(kubeconfig), request_timeout_s=1.0)
     api.add_pod("ns", "p")
-    assert client.get_pod("ns", "p").name == "p"
+    assert run(client.get_pod("ns", "p")).name == "p"
     assert api.requests("GET")[-1].authorization == "Bearer kubeconfig-token"
-    client.close()
+    run(client.close())
 
 
 def test_missing_credentials_name_both_sources(tmp_path: Path) -> None:
     with pytest.raises(KubeError) as err:
         KubeClient.from_environment(kubeconfig=str(tmp_path / "absent"))
-    assert str(tmp_path / "absent") in err.value.message
+    assert str(tmp_path / "absent") in str(err.value)
     assert "remediation" in err.value.hint
 
 
@@ -275,7 +302,7 @@ def self_signed(directory: Path) -> tuple[str, str]:
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
-def test_in_cluster_service_account_over_tls(tmp_path: Path) -> None:
+def test_in_cluster_service_account_over_tls(tmp_path: Path, run: Run) -> None:
     sa = tmp_path / "serviceaccount"
     sa.mkdir()
     cert, key = self_signed(sa)
@@ -285,17 +312,19 @@ def test_in_cluster_service_account_over_tls(tmp_path: Path) -> None:
         env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(api.port)}
         client = KubeClient.from_environment(service_account_dir=sa, environ=env, request_timeout_s=2.0)
         assert client.host == f"https://127.0.0.1:{api.port}"
-        assert client.get_pod("ns", "p").name == "p"  # the CA from the service account verifies the server
+        assert (
+            run(client.get_pod("ns", "p")).name == "p"
+        )  # the CA from the service account verifies the server
         assert api.requests("GET")[-1].authorization.lower() == "bearer projected-token"
-        client.close()
+        run(client.close())
 
 
 def test_in_cluster_without_a_token_falls_back_to_kubeconfig_and_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Whatever kubeconfig the machine running the tests has, this test must not find it.
-    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "no-kubeconfig"))
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-kubeconfig"))
     env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": "6443"}
     with pytest.raises(KubeError) as err:
         KubeClient.from_environment(service_account_dir=tmp_path, environ=env, kubeconfig=None)
-    assert "in-cluster service account" in err.value.message and "token" in err.value.message.lower()
+    assert "in-cluster service account" in str(err.value) and "token" in str(err.value).lower()

@@ -69,7 +69,7 @@ def test_parse_refuses(data: object, message: str) -> None:
     with pytest.raises(ConfigError) as info:
         parse_metrics_config(data, WHERE)
     assert message in str(info.value)
-    assert info.value.message.startswith(WHERE)
+    assert str(info.value).startswith(WHERE)
     assert info.value.hint
 
 

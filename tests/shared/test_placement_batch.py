@@ -9,10 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpunode.errors import InvalidRequest, InvalidState
 from gpunode.placement import (
     GpuState,
-    InvalidRequest,
-    InvalidState,
     NodeCapacity,
     NodeState,
     Request,

@@ -11,10 +11,11 @@ from pathlib import Path
 from gpunode.cluster.extender.core import Extender, ExtenderConfig
 from gpunode.cluster.extender.kubeapi import SERVICE_ACCOUNT, KubeApi, refresh_nodes_periodically
 from gpunode.cluster.extender.server import serve_extender
-from gpunode.cluster.extender.state import GIB, WorkloadTracker
+from gpunode.cluster.extender.workload import WorkloadTracker
 from gpunode.config.reader import parse_bytes, parse_duration
-from gpunode.errors import ConfigError, GpunodeError
-from gpunode.placement import POLICIES, PlacementError
+from gpunode.contract.names import GIB
+from gpunode.errors import ConfigError, GpunodeError, PlacementError
+from gpunode.placement import POLICIES
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def build_extender(args: argparse.Namespace) -> tuple[Extender, KubeApi | None]:
             provisional_reservations=not args.no_provisional,
         )
     except PlacementError as exc:
-        raise ConfigError(exc.message) from exc
+        raise ConfigError(str(exc)) from exc
     seed = None
     if args.workload_csv is not None:
         from gpunode.cluster.tracesim.trace import load_pods, target_workload
@@ -74,8 +75,11 @@ def build_extender(args: argparse.Namespace) -> tuple[Extender, KubeApi | None]:
         ca_file = args.kube_ca_file or (
             SERVICE_ACCOUNT / "ca.crt" if args.kube_api.startswith("https") else None
         )
-        token = token_file.read_text().strip() if token_file.is_file() else None
-        api = KubeApi(args.kube_api, token=token, ca_file=ca_file if ca_file and ca_file.is_file() else None)
+        api = KubeApi(
+            args.kube_api,
+            token_file=token_file if token_file.is_file() else None,
+            ca_file=ca_file if ca_file and ca_file.is_file() else None,
+        )
     extender = Extender(config=config, workload=WorkloadTracker(seed=seed), binder=api)
     return extender, api
 
@@ -93,6 +97,8 @@ def run_extender_cli(args: argparse.Namespace) -> int:
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        if api is not None:
+            api.attach(loop)  # the loop the server runs on: its worker threads' binds are sent here
         bound: list[int] = []
         tasks = [
             asyncio.create_task(
@@ -107,10 +113,17 @@ def run_extender_cli(args: argparse.Namespace) -> int:
                     refresh_nodes_periodically(api=api, extender=extender, interval_s=refresh_s)
                 )
             )
-        await stop.wait()
-        for t in tasks:
+        stopping = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([stopping, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        for t in (stopping, *tasks):
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(stopping, *tasks, return_exceptions=True)
+        if api is not None:
+            await api.close()
+        # A task that ended by itself failed (its address in use, ...): its error ends the command.
+        for t in done:
+            if t is not stopping and not t.cancelled() and (exc := t.exception()) is not None:
+                raise exc
 
     log.info("gpunode extender on %s:%d, policy %s", host, port, args.policy)
     try:

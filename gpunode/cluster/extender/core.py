@@ -17,8 +17,8 @@ JSON or a wrong shape is a 400 with a JSON message, a node with a missing or
 broken annotation goes to FailedNodes with the reason, a pod with an impossible
 request fails every node in FailedAndUnresolvableNodes with the reason.
 
-The HTTP server is the standard library's ThreadingHTTPServer; serve_extender()
-is the coroutine the CLI runs. Binding talks to the Kubernetes API through
+The HTTP server (server.py, on gpunode.infra.http) calls these methods in worker
+threads; serve_extender() is the coroutine the CLI runs. Binding talks to the Kubernetes API through
 kubeapi.py's small client.
 """
 
@@ -34,24 +34,16 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from gpunode.cluster.extender.state import (
-    GIB,
-    NodeCache,
-    NodeView,
-    Reservations,
-    WorkloadTracker,
-    apply_reservations,
-    pod_key,
-    request_from_pod,
-    reserved_state,
-)
+from gpunode.cluster.extender.nodes import NodeCache, NodeView
+from gpunode.cluster.extender.pods import pod_key, request_from_pod
+from gpunode.cluster.extender.reservations import Reservations, apply_reservations, reserved_state
 from gpunode.cluster.extender.table import NodeTable
-from gpunode.errors import GpunodeError, KubeError
+from gpunode.cluster.extender.workload import WorkloadTracker
+from gpunode.contract.names import GIB
+from gpunode.errors import BadRequest, InvalidRequest, KubeError, PlacementError
 from gpunode.placement import (
     NEEDS_WORKLOAD,
-    InvalidRequest,
     NodeState,
-    PlacementError,
     Request,
     TargetWorkload,
     check_policy,
@@ -81,20 +73,23 @@ class _Verdict:
     scored: tuple[float, tuple[str, ...]] | None  # (policy score, GPUs) when asked and it fits
 
 
-class BadRequest(GpunodeError):
-    """An HTTP request the extender cannot read (broken JSON, wrong shape); answered with 400."""
-
-    default_hint = "kube-scheduler sends ExtenderArgs JSON; check the extender's urlPrefix and verbs"
-
-
 class Binder(Protocol):
     """Binds a pod to a node (and records the GPUs chosen); raises KubeError on failure."""
 
-    def bind(self, *, namespace: str, name: str, uid: str, node: str, gpu_uuids: tuple[str, ...]) -> None: ...
+    def bind(self, *, namespace: str, name: str, uid: str, node: str, gpu_uuids: tuple[str, ...]) -> None:
+        """Bind pod namespace/name (uid) to node, recording gpu_uuids; raises KubeError on failure."""
+        ...
 
 
 @dataclass(frozen=True)
 class ExtenderConfig:
+    """Extender settings; raises InvalidRequest for an unknown policy or a non-positive unit or TTL.
+
+    memory_unit_bytes is the size of one unit of a pod's memory request; reservation_ttl_s is the most
+    seconds a reservation stays applied while the node's annotation does not list the pod yet;
+    provisional_reservations makes prioritize reserve the best node.
+    """
+
     policy: str = "gpunode"
     memory_unit_bytes: int = GIB
     reservation_ttl_s: float = 60.0
@@ -190,7 +185,7 @@ class Extender:
         try:
             uid, key = pod_key(pod)
         except InvalidRequest as exc:
-            raise BadRequest(exc.message) from exc
+            raise BadRequest(str(exc)) from exc
         request = request_from_pod(pod, memory_unit_bytes=self.config.memory_unit_bytes)
         if request is not None:
             with self._lock:
@@ -266,6 +261,12 @@ class Extender:
     # ----- filter ---------------------------------------------------------------------------------
 
     def filter(self, body: object) -> dict[str, Any]:
+        """Answer /filter: an ExtenderFilterResult dict for ExtenderArgs `body`.
+
+        Nodes the pod does not fit go to FailedNodes with the reason; an invalid GPU request fails every node
+        in FailedAndUnresolvableNodes. A pod without a GPU request passes every node. Raises BadRequest when
+        `body` is not valid ExtenderArgs.
+        """
         args = parse_args(body)
         failed: dict[str, str] = {}
         unresolvable: dict[str, str] = {}
@@ -273,7 +274,7 @@ class Extender:
         try:
             uid, _, request = self._request(args.pod)
         except PlacementError as exc:
-            reason = f"invalid GPU request: {exc.message}"
+            reason = f"invalid GPU request: {exc}"
             unresolvable = {v.name: reason for v in views if v.name}
             return self._filter_result(args, [], failed, unresolvable)
         if request is None:
@@ -333,6 +334,11 @@ class Extender:
     # ----- prioritize -----------------------------------------------------------------------------
 
     def prioritize(self, body: object) -> list[dict[str, Any]]:
+        """Answer /prioritize: a HostPriorityList [{"Host", "Score"}], scores 0..10, for ExtenderArgs `body`.
+
+        Nodes the pod does not fit, and every node when the pod has no (or an invalid) GPU request, score 0.
+        Unless disabled, the best node gets a provisional reservation. Raises BadRequest for malformed `body`.
+        """
         args = parse_args(body)
         views = self._views(args)
         try:
@@ -372,6 +378,12 @@ class Extender:
     # ----- bind -----------------------------------------------------------------------------------
 
     def bind(self, body: object) -> dict[str, str]:
+        """Answer /bind with an ExtenderBindingResult {"Error"}: bind the pod to the node through the binder.
+
+        When filter or prioritize saw the pod's GPU request, GPUs on the node are reserved for it first.
+        "Error" is empty on success, else names why (the pod no longer fits, no API access, the API
+        refused). Raises BadRequest when `body` is not valid ExtenderBindingArgs.
+        """
         if not isinstance(body, Mapping):
             raise BadRequest("ExtenderBindingArgs must be a JSON object")
         name, namespace = _field(body, "PodName"), _field(body, "PodNamespace") or "default"
@@ -409,7 +421,7 @@ class Extender:
             self.binder.bind(namespace=namespace, name=name, uid=uid, node=node, gpu_uuids=gpus)
         except KubeError as exc:
             self.reservations.release(uid)
-            return {"Error": exc.message}
+            return {"Error": str(exc)}
         return {"Error": ""}
 
 

@@ -17,9 +17,12 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import numpy.typing as npt
 
-from gpunode.cluster.extender.state import NodeView, Reservations, reserved_state
-from gpunode.placement import InvalidState, NodeState, Request, TargetWorkload
-from gpunode.placement.batch import ClusterArrays, check_batchable
+from gpunode.cluster.extender.nodes import NodeView
+from gpunode.cluster.extender.reservations import Reservations, reserved_state
+from gpunode.errors import InvalidState
+from gpunode.placement import NodeState, Request, TargetWorkload
+from gpunode.placement.arrays import check_batchable
+from gpunode.placement.batch import ClusterArrays
 
 
 class NodeTable:

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gpunode.errors import GpunodeError
+from gpunode.contract.names import MIB
+from gpunode.errors import TraceError
 from gpunode.placement import (
     MILLI_PER_GPU,
     GpuState,
@@ -36,20 +37,10 @@ from gpunode.placement import (
 )
 from gpunode.placement.frag import shapes_with_counts
 
-MIB = 2**20
 NODE_COLUMNS = ("sn", "cpu_milli", "memory_mib", "gpu", "model")
 POD_COLUMNS = ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")
 DEFAULT_NODE_FILE = "openb_node_list_gpu_node.csv"
 TYPICAL_POPULARITY = 0.95  # the target workload covers this share of the trace's pods
-
-
-class TraceError(GpunodeError):
-    """A trace file that cannot be used: missing, wrong columns, or a bad value."""
-
-    default_hint = (
-        "point --trace-dir at a folder holding the openb CSVs (csv/openb_node_list_gpu_node.csv and "
-        "csv/openb_pod_list_<name>.csv), as published with the FGD paper"
-    )
 
 
 @dataclass(frozen=True)
@@ -76,6 +67,7 @@ class TracePod:
 
     @property
     def total_gpu_milli(self) -> int:
+        """GPU the pod asks for in all, in milli-GPU (num_gpu * gpu_milli)."""
         return self.num_gpu * self.gpu_milli
 
     @property

@@ -19,8 +19,10 @@ from pathlib import Path
 
 from gpunode.config.agent import Config
 from gpunode.errors import AllocationError, MemcapError
+from gpunode.node import memcap
 from gpunode.node.devices.base import Gpu
 from gpunode.node.inventory import AdvertisedDevice, region_key
+from gpunode.node.memcap import MountSpec
 from gpunode.node.memcap.checkpoint import CapRecord, Checkpoint
 from gpunode.node.state import Snapshot
 
@@ -28,14 +30,8 @@ log = logging.getLogger(__name__)
 
 VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
 VOLUME_MOUNT_DIR = "/var/run/nvidia-container-devices"
+CDI_KIND = "nvidia.com/gpu"  # the NVIDIA container toolkit's CDI device kind; not a resource name
 MIG_MINORS_FILE = Path("/proc/driver/nvidia-caps/mig-minors")
-
-
-@dataclass(frozen=True)
-class MountSpec:
-    container_path: str
-    host_path: str
-    read_only: bool = True
 
 
 @dataclass(frozen=True)
@@ -135,7 +131,7 @@ class Allocator:
             envs[VISIBLE_DEVICES_ENV] = VOLUME_MOUNT_DIR
             mounts += [MountSpec(f"{VOLUME_MOUNT_DIR}/{i}", "/dev/null", True) for i in ids]
         if "cdi-annotations" in strategies or "cdi-cri" in strategies:
-            names = [f"nvidia.com/gpu={i}" for i in ids]
+            names = [f"{CDI_KIND}={i}" for i in ids]
             if "cdi-annotations" in strategies:
                 name = f"{cfg.plugin.cdi_annotation_prefix}gpunode-device-plugin_{region_key(device_ids)}"
                 annotations[name] = ",".join(names)
@@ -200,13 +196,6 @@ class Allocator:
         device_ids: Sequence[str],
         visible: Sequence[str],
     ) -> tuple[str, dict[str, str], list[MountSpec]]:
-        try:
-            from gpunode.node import memcap
-        except ImportError as exc:
-            raise AllocationError(
-                f"memory caps are unavailable: {exc}",
-                hint="reinstall gpunode so that its native library and CFFI module are built",
-            ) from None
         gpu_uuid = devices[0].gpu_uuid
         gpu = snapshot.inventory.gpu(gpu_uuid)
         total = gpu.memory_total_bytes if gpu else 0
@@ -231,7 +220,7 @@ class Allocator:
                 ld_so_preload=self.config.fractional.ld_so_preload,
             )
         except MemcapError as exc:
-            raise AllocationError(f"cannot set up the memory cap: {exc.message}", hint=exc.hint) from None
+            raise AllocationError(f"cannot set up the memory cap: {exc}", hint=exc.hint) from None
         if self.checkpoint is not None:
             self.checkpoint.add(
                 CapRecord(
@@ -245,5 +234,4 @@ class Allocator:
                     created=time.time(),
                 )
             )
-        mounts = [MountSpec(m.container_path, str(m.host_path), m.read_only) for m in spec.mounts]
-        return key, dict(spec.envs), mounts
+        return key, dict(spec.envs), list(spec.mounts)

@@ -1,65 +1,167 @@
-"""The agent's device state as the scheduler side sees it.
+"""GetPreferredAllocation's policy: which of the device IDs the kubelet offers a container should get.
 
-placement_node() turns a Snapshot into the placement.NodeState the shared
-placement functions take, so GetPreferredAllocation on the node decides with
-the same code and the same picture of the GPUs as the extender and the
-simulator. Pure functions; no I/O.
+The kubelet offers the free devices of one resource and asks for `size` of them,
+some of which it may require (must_include). The choice is made by
+gpunode.placement, the code the scheduler extender and the simulator use, over
+the same picture of the GPUs the extender reads from this node's annotation:
+placement_node() runs the node's one per-GPU accounting
+(gpunode.node.allocation.accounting) with every device the kubelet did not offer
+counted as held, and converts it as the extender does (gpunode.placement.published).
+
+Per kind of device:
+- whole GPUs: the set with the best interconnect (NVLink, then NUMA locality);
+- time-sliced replicas: spread over GPUs, or packed, as sharing.replicaPlacement says;
+- memory units: all on one GPU, the one placement's policy picks for that much memory;
+- MIG devices: the required ones, then the lowest IDs.
+Pure functions; no I/O. Errors are AllocationError, or placement's Unsatisfiable
+(a ValueError) when placement cannot satisfy the request.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections import defaultdict
+from collections.abc import Collection, Mapping, Sequence
 
-from gpunode.node.inventory import FRACTIONAL, MIG, TIME_SLICED
+from gpunode import placement
+from gpunode.contract.deviceids import parse_device_id
+from gpunode.contract.nodestate import NodeGpuState
+from gpunode.errors import AllocationError
+from gpunode.node.allocation.accounting import gpu_records
+from gpunode.node.inventory import AdvertisedDevice
 from gpunode.node.state import Snapshot
-from gpunode.placement import GpuState, NodeState
-
-MILLI = 1000
+from gpunode.placement.published import node_state
 
 
 def placement_node(
-    snapshot: Snapshot,
-    *,
-    name: str = "this-node",
-    free_memory_units: Mapping[str, Sequence[str]] | None = None,
-    assigned_milli: Mapping[str, int] | None = None,
-) -> NodeState:
-    """A NodeState over the snapshot's GPUs.
+    snapshot: Snapshot, *, resource: str, offered: Collection[str], name: str = "this-node"
+) -> placement.NodeState:
+    """Placement's view of this node: a device of `resource` is held unless it is among `offered`.
 
-    free_memory_units: for fractional GPUs, GPU UUID -> the memory-unit IDs still free (from the
-    kubelet's available list); the free memory and, proportionally, the free compute share follow.
-    assigned_milli: compute share already assigned per GPU, when known.
+    The kubelet offers every free device of the resource, so what it leaves out is held
+    (or unhealthy, which the GPU's health says anyway). Devices of other resources count as free.
     """
-    inv = snapshot.inventory
-    gpus: list[GpuState] = []
-    for g in inv.gpus:
-        mode = inv.mode_of(g.uuid) or "whole"
-        total = g.memory_total_bytes
-        free = total
-        milli = MILLI - (assigned_milli or {}).get(g.uuid, 0)
-        if mode == FRACTIONAL and free_memory_units is not None:
-            units = [d for d in inv.devices if d.gpu_uuid == g.uuid and d.kind == "memory"]
-            unit = units[0].memory_cap_bytes or 0 if units else 0
-            free = min(total, len(free_memory_units.get(g.uuid, ())) * unit)
-            milli = min(milli, free * MILLI // total) if total else milli
-        mig_free: dict[str, int] = {}
-        if mode == MIG:
-            for m in g.mig_devices:
-                mig_free[m.profile] = mig_free.get(m.profile, 0) + 1
-        sharing = {FRACTIONAL: "fractional", TIME_SLICED: "time-sliced", MIG: "mig"}.get(mode, "whole")
-        gpus.append(
-            GpuState(
-                uuid=g.uuid,
-                index=g.index,
-                model=g.model,
-                milli_free=max(0, milli),
-                memory_total_bytes=total,
-                memory_free_bytes=max(0, free),
-                numa_node=g.numa_node,
-                nvlink_peers=frozenset(p for p in g.nvlink_peers if p != g.uuid),
-                healthy=g.uuid not in snapshot.unhealthy,
-                mig_free=mig_free,
-                sharing=sharing,  # type: ignore[arg-type]
+    free = set(offered)
+    holders = {d.id: "" for d in snapshot.inventory.by_resource(resource) if d.id not in free}
+    state = NodeGpuState(node=name, updated=0.0, generation=0, gpus=gpu_records(snapshot, holders))
+    return node_state(state, cpu_milli_free=0, memory_free_bytes=0)
+
+
+def offered_devices(snapshot: Snapshot, resource: str, offered: Sequence[str]) -> list[AdvertisedDevice]:
+    """The healthy devices among the offered IDs, in order; an ID that is not of `resource` is refused."""
+    devices: list[AdvertisedDevice] = []
+    for dev_id in dict.fromkeys(offered):
+        st = snapshot.status(dev_id)
+        if st is None or st.device.resource != resource:
+            raise AllocationError(
+                f"{resource}: unknown device ID {dev_id!r} in the preferred-allocation request"
             )
+        if st.healthy:
+            devices.append(st.device)
+    return devices
+
+
+def _whole_gpus(
+    snapshot: Snapshot,
+    resource: str,
+    offered: Sequence[str],
+    devices: Sequence[AdvertisedDevice],
+    must: Sequence[str],
+    size: int,
+) -> list[str]:
+    """The set of GPUs with the best interconnect (NVLink, then NUMA locality)."""
+    node = placement_node(snapshot, resource=resource, offered=offered)
+    ids = [d.id for d in devices]
+    return list(placement.preferred_whole_gpus(node, count=size, available=ids, must_include=must))
+
+
+def _replicas(devices: Sequence[AdvertisedDevice], must: Sequence[str], size: int, mode: str) -> list[str]:
+    """Replicas spread over the GPUs (or MIG devices) with the most free ones, or packed onto the fullest."""
+    free_by_unit: dict[str, list[str]] = defaultdict(list)  # GPU or MIG UUID -> its offered replicas
+    for d in devices:
+        free_by_unit[d.target_uuid].append(d.id)
+    return list(placement.preferred_replicas(free_by_unit, count=size, must_include=must, mode=mode))
+
+
+def _gpu_for_units(
+    snapshot: Snapshot,
+    resource: str,
+    offered: Sequence[str],
+    by_gpu: Mapping[str, Sequence[str]],
+    must_gpus: set[str],
+    size: int,
+    unit_bytes: int,
+) -> str:
+    """The one GPU `size` memory units come from: the required units' GPU, else placement's choice."""
+    if len(must_gpus) > 1:
+        raise AllocationError(f"{resource}: the devices that must be included span GPUs {sorted(must_gpus)}")
+    candidates = sorted(must_gpus) or [g for g, ids in by_gpu.items() if len(ids) >= size]
+    if not candidates:
+        raise AllocationError(f"{resource}: no single GPU has {size} free units")
+    node = placement_node(snapshot, resource=resource, offered=offered)
+    request = placement.Request(gpu_memory_bytes=size * unit_bytes)
+    gpu = placement.preferred_fraction_gpu(node, request, candidates=candidates, policy="gpunode")
+    if gpu is None:
+        raise AllocationError(f"{resource}: no single GPU has {size} free units")
+    return gpu
+
+
+def _memory_units(
+    snapshot: Snapshot,
+    resource: str,
+    offered: Sequence[str],
+    devices: Sequence[AdvertisedDevice],
+    must: Sequence[str],
+    size: int,
+) -> list[str]:
+    """All units on one GPU: the required ones, then the lowest-numbered free units of that GPU."""
+    by_gpu: dict[str, list[str]] = defaultdict(list)
+    for d in devices:
+        by_gpu[d.gpu_uuid].append(d.id)
+    gpu_of = {d.id: d.gpu_uuid for d in devices}
+    must_gpus = {gpu_of[m] for m in must if m in gpu_of}
+    unit_bytes = devices[0].memory_cap_bytes or 1
+    gpu = _gpu_for_units(snapshot, resource, offered, by_gpu, must_gpus, size, unit_bytes)
+    chosen = [m for m in must if m in by_gpu[gpu]]
+    in_order = sorted(by_gpu[gpu], key=lambda i: parse_device_id(i).memory_unit or 0)
+    chosen += [i for i in in_order if i not in chosen][: size - len(chosen)]
+    return chosen
+
+
+def _mig_devices(devices: Sequence[AdvertisedDevice], must: Sequence[str], size: int) -> list[str]:
+    """One profile per resource, so any instance serves: the required ones, then the lowest IDs."""
+    chosen = list(must)
+    rest = sorted((d for d in devices if d.id not in chosen), key=lambda d: (d.gpu_uuid, d.id))
+    chosen += [d.id for d in rest][: size - len(chosen)]
+    return chosen
+
+
+def preferred_allocation(
+    snapshot: Snapshot,
+    resource: str,
+    available: Sequence[str],
+    must_include: Sequence[str],
+    size: int,
+    *,
+    replica_placement: str = "spread",
+) -> list[str]:
+    """Choose `size` device IDs out of `available`, keeping every one of `must_include`.
+
+    replica_placement: spread or pack, for time-sliced replicas (sharing.replicaPlacement).
+    """
+    if size <= 0:
+        return []
+    offered = [*must_include, *available]
+    devices = offered_devices(snapshot, resource, offered)
+    if size > len(devices):
+        raise AllocationError(
+            f"{resource}: {size} devices asked for, only {len(devices)} healthy ones offered"
         )
-    return NodeState(name=name, gpus=tuple(gpus), cpu_milli_free=0, memory_free_bytes=0)
+    must = list(must_include)
+    kinds = {d.kind for d in devices}
+    if kinds <= {"gpu"}:
+        return _whole_gpus(snapshot, resource, offered, devices, must, size)
+    if kinds == {"replica"}:
+        return _replicas(devices, must, size, replica_placement)
+    if kinds == {"memory"}:
+        return _memory_units(snapshot, resource, offered, devices, must, size)
+    return _mig_devices(devices, must, size)

@@ -45,6 +45,7 @@ class Gpu:
     architecture: str | None = None  # "hopper", "ampere", "turing", ...
 
     def mig_by_uuid(self, uuid: str) -> MigDevice | None:
+        """The MIG device with this UUID on this GPU, or None."""
         return next((m for m in self.mig_devices if m.uuid == uuid), None)
 
 
@@ -121,6 +122,8 @@ class GpuProcess:
 
 
 class EventKind(enum.Enum):
+    """What a DeviceEvent reports: an XID, an ECC error, or a GPU lost, removed or added."""
+
     XID = "xid"
     ECC_SBE = "ecc_sbe"  # single-bit (corrected) ECC error
     ECC_DBE = "ecc_dbe"  # double-bit (uncorrected) ECC error
@@ -152,7 +155,9 @@ class Backend(Protocol):
 
     name: str  # "nvml" or "sim:<profile>"
 
-    def driver_version(self) -> str | None: ...
+    def driver_version(self) -> str | None:
+        """The driver version as NVML reports it, e.g. "550.90.07"; None when it is not known."""
+        ...
 
     def gpus(self) -> tuple[Gpu, ...]:
         """Discover the GPUs present now (a fresh snapshot each call), ordered by index."""
@@ -174,4 +179,6 @@ class Backend(Protocol):
         """Block up to timeout_s for the next fault/topology event; None on timeout."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the backend; wait_event answers None afterwards. Calling it again does nothing."""
+        ...

@@ -48,15 +48,13 @@ def detect_backend(
     try:
         backend = NvmlBackend(nvml=nvml, probe_timeout_s=probe_timeout_s)
     except BackendUnavailable as e:
-        raise BackendUnavailable(
-            f"--backend auto found no GPU backend: {e.message}", hint=_AUTO_HINT
-        ) from None
+        raise BackendUnavailable(f"--backend auto found no GPU backend: {e}", hint=_AUTO_HINT) from None
     try:
         count = len(backend.gpus())
     except BackendError as e:
         backend.close()
         raise BackendUnavailable(
-            f"--backend auto: NVML loaded but could not list the GPUs: {e.message}", hint=_AUTO_HINT
+            f"--backend auto: NVML loaded but could not list the GPUs: {e}", hint=_AUTO_HINT
         ) from None
     if count == 0:
         driver = backend.driver_version()

@@ -38,9 +38,13 @@ DISPLAY_CLASS = 0x03  # PCI base class of VGA and 3D controllers
 class UdevMonitor(Protocol):
     """The part of pyudev.Monitor the watch uses."""
 
-    def fileno(self) -> int: ...
+    def fileno(self) -> int:
+        """The monitor's netlink socket descriptor, watched for readability."""
+        ...
 
-    def poll(self, timeout: float | None = None) -> Any: ...
+    def poll(self, timeout: float | None = None) -> Any:
+        """The next queued udev device event, or None when none comes within `timeout` s (0: no wait)."""
+        ...
 
 
 OnChange = Callable[[], Awaitable[None]] | Callable[[], None]
@@ -135,14 +139,16 @@ class TopologyWatch:
             self.handle_udev_device(device)
 
     async def snapshot(self) -> frozenset[str] | None:
+        """The UUIDs of the GPUs listed now (read in a worker thread); None, logged, when listing fails."""
         try:
             gpus = await asyncio.to_thread(self.backend.gpus)
         except GpunodeError as e:
-            log.warning("hot-plug poll: listing the GPUs failed: %s", e.message)
+            log.warning("hot-plug poll: listing the GPUs failed: %s", e)
             return None
         return frozenset(g.uuid for g in gpus)
 
     async def fire(self, why: str) -> None:
+        """Run on_change (awaiting it when async); its failure is logged and the watch goes on."""
         log.info("GPU topology changed (%s): rediscovering", why)
         try:
             result = self.on_change()
@@ -154,6 +160,7 @@ class TopologyWatch:
             log.exception("the hot-plug handler failed; the watch goes on")
 
     def cancel_timer(self) -> None:
+        """Drop a pending debounced udev trigger."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

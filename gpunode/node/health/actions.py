@@ -47,6 +47,7 @@ class ActionRecord:
     at: float = 0.0  # time.time()
 
     def to_json(self) -> str:
+        """The record as one JSON line, "event": "remediation", leaving out empty, None and zero fields."""
         data = {k: v for k, v in asdict(self).items() if v not in (None, "", 0) or k in ("result", "action")}
         data["dry_run"] = self.dry_run
         return json.dumps({"event": "remediation", **data}, sort_keys=True)
@@ -61,6 +62,10 @@ class Journal:
         self.counts: dict[tuple[str, str], int] = {}  # (action, result) -> count, for the metrics
 
     def add(self, record: ActionRecord) -> ActionRecord:
+        """Keep, count and log the record, stamped with time.time() when `at` is unset; returns what was kept.
+
+        Failed and blocked steps are logged at WARNING, others at INFO.
+        """
         if not record.at:
             record = ActionRecord(**{**asdict(record), "at": time.time()})
         with self._lock:
@@ -72,6 +77,7 @@ class Journal:
         return record
 
     def records(self, action: str | None = None) -> list[ActionRecord]:
+        """The kept records, oldest first; only those of `action` when given."""
         with self._lock:
             return [r for r in self._records if action is None or r.action == action]
 
@@ -97,6 +103,7 @@ class Backoff:
         self._rng = rng or random.Random()
 
     def next_delay(self) -> float:
+        """Next delay in s, uniform in [d/2, d]; d starts at initial_s and doubles per call up to max_s."""
         delay = self._rng.uniform(self._next / 2, self._next)
         self._next = min(self._next * 2, self.max_s)
         return delay
@@ -143,6 +150,7 @@ class Memory:
         return key in self._items
 
     def add(self, key: Hashable) -> None:
+        """Remember `key` as the newest entry, forgetting the oldest beyond the size."""
         self._items[key] = None
         self._items.move_to_end(key)
         while len(self._items) > self._size:

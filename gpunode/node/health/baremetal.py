@@ -119,6 +119,7 @@ class BareMetalRemediator:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
     def notify(self, unhealthy: Mapping[str, str], faults: Sequence[Fault]) -> None:
+        """Queue new faults for run() to remediate and wake it; thread safe. `unhealthy` is not used here."""
         if not faults:
             return
         with self._lock:
@@ -128,6 +129,7 @@ class BareMetalRemediator:
             loop.call_soon_threadsafe(wake.set)
 
     async def run(self, *, ready: asyncio.Event | None = None) -> None:
+        """Remediate queued faults in worker threads until cancelled; sets `ready` once it takes faults."""
         wake = asyncio.Event()
         with self._lock:
             self._loop, self._wake = asyncio.get_running_loop(), wake
@@ -157,11 +159,15 @@ class BareMetalRemediator:
     # -- one fault (blocking; runs in a worker thread) ---------------------------------------------
 
     def remediate(self, fault: Fault) -> None:
+        """Stop the processes on the fault's GPU (or on its MIG device only); blocks; journals each step.
+
+        With a hook configured the hook runs instead of the signals, even when the processes cannot be listed.
+        """
         fields = fault_fields(fault)
         try:
             procs = self.backend.processes(fault.gpu_uuid)
         except GpunodeError as exc:
-            self.journal.add(ActionRecord("lookup", "failed", detail=exc.message, **fields))
+            self.journal.add(ActionRecord("lookup", "failed", detail=str(exc), **fields))
             procs = ()
             if self.config.baremetal.hook is None:
                 return
@@ -216,6 +222,22 @@ class BareMetalRemediator:
         self.journal.add(ActionRecord("hook", result, detail=detail, **fields))
 
     def _signal(self, procs: Sequence[GpuProcess], fields: dict[str, Any]) -> None:
+        """SIGTERM the processes, then SIGKILL those still running after the grace period; journal each step."""
+        targets = self._targets(procs, fields)
+        try:
+            self._terminate(targets, fields)
+            self._kill_survivors(targets, fields)
+        finally:
+            for t in targets:
+                if t.fd is not None:
+                    os.close(t.fd)
+
+    def _targets(self, procs: Sequence[GpuProcess], fields: dict[str, Any]) -> list[_Target]:
+        """The processes to signal, each opened as a pidfd where the kernel has them.
+
+        A process already gone, signalled for an earlier fault, or (dry run) only recorded is
+        left out; every process taken is remembered, so no later fault signals it again.
+        """
         targets: list[_Target] = []
         for p in procs:
             started = _start_time(p.pid)
@@ -242,50 +264,50 @@ class BareMetalRemediator:
                 fd = None  # no pidfd on this kernel
             self._signalled.add(key)
             targets.append(_Target(p.pid, key, fd))
-        try:
-            for t in list(targets):
-                try:
-                    _send(t, signal.SIGTERM)
-                except ProcessLookupError:
-                    self.journal.add(ActionRecord("sigterm", "gone", pid=t.pid, **fields))
-                    targets.remove(t)
-                    continue
-                except PermissionError as exc:
-                    self.journal.add(ActionRecord("sigterm", "failed", pid=t.pid, detail=str(exc), **fields))
-                    targets.remove(t)
-                    continue
-                self.journal.add(ActionRecord("sigterm", "done", pid=t.pid, **fields))
-            grace = self.config.baremetal.term_grace_s
-            survivors = _wait_exit(targets, grace)
-            for t in targets:
-                if t not in survivors:
-                    self.journal.add(
-                        ActionRecord("exit", "done", pid=t.pid, detail="exited after SIGTERM", **fields)
-                    )
-            for t in survivors:
-                try:
-                    _send(t, signal.SIGKILL)
-                except ProcessLookupError:
-                    self.journal.add(
-                        ActionRecord("exit", "done", pid=t.pid, detail="exited after SIGTERM", **fields)
-                    )
-                    continue
+        return targets
+
+    def _terminate(self, targets: list[_Target], fields: dict[str, Any]) -> None:
+        """SIGTERM every target; one that is gone or may not be signalled is taken off the list."""
+        for t in list(targets):
+            try:
+                _send(t, signal.SIGTERM)
+            except ProcessLookupError:
+                self.journal.add(ActionRecord("sigterm", "gone", pid=t.pid, **fields))
+                targets.remove(t)
+                continue
+            except PermissionError as exc:
+                self.journal.add(ActionRecord("sigterm", "failed", pid=t.pid, detail=str(exc), **fields))
+                targets.remove(t)
+                continue
+            self.journal.add(ActionRecord("sigterm", "done", pid=t.pid, **fields))
+
+    def _kill_survivors(self, targets: Sequence[_Target], fields: dict[str, Any]) -> None:
+        """Wait the grace period, SIGKILL the targets still running, and report any that outlive SIGKILL."""
+        grace = self.config.baremetal.term_grace_s
+        survivors = _wait_exit(targets, grace)
+        for t in targets:
+            if t not in survivors:
                 self.journal.add(
-                    ActionRecord(
-                        "sigkill",
-                        "done",
-                        pid=t.pid,
-                        detail=f"still running {grace:g} s after SIGTERM",
-                        **fields,
-                    )
+                    ActionRecord("exit", "done", pid=t.pid, detail="exited after SIGTERM", **fields)
                 )
-            for t in _wait_exit(survivors, KILL_WAIT_S):
+        for t in survivors:
+            try:
+                _send(t, signal.SIGKILL)
+            except ProcessLookupError:
                 self.journal.add(
-                    ActionRecord(
-                        "sigkill", "failed", pid=t.pid, detail="still running after SIGKILL", **fields
-                    )
+                    ActionRecord("exit", "done", pid=t.pid, detail="exited after SIGTERM", **fields)
                 )
-        finally:
-            for t in targets:
-                if t.fd is not None:
-                    os.close(t.fd)
+                continue
+            self.journal.add(
+                ActionRecord(
+                    "sigkill",
+                    "done",
+                    pid=t.pid,
+                    detail=f"still running {grace:g} s after SIGTERM",
+                    **fields,
+                )
+            )
+        for t in _wait_exit(survivors, KILL_WAIT_S):
+            self.journal.add(
+                ActionRecord("sigkill", "failed", pid=t.pid, detail="still running after SIGKILL", **fields)
+            )

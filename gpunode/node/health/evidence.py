@@ -95,6 +95,11 @@ class HealthTracker:
     # -- evidence -----------------------------------------------------------------------------
 
     def record_event(self, event: DeviceEvent, now: float) -> None:
+        """Take one device event seen at `now` (s): mark its target by the XID and ECC rules, or count it.
+
+        An event naming no GPU (and no known MIG device) counts against every known GPU; hot-plug events
+        (GPU added or removed) are not health evidence and are ignored.
+        """
         if event.kind in (EventKind.GPU_ADDED, EventKind.GPU_REMOVED):
             return  # topology, not health: the agent re-advertises and lists vanished GPUs as unhealthy
         mig = event.mig_uuid

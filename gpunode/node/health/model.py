@@ -31,6 +31,7 @@ class Fault:
     detected_at: float = 0.0  # time.time() of the detection
 
     def describe(self) -> str:
+        """For logs and Events: "GPU <uuid>: <reason>", or "MIG device <mig> of GPU <uuid>: <reason>"."""
         where = (
             f"MIG device {self.mig_uuid} of GPU {self.gpu_uuid}" if self.mig_uuid else f"GPU {self.gpu_uuid}"
         )

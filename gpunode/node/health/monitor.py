@@ -123,7 +123,7 @@ class HealthMonitor:
                     continue  # gone from the node: rediscovery lists its devices as vanished
                 if exc is not None:
                     self._probe_failures[uuid] += 1
-                    text = exc.message if isinstance(exc, GpunodeError) else f"{type(exc).__name__}: {exc}"
+                    text = str(exc) if isinstance(exc, GpunodeError) else f"{type(exc).__name__}: {exc}"
                     self._tracker.record_probe_failure(uuid, text, now)
                     continue
                 probe = waiter.result()
@@ -165,6 +165,7 @@ class HealthMonitor:
             return {u: v.reason for u, v in self._unhealthy.items()}
 
     def counters(self) -> HealthCounters:
+        """The cumulative event, probe and transition counts and the current verdict, for the metrics."""
         with self._lock:
             return HealthCounters(
                 xid_total=dict(self._xids),

@@ -10,9 +10,9 @@ naming the GPU and the fault, and keeps the node annotation
 unhealthy GPUs and MIG instances. Dry-run posts the Events (marked dry-run) and
 logs what it would do, and changes nothing else.
 
-Everything runs in its own task, with blocking API calls in a small private
-thread pool and a timeout on each, so an API server that is slow or down never
-delays health marking, the device plugin or the metrics. A node-wide rate
+Everything runs in its own tasks on the agent's event loop, each API call
+bounded by the client's request timeout, so an API server that is slow or down
+never delays health marking, the device plugin or the metrics. A node-wide rate
 limit bounds how many evictions start per interval; a pod (by UID) is evicted
 at most once, so a flapping GPU cannot cause an eviction storm.
 """
@@ -20,26 +20,26 @@ at most once, so a flapping GPU cannot cause an eviction storm.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import json
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 from gpunode.config.health import RemediationConfig
+from gpunode.contract.names import UNHEALTHY_GPUS_ANNOTATION
 from gpunode.errors import KubeError
 from gpunode.infra.kube import (
     EvictionBlocked,
-    KubeApiError,
     KubeClient,
     KubeConflict,
     KubeNotFound,
-    KubeUnreachable,
     ObjectRef,
+    PodInfo,
+    is_retryable,
 )
 from gpunode.node.devices.base import Backend
 from gpunode.node.health.actions import ActionRecord, Backoff, Journal, Memory, RateLimiter, fault_fields
@@ -49,17 +49,11 @@ from gpunode.node.kubelet.podresources import list_container_devices
 
 log = logging.getLogger("gpunode.node.health")
 
-ANNOTATION = "gpunode.io/unhealthy-gpus"
+ANNOTATION = UNHEALTHY_GPUS_ANNOTATION
 POD_RESOURCES_TIMEOUT_S = 5.0
 EVENT_DEADLINE_S = 120.0  # an Event is worth retrying this long, no longer
 
 T = TypeVar("T")
-
-
-def _retryable(exc: KubeError) -> bool:
-    if isinstance(exc, KubeUnreachable):
-        return True
-    return isinstance(exc, KubeApiError) and (exc.status >= 500 or exc.status == 429)
 
 
 class KubeRemediator:
@@ -85,7 +79,6 @@ class KubeRemediator:
             )
         )
         self._client: KubeClient | None = None
-        self._client_lock = threading.Lock()
         self._clock = clock
         self._lock = threading.Lock()
         self._pending_faults: deque[Fault] = deque()
@@ -98,7 +91,6 @@ class KubeRemediator:
         self._evicted = Memory()  # pod UIDs evicted (or being evicted) once already
         self._in_progress: set[tuple[str, str]] = set()
         self._limiter = RateLimiter(config.max_evictions, config.eviction_interval_s, clock=clock)
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     # -- input (any thread) -----------------------------------------------------------------------
@@ -119,9 +111,6 @@ class KubeRemediator:
             self._loop = asyncio.get_running_loop()
             self._wake, self._node_dirty = wake, dirty
             wake.set()  # pick up anything notified before we started
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=8, thread_name_prefix="gpunode-kube"
-        )
         if not self.node_name:
             log.warning(
                 "remediation: the node name is not set (gpunode.nodeName or NODE_NAME): pods are still "
@@ -147,11 +136,9 @@ class KubeRemediator:
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            with self._client_lock:
-                if self._client is not None:
-                    self._client.close()
-                    self._client = None
+            if self._client is not None:
+                await self._client.close()
+                self._client = None
             with self._lock:
                 self._loop = self._wake = self._node_dirty = None
 
@@ -165,20 +152,15 @@ class KubeRemediator:
         if not task.cancelled() and task.exception() is not None:
             log.error("remediation task failed", exc_info=task.exception())
 
-    # -- API calls in the private pool, with retries --------------------------------------------
+    # -- API calls, with retries -----------------------------------------------------------------
 
-    def _get_client(self) -> KubeClient:
-        with self._client_lock:
-            if self._client is None:
-                self._client = self._client_factory()
-            return self._client
+    async def _call(self, fn: Callable[[KubeClient], Awaitable[T]]) -> T:
+        """One call with the client, made on first use (a KubeError if there are no credentials)."""
+        if self._client is None:
+            self._client = self._client_factory()
+        return await fn(self._client)
 
-    async def _call(self, fn: Callable[[KubeClient], T]) -> T:
-        assert self._executor is not None
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, lambda: fn(self._get_client()))
-
-    async def _retry(self, fn: Callable[[KubeClient], T], *, deadline: float) -> tuple[T, int]:
+    async def _retry(self, fn: Callable[[KubeClient], Awaitable[T]], *, deadline: float) -> tuple[T, int]:
         """Call until it succeeds, a non-retryable error, or the deadline; returns (result, attempts)."""
         backoff = Backoff(self.config.retry_initial_s, self.config.retry_max_s)
         attempts = 0
@@ -188,7 +170,7 @@ class KubeRemediator:
                 return await self._call(fn), attempts
             except KubeError as exc:
                 left = deadline - self._clock()
-                if not _retryable(exc) or left <= 0:
+                if not is_retryable(exc) or left <= 0:
                     raise
                 await asyncio.sleep(min(backoff.next_delay(), left))
 
@@ -229,7 +211,7 @@ class KubeRemediator:
                     deadline=self._clock() + self.config.retry_max_s,
                 )
             except KubeError as exc:
-                self.journal.add(ActionRecord("annotate-node", "failed", detail=f"{what}: {exc.message}"))
+                self.journal.add(ActionRecord("annotate-node", "failed", detail=f"{what}: {exc}"))
                 await asyncio.sleep(backoff.next_delay())
                 self._node_dirty.set()
                 continue
@@ -237,8 +219,8 @@ class KubeRemediator:
             applied = desired
             self.journal.add(ActionRecord("annotate-node", "done", attempts=attempts, detail=what))
 
-    def _annotate(self, value: str | None, client: KubeClient) -> None:
-        client.patch_node_annotations(self.node_name, {ANNOTATION: value})
+    async def _annotate(self, value: str | None, client: KubeClient) -> None:
+        await client.patch_node_annotations(self.node_name, {ANNOTATION: value})
 
     async def _post_event(
         self, about: ObjectRef, reason: str, message: str, event_type: str = "Warning"
@@ -254,7 +236,7 @@ class KubeRemediator:
                 deadline=self._clock() + min(EVENT_DEADLINE_S, self.config.eviction_deadline_s),
             )
         except KubeError as exc:
-            self.journal.add(ActionRecord("event", "failed", detail=f"{reason} on {target}: {exc.message}"))
+            self.journal.add(ActionRecord("event", "failed", detail=f"{reason} on {target}: {exc}"))
             return
         self.journal.add(
             ActionRecord(
@@ -265,6 +247,11 @@ class KubeRemediator:
                 dry_run=self.config.dry_run,
             )
         )
+
+    def _event(self, about: ObjectRef, reason: str, message: str) -> None:
+        """Post a Warning Event in its own task, when Events are on."""
+        if self.config.post_events:
+            self._spawn(self._post_event(about, reason, message))
 
     # -- one fault ----------------------------------------------------------------------------
 
@@ -279,8 +266,8 @@ class KubeRemediator:
                 self.pod_resources_socket, timeout_s=POD_RESOURCES_TIMEOUT_S
             )
         except KubeError as exc:
-            self.journal.add(ActionRecord("lookup", "failed", detail=exc.message, **fields))
-            log.error("cannot find the pods on %s: %s", fault.target_uuid, exc)
+            self.journal.add(ActionRecord("lookup", "failed", detail=str(exc), **fields))
+            log.error("cannot find the pods on %s: %s (hint: %s)", fault.target_uuid, exc, exc.hint)
             return
         failed = set(fault.device_ids)
         pods: dict[tuple[str, str], list[str]] = {}
@@ -321,119 +308,122 @@ class KubeRemediator:
     async def _evict_once(
         self, fault: Fault, namespace: str, name: str, device_ids: tuple[str, ...], fields: dict[str, Any]
     ) -> None:
-        cfg = self.config
-        deadline = self._clock() + cfg.eviction_deadline_s
+        """Read the pod, evict it (retrying a PodDisruptionBudget's 429 until the deadline), then maybe delete it."""
+        deadline = self._clock() + self.config.eviction_deadline_s
+        pod = await self._pod_to_evict(namespace, name, deadline, fields)
+        if pod is None:
+            return
+        ref = ObjectRef("Pod", name, namespace, pod.uid)
+        devices = ", ".join(device_ids)
+        if self.config.dry_run:
+            self._event(
+                ref, "GpuFaultEviction", f"would evict the pod: {fault.describe()} (devices {devices})"
+            )
+            self.journal.add(ActionRecord("evict", "dry-run", detail=f"devices {devices}", **fields))
+            return
+        await self._limiter.acquire()
+        self._event(ref, "GpuFaultEviction", f"evicting the pod: {fault.describe()} (devices {devices})")
+        overdue = await self._request_eviction(pod, deadline, devices, fields)
+        if overdue is not None:
+            await self._after_deadline(fault, pod, ref, *overdue, fields)
+
+    async def _pod_to_evict(
+        self, namespace: str, name: str, deadline: float, fields: dict[str, Any]
+    ) -> PodInfo | None:
+        """The pod, unless it is gone, unreadable, terminating or evicted once already (each journaled)."""
         try:
             pod, _ = await self._retry(lambda c: c.get_pod(namespace, name), deadline=deadline)
         except KubeNotFound:
             self.journal.add(ActionRecord("evict", "gone", detail="the pod no longer exists", **fields))
-            return
+            return None
         except KubeError as exc:
-            self.journal.add(
-                ActionRecord("evict", "failed", detail=f"reading the pod: {exc.message}", **fields)
-            )
-            return
+            self.journal.add(ActionRecord("evict", "failed", detail=f"reading the pod: {exc}", **fields))
+            return None
         if pod.uid in self._evicted:
-            self.journal.add(
-                ActionRecord(
-                    "evict", "skipped", detail=f"pod UID {pod.uid} was evicted once already", **fields
-                )
-            )
-            return
+            detail = f"pod UID {pod.uid} was evicted once already"
+            self.journal.add(ActionRecord("evict", "skipped", detail=detail, **fields))
+            return None
         self._evicted.add(pod.uid)
         if pod.deleting:
             self.journal.add(
                 ActionRecord("evict", "skipped", detail="the pod is already terminating", **fields)
             )
-            return
-        ref = ObjectRef("Pod", name, namespace, pod.uid)
-        devices = ", ".join(device_ids)
-        if cfg.dry_run:
-            if cfg.post_events:
-                self._spawn(
-                    self._post_event(
-                        ref,
-                        "GpuFaultEviction",
-                        f"would evict the pod: {fault.describe()} (devices {devices})",
-                    )
-                )
-            self.journal.add(ActionRecord("evict", "dry-run", detail=f"devices {devices}", **fields))
-            return
-        await self._limiter.acquire()
-        if cfg.post_events:
-            self._spawn(
-                self._post_event(
-                    ref, "GpuFaultEviction", f"evicting the pod: {fault.describe()} (devices {devices})"
-                )
-            )
+            return None
+        return pod
+
+    async def _request_eviction(
+        self, pod: PodInfo, deadline: float, devices: str, fields: dict[str, Any]
+    ) -> tuple[int, int] | None:
+        """Ask for the eviction until it is accepted, refused or the deadline passes.
+
+        Returns None when it is settled (journaled), (attempts, 429 answers) when the deadline passed.
+        """
+        cfg = self.config
         backoff = Backoff(cfg.retry_initial_s, cfg.retry_max_s)
         attempts, blocked = 0, 0
         while True:
             attempts += 1
             try:
                 await self._call(
-                    lambda c: c.evict_pod(namespace, name, uid=pod.uid, grace_period_s=cfg.pod_grace_period_s)
-                )
-            except (KubeNotFound, KubeConflict):
-                self.journal.add(
-                    ActionRecord(
-                        "evict", "gone", attempts=attempts, detail="the pod is gone or was replaced", **fields
+                    lambda c: c.evict_pod(
+                        pod.namespace, pod.name, uid=pod.uid, grace_period_s=cfg.pod_grace_period_s
                     )
                 )
-                return
+            except (KubeNotFound, KubeConflict):
+                detail = "the pod is gone or was replaced"
+                self.journal.add(ActionRecord("evict", "gone", attempts=attempts, detail=detail, **fields))
+                return None
             except EvictionBlocked as exc:
                 blocked += 1
                 if blocked == 1:
                     self.journal.add(
-                        ActionRecord("evict", "blocked", attempts=attempts, detail=exc.message, **fields)
+                        ActionRecord("evict", "blocked", attempts=attempts, detail=str(exc), **fields)
                     )
                 delay = exc.retry_after_s if exc.retry_after_s is not None else backoff.next_delay()
             except KubeError as exc:
-                if not _retryable(exc):
+                if not is_retryable(exc):
                     self.journal.add(
-                        ActionRecord("evict", "failed", attempts=attempts, detail=exc.message, **fields)
+                        ActionRecord("evict", "failed", attempts=attempts, detail=str(exc), **fields)
                     )
-                    return
+                    return None
                 delay = backoff.next_delay()
             else:
+                detail = f"devices {devices}"
                 self.journal.add(
-                    ActionRecord(
-                        "evict", "requested", attempts=attempts, detail=f"devices {devices}", **fields
-                    )
+                    ActionRecord("evict", "requested", attempts=attempts, detail=detail, **fields)
                 )
-                return
+                return None
             left = deadline - self._clock()
             if left <= 0:
-                break
+                return attempts, blocked
             await asyncio.sleep(min(delay, left))
+
+    async def _after_deadline(
+        self, fault: Fault, pod: PodInfo, ref: ObjectRef, attempts: int, blocked: int, fields: dict[str, Any]
+    ) -> None:
+        """The eviction did not happen in time: give up, or delete the pod when configured to."""
+        cfg = self.config
         why = f"not evicted within {cfg.eviction_deadline_s:g} s ({blocked} answer(s) from a PodDisruptionBudget)"
         if not cfg.delete_after_deadline:
             self.journal.add(ActionRecord("evict", "failed", attempts=attempts, detail=why, **fields))
-            if cfg.post_events:
-                self._spawn(
-                    self._post_event(
-                        ref, "GpuFaultEvictionFailed", f"{why}; the pod keeps running on {fault.describe()}"
-                    )
-                )
+            self._event(ref, "GpuFaultEvictionFailed", f"{why}; the pod keeps running on {fault.describe()}")
             return
         try:
             _, n = await self._retry(
-                lambda c: c.delete_pod(namespace, name, uid=pod.uid, grace_period_s=cfg.pod_grace_period_s),
+                lambda c: c.delete_pod(
+                    pod.namespace, pod.name, uid=pod.uid, grace_period_s=cfg.pod_grace_period_s
+                ),
                 deadline=self._clock() + cfg.retry_max_s,
             )
         except (KubeNotFound, KubeConflict):
-            self.journal.add(
-                ActionRecord("delete", "gone", detail="the pod is gone or was replaced", **fields)
-            )
+            detail = "the pod is gone or was replaced"
+            self.journal.add(ActionRecord("delete", "gone", detail=detail, **fields))
             return
         except KubeError as exc:
-            self.journal.add(ActionRecord("delete", "failed", detail=exc.message, **fields))
+            self.journal.add(ActionRecord("delete", "failed", detail=str(exc), **fields))
             return
         self.journal.add(ActionRecord("delete", "done", attempts=n, detail=why, **fields))
-        if cfg.post_events:
-            self._spawn(
-                self._post_event(ref, "GpuFaultDeleted", f"deleted the pod: {why}; {fault.describe()}")
-            )
+        self._event(ref, "GpuFaultDeleted", f"deleted the pod: {why}; {fault.describe()}")
 
 
 def build_remediator(

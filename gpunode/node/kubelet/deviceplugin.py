@@ -3,11 +3,12 @@
 Each resource gets its own Unix socket in the kubelet's device-plugins
 directory and is registered through kubelet.sock. ListAndWatch sends the whole
 device list (with health and NUMA node) at once and again on every change of
-DeviceState. GetPreferredAllocation asks gpunode.placement, the same code the
-scheduler extender and the simulator use. Allocate is built by
-gpunode.node.allocation.allocator. The kubelet removes every socket in its directory when it
-restarts and re-creates kubelet.sock; PluginManager watches for that and
-restarts and re-registers its servers. This module translates errors into gRPC
+DeviceState. GetPreferredAllocation is decided by gpunode.node.allocation.preferred
+(through gpunode.placement, the code the scheduler extender and the simulator
+use); Allocate is built by gpunode.node.allocation.allocator. The kubelet
+removes every socket in its directory when it restarts and re-creates
+kubelet.sock; PluginManager watches for that and restarts and re-registers its
+servers. This module translates errors into gRPC
 status codes at its edge and does no device discovery itself.
 """
 
@@ -18,17 +19,16 @@ import contextlib
 import logging
 import os
 import re
-from collections import defaultdict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from gpunode.config.agent import Config
-from gpunode.errors import AllocationError, GpunodeError
+from gpunode.errors import AllocationError
 from gpunode.node.allocation.allocator import Allocator, ContainerAllocation
-from gpunode.node.inventory import AdvertisedDevice
+from gpunode.node.allocation.preferred import preferred_allocation
 from gpunode.node.kubelet._proto import deviceplugin_v1beta1_pb2 as pb
 from gpunode.node.kubelet._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from gpunode.node.state import HEALTHY, UNHEALTHY, DeviceState, Snapshot
@@ -68,81 +68,6 @@ def to_response(alloc: ContainerAllocation) -> pb.ContainerAllocateResponse:
     )
     resp.cdi_devices.extend(pb.CDIDevice(name=n) for n in alloc.cdi_devices)
     return resp
-
-
-def preferred_allocation(
-    snapshot: Snapshot,
-    resource: str,
-    available: Sequence[str],
-    must_include: Sequence[str],
-    size: int,
-    config: Config,
-) -> list[str]:
-    """Choose `size` device IDs out of `available` (keeping `must_include`) with gpunode.placement."""
-    from gpunode import placement
-    from gpunode.node.allocation.preferred import placement_node
-
-    if size <= 0:
-        return []
-    devices: list[AdvertisedDevice] = []
-    for dev_id in dict.fromkeys([*must_include, *available]):
-        st = snapshot.status(dev_id)
-        if st is None or st.device.resource != resource:
-            raise AllocationError(
-                f"{resource}: unknown device ID {dev_id!r} in the preferred-allocation request"
-            )
-        if st.healthy:
-            devices.append(st.device)
-    must = list(must_include)
-    by_id = {d.id: d for d in devices}
-    if size > len(devices):
-        raise AllocationError(
-            f"{resource}: {size} devices asked for, only {len(devices)} healthy ones offered"
-        )
-    kinds = {d.kind for d in devices}
-    if kinds <= {"gpu"}:
-        node = placement_node(snapshot)
-        return list(
-            placement.preferred_whole_gpus(
-                node, count=size, available=[d.id for d in devices], must_include=must
-            )
-        )
-    if kinds == {"replica"}:
-        free_by_gpu: dict[str, list[str]] = defaultdict(list)
-        for d in devices:
-            free_by_gpu[d.mig_uuid or d.gpu_uuid].append(d.id)
-        return list(
-            placement.preferred_replicas(
-                free_by_gpu, count=size, must_include=must, mode=config.replica_placement
-            )
-        )
-    if kinds == {"memory"}:
-        by_gpu: dict[str, list[str]] = defaultdict(list)
-        for d in devices:
-            by_gpu[d.gpu_uuid].append(d.id)
-        must_gpus = {by_id[m].gpu_uuid for m in must if m in by_id}
-        if len(must_gpus) > 1:
-            raise AllocationError(
-                f"{resource}: the devices that must be included span GPUs {sorted(must_gpus)}"
-            )
-        candidates = sorted(must_gpus) or [g for g, ids in by_gpu.items() if len(ids) >= size]
-        if not candidates:
-            raise AllocationError(f"{resource}: no single GPU has {size} free units")
-        unit = devices[0].memory_cap_bytes or 1
-        node = placement_node(snapshot, free_memory_units=by_gpu)
-        request = placement.Request(gpu_memory_bytes=size * unit)
-        gpu = placement.preferred_fraction_gpu(node, request, candidates=candidates, policy="gpunode")
-        if gpu is None:
-            raise AllocationError(f"{resource}: no single GPU has {size} free units")
-        chosen = [m for m in must if m in by_gpu[gpu]]
-        ordered = sorted(by_gpu[gpu], key=lambda i: (len(i), i))  # ::mem2 before ::mem10
-        chosen += [i for i in ordered if i not in chosen][: size - len(chosen)]
-        return chosen
-    # MIG devices (one profile per resource): keep must_include, then the lowest IDs on the fewest GPUs.
-    chosen = list(must)
-    rest = sorted((d for d in devices if d.id not in chosen), key=lambda d: (d.gpu_uuid, d.id))
-    chosen += [d.id for d in rest][: size - len(chosen)]
-    return chosen
 
 
 class DevicePluginServicer(pb_grpc.DevicePluginServicer):
@@ -185,10 +110,10 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                     list(creq.available_deviceIDs),
                     list(creq.must_include_deviceIDs),
                     creq.allocation_size,
-                    self.config,
+                    replica_placement=self.config.replica_placement,
                 )
             except (AllocationError, ValueError) as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _message(exc))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             resp.container_responses.append(pb.ContainerPreferredAllocationResponse(deviceIDs=ids))
         return resp
 
@@ -203,8 +128,8 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                     self.allocator.allocate, snap, self.resource, list(creq.devices_ids)
                 )
             except AllocationError as exc:
-                log.warning("Allocate refused: %s", exc.message)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+                log.warning("Allocate refused: %s", exc)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             log.info("Allocate %s: %s", self.resource, ",".join(creq.devices_ids))
             resp.container_responses.append(to_response(alloc))
         return resp
@@ -213,10 +138,6 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         self, request: pb.PreStartContainerRequest, context: grpc.aio.ServicerContext
     ) -> pb.PreStartContainerResponse:
         return pb.PreStartContainerResponse()
-
-
-def _message(exc: Exception) -> str:
-    return exc.message if isinstance(exc, GpunodeError) else str(exc)
 
 
 @dataclass

@@ -96,6 +96,7 @@ class AttributionSnapshot:
         return cls(containers=items, fetched_at_s=fetched_at_s, by_device=MappingProxyType(index))
 
     def owner_of(self, device_id: str) -> PodRef | None:
+        """The container holding device_id in this answer, or None."""
         return self.by_device.get(device_id)
 
 
@@ -235,6 +236,7 @@ class PodAttribution:
         return self._last
 
     def is_fresh(self) -> bool:
+        """Whether the last answer was fetched less than ttl_s seconds ago."""
         return self._last_fetch_mono is not None and self._monotonic() - self._last_fetch_mono < self.ttl_s
 
     async def snapshot(self) -> AttributionSnapshot:

@@ -14,534 +14,75 @@ share one implementation of the layout, its checks and the reclaim protocol.
 Must not: read os.environ or configuration files (callers pass paths and
 sizes), talk to the kubelet, or change a region's counters except through the
 C functions, which keep the cap's invariants.
+
+The code lives in three modules, all re-exported here (``from gpunode.node import
+memcap`` is how callers reach it): ``region`` (create, load, list, remove and
+garbage-collect regions), ``usage`` (read usage, reclaim what exited processes
+held) and ``container`` (the environment and mounts of a capped container).
 """
 
-from __future__ import annotations
-
-import contextlib
-import importlib
-import importlib.resources
-import logging
-import os
-import re
-import shutil
-import tempfile
-import time
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
-
-from gpunode.errors import MemcapError
-
-log = logging.getLogger(__name__)
-
-ENV_REGION = "GPUNODE_MEMCAP_REGION"
-ENV_LOG_LEVEL = "GPUNODE_MEMCAP_LOG_LEVEL"
-ENV_FAIL_OPEN = "GPUNODE_MEMCAP_FAIL_OPEN"
-ENV_LIMIT_INFO = "GPUNODE_MEMCAP_LIMIT_BYTES"
-LIMIT_FILE = "limit"
-USAGE_FILE = "usage"
-LD_SO_PRELOAD_FILE = "ld.so.preload"
-LIBRARY_NAME = "libgpunode-preload.so"
-CONTAINER_DIR = "/var/run/gpunode"
-LIMIT_FILE_MODE = 0o444
-USAGE_FILE_MODE = 0o666
-REGION_DIR_MODE = 0o755
-STALE_TEMP_AGE_S = 600.0
-
-_KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_TEMP_PREFIXES = (".tmp-", ".trash-")
-_CORRUPT_HINT = (
-    "the region is corrupt or was written by another gpunode version; "
-    "remove it (remove_region) and allocate the container again"
+from gpunode.node.memcap.container import (
+    CONTAINER_DIR,
+    ENV_FAIL_OPEN,
+    ENV_LIMIT_INFO,
+    ENV_LOG_LEVEL,
+    ENV_REGION,
+    LD_SO_PRELOAD_FILE,
+    LIBRARY_NAME,
+    ContainerSpec,
+    MountSpec,
+    container_spec,
+    default_region_dir,
+    preload_library_path,
 )
-
-
-def _native() -> Any:
-    try:
-        return importlib.import_module("gpunode._memcap")
-    except ImportError as exc:
-        raise MemcapError(
-            f"the CFFI module gpunode._memcap is not built ({exc})",
-            hint="reinstall gpunode with `pip install .` on a machine with a C compiler, so native/ is built",
-        ) from exc
-
-
-@dataclass(frozen=True)
-class DeviceCap:
-    """The cap on one GPU (or MIG device) of a region, in bytes."""
-
-    uuid: str
-    limit_bytes: int
-    device_total_bytes: int
-
-
-@dataclass(frozen=True)
-class Region:
-    """A region on disk. The single-device fields describe devices[0]."""
-
-    key: str
-    path: Path
-    devices: tuple[DeviceCap, ...]
-    fail_open: bool
-    generation: int
-
-    @property
-    def gpu_uuid(self) -> str:
-        return self.devices[0].uuid
-
-    @property
-    def limit_bytes(self) -> int:
-        return self.devices[0].limit_bytes
-
-    @property
-    def device_total_bytes(self) -> int:
-        return self.devices[0].device_total_bytes
-
-    @property
-    def limit_path(self) -> Path:
-        return self.path / LIMIT_FILE
-
-    @property
-    def usage_path(self) -> Path:
-        return self.path / USAGE_FILE
-
-
-@dataclass(frozen=True)
-class ProcessUsage:
-    """One process's usage. pid is as the process saw itself (its container's pid namespace).
-
-    alive is False only when the process is known to be gone (its slot lock is free);
-    an unknown state counts as alive, so nothing is reclaimed on a guess.
-    """
-
-    pid: int
-    used_bytes: int
-    alive: bool
-    per_device_bytes: tuple[int, ...] = ()
-    start_ticks: int = 0
-
-
-@dataclass(frozen=True)
-class DeviceUsage:
-    uuid: str
-    limit_bytes: int
-    used_bytes: int
-
-
-@dataclass(frozen=True)
-class RegionUsage:
-    """Usage of a region. limit_bytes and used_bytes are summed over its devices (see devices).
-
-    used_bytes is what the cap is checked against; reclaimable_bytes is the part held by
-    processes known to be gone, which reclaim_dead (or the next allocating process) returns.
-    """
-
-    key: str
-    gpu_uuid: str
-    limit_bytes: int
-    used_bytes: int
-    per_process: tuple[ProcessUsage, ...]
-    devices: tuple[DeviceUsage, ...] = ()
-    registrations: int = 0
-    reclaimable_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class MountSpec:
-    container_path: str
-    host_path: str
-    read_only: bool
-
-
-@dataclass(frozen=True)
-class ContainerSpec:
-    """What Allocate hands the kubelet for a capped container."""
-
-    envs: dict[str, str]
-    mounts: tuple[MountSpec, ...]
-
-
-def default_region_dir() -> str:
-    """Where the interposer looks for its region when GPUNODE_MEMCAP_REGION is unset."""
-    m = _native()
-    return str(m.ffi.string(m.lib.gpunode_memcap_default_region_dir()).decode())
-
-
-def preload_library_path() -> Path:
-    """The installed libgpunode-preload.so (built into gpunode/lib/ by the package build)."""
-    resource = importlib.resources.files("gpunode") / "lib" / LIBRARY_NAME
-    if not isinstance(resource, Path) or not resource.is_file():
-        raise MemcapError(
-            f"the preload library {resource} is missing",
-            hint="reinstall gpunode with `pip install .` on a machine with a C compiler, so native/ is built",
-        )
-    return resource
-
-
-def _io_error(what: str, exc: OSError, where: Path) -> MemcapError:
-    return MemcapError(f"{what}: {exc}", hint=f"check that {where} exists and the agent may write to it")
-
-
-def _check_key(key: str) -> str:
-    if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
-        raise MemcapError(
-            f"invalid region key {key!r}",
-            hint="use 1-128 characters of letters, digits, '.', '_' and '-', starting with a letter or digit",
-        )
-    return key
-
-
-def _check_size(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise MemcapError(
-            f"{what} must be an integer number of bytes, got {value!r}", hint="pass a size in bytes"
-        )
-    if value <= 0:
-        raise MemcapError(
-            f"{what} must be positive, got {value}", hint="a memory cap needs at least one byte"
-        )
-    return value
-
-
-def _check_device(cap: DeviceCap, uuid_bytes: int) -> DeviceCap:
-    uuid = cap.uuid
-    if not isinstance(uuid, str) or not uuid or len(uuid.encode()) >= uuid_bytes or not uuid.isprintable():
-        raise MemcapError(
-            f"invalid GPU UUID {uuid!r}", hint="pass the UUID NVML reports, such as GPU-5a2f..."
-        )
-    if any(c.isspace() for c in uuid):
-        raise MemcapError(
-            f"invalid GPU UUID {uuid!r}: it contains whitespace", hint="pass the UUID NVML reports"
-        )
-    limit = _check_size(cap.limit_bytes, f"limit for {uuid}")
-    total = _check_size(cap.device_total_bytes, f"device total for {uuid}")
-    if limit > total:
-        log.info("cap of %d bytes on %s is above the device's %d bytes; clamped", limit, uuid, total)
-        limit = total
-    return DeviceCap(uuid, limit, total)
-
-
-def _status_error(status: int, path: Path, errno_value: int = 0) -> MemcapError:
-    m = _native()
-    text = m.ffi.string(m.lib.gpunode_memcap_strerror(status)).decode()
-    detail = f": {os.strerror(errno_value)}" if errno_value else ""
-    lib = m.lib
-    if status == lib.GPUNODE_MEMCAP_ERR_NO_REGION:
-        hint = "the region does not exist: create it with create_region, or it was garbage-collected"
-    elif status == lib.GPUNODE_MEMCAP_ERR_IO:
-        hint = f"check that {path} and its files exist and that the agent may read and write them"
-    else:
-        hint = _CORRUPT_HINT
-    return MemcapError(f"memory-cap region {path}: {text}{detail}", hint=hint)
-
-
-@contextlib.contextmanager
-def _opened(path: Path, *, writable: bool) -> Iterator[Any]:
-    m = _native()
-    region = m.lib.gpunode_memcap_region_new()
-    if region == m.ffi.NULL:
-        raise MemoryError("cannot allocate a region handle")
-    try:
-        status = m.lib.gpunode_memcap_region_open(region, os.fsencode(path), 1 if writable else 0)
-        if status != m.lib.GPUNODE_MEMCAP_OK:
-            raise _status_error(status, path, m.lib.gpunode_memcap_region_errno(region))
-        yield region
-    finally:
-        m.lib.gpunode_memcap_region_free(region)
-
-
-def _region_of(handle: Any, path: Path) -> Region:
-    """The Region described by an open handle's (validated) limit part."""
-    m = _native()
-    limit = m.ffi.new("struct gpunode_memcap_limit *")
-    m.lib.gpunode_memcap_region_copy_limit(handle, limit)
-    devices = tuple(
-        DeviceCap(m.ffi.string(d.uuid).decode(), int(d.limit_bytes), int(d.total_bytes))
-        for d in (limit.devices[i] for i in range(limit.device_count))
-    )
-    fail_open = bool(limit.flags & m.lib.GPUNODE_MEMCAP_FLAG_FAIL_OPEN)
-    return Region(path.name, path, devices, fail_open, int(limit.generation))
-
-
-def load_region(path: str | os.PathLike[str]) -> Region:
-    """Open and validate the region directory at path (both files)."""
-    path = Path(path)
-    with _opened(path, writable=False) as handle:
-        return _region_of(handle, path)
-
-
-def _write_file(path: Path, data: bytes, mode: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-        os.fchmod(fd, mode)
-    finally:
-        os.close(fd)
-
-
-def create_region(
-    root: str | os.PathLike[str],
-    key: str,
-    *,
-    gpu_uuid: str,
-    limit_bytes: int,
-    device_total_bytes: int,
-    fail_open: bool = False,
-) -> Region:
-    """Create the region for one GPU, or return it if it already exists with the same cap.
-
-    A limit above the device's memory is clamped to it. Raises MemcapError for a bad key,
-    UUID or size, or when a region with this key exists with a different cap.
-    """
-    return create_multi_gpu_region(
-        root, key, devices=(DeviceCap(gpu_uuid, limit_bytes, device_total_bytes),), fail_open=fail_open
-    )
-
-
-def create_multi_gpu_region(
-    root: str | os.PathLike[str], key: str, *, devices: Sequence[DeviceCap], fail_open: bool = False
-) -> Region:
-    """Create a region capping several GPUs of one container (each device its own cap)."""
-    m = _native()
-    lib = m.lib
-    _check_key(key)
-    if not isinstance(fail_open, bool):
-        raise MemcapError(f"fail_open must be a bool, got {fail_open!r}", hint="pass True or False")
-    if not 1 <= len(devices) <= lib.GPUNODE_MEMCAP_MAX_DEVICES:
-        raise MemcapError(
-            f"a region caps 1 to {lib.GPUNODE_MEMCAP_MAX_DEVICES} devices, got {len(devices)}",
-            hint="split the container's devices or check the request",
-        )
-    caps = tuple(_check_device(d, lib.GPUNODE_MEMCAP_UUID_BYTES) for d in devices)
-    if len({c.uuid for c in caps}) != len(caps):
-        raise MemcapError("a region lists the same GPU twice", hint="pass each GPU once")
-    root = Path(root)
-    final = root / key
-    if final.exists():
-        return _existing(final, caps, fail_open)
-    limit = m.ffi.new("struct gpunode_memcap_limit *")
-    limit.generation = int.from_bytes(os.urandom(8), "little") | 1
-    limit.flags = lib.GPUNODE_MEMCAP_FLAG_FAIL_OPEN if fail_open else 0
-    limit.device_count = len(caps)
-    for i, cap in enumerate(caps):
-        limit.devices[i].uuid = cap.uuid.encode()
-        limit.devices[i].limit_bytes = cap.limit_bytes
-        limit.devices[i].total_bytes = cap.device_total_bytes
-    status = lib.gpunode_memcap_limit_seal(limit)
-    if status != lib.GPUNODE_MEMCAP_OK:
-        raise _status_error(status, final)
-    usage_size = lib.gpunode_memcap_usage_size()
-    usage = m.ffi.new("char[]", usage_size)
-    status = lib.gpunode_memcap_usage_format(usage, usage_size, limit)
-    if status != lib.GPUNODE_MEMCAP_OK:
-        raise _status_error(status, final)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
-    except OSError as exc:
-        raise _io_error(f"cannot create a region under {root}", exc, root) from exc
-    try:
-        _write_file(staging / LIMIT_FILE, bytes(m.ffi.buffer(limit)), LIMIT_FILE_MODE)
-        _write_file(staging / USAGE_FILE, bytes(m.ffi.buffer(usage)), USAGE_FILE_MODE)
-        os.chmod(staging, REGION_DIR_MODE)
-        os.rename(staging, final)
-    except OSError as exc:
-        shutil.rmtree(staging, ignore_errors=True)
-        if final.exists():  # created concurrently under the same key
-            return _existing(final, caps, fail_open)
-        raise _io_error(f"cannot create region {final}", exc, root) from exc
-    dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    region = Region(key, final, caps, fail_open, int(limit.generation))
-    log.debug("created memory-cap region %s: %s", final, caps)
-    return region
-
-
-def _existing(path: Path, caps: tuple[DeviceCap, ...], fail_open: bool) -> Region:
-    region = load_region(path)
-    if (region.devices, region.fail_open) != (caps, fail_open):
-        raise MemcapError(
-            f"region {path} already exists with a different cap ({region.devices}, fail_open={region.fail_open})",
-            hint="a key names one allocation; remove the old region (remove_region) before reusing its key",
-        )
-    return region
-
-
-def _region_path(region_or_dir: Region | str | os.PathLike[str]) -> Path:
-    return region_or_dir.path if isinstance(region_or_dir, Region) else Path(region_or_dir)
-
-
-def read_usage(region_or_dir: Region | str | os.PathLike[str]) -> RegionUsage:
-    """A snapshot of a region's usage, per device and per process."""
-    m = _native()
-    path = _region_path(region_or_dir)
-    report = m.ffi.new("struct gpunode_memcap_report *")
-    with _opened(path, writable=False) as handle:
-        region = _region_of(handle, path)
-        status = m.lib.gpunode_memcap_report(handle, report)
-        if status != m.lib.GPUNODE_MEMCAP_OK:
-            raise _status_error(status, path, m.lib.gpunode_memcap_region_errno(handle))
-    count = len(region.devices)
-    devices = tuple(
-        DeviceUsage(cap.uuid, cap.limit_bytes, int(report.used_bytes[d]))
-        for d, cap in enumerate(region.devices)
-    )
-    processes = []
-    for i in range(report.process_count):
-        p = report.processes[i]
-        per_device = tuple(int(p.used_bytes[d]) for d in range(count))
-        processes.append(
-            ProcessUsage(int(p.pid), sum(per_device), p.alive != 0, per_device, int(p.start_ticks))
-        )
-    return RegionUsage(
-        key=region.key,
-        gpu_uuid=region.gpu_uuid,
-        limit_bytes=sum(d.limit_bytes for d in devices),
-        used_bytes=sum(d.used_bytes for d in devices),
-        per_process=tuple(processes),
-        devices=devices,
-        registrations=int(report.registrations),
-        reclaimable_bytes=sum(p.used_bytes for p in processes if not p.alive),
-    )
-
-
-def reclaim_dead(region_or_dir: Region | str | os.PathLike[str]) -> int:
-    """Return the usage of processes that are gone (even SIGKILLed) to the region; bytes reclaimed.
-
-    With no live process left, usage that no process accounts for is returned too.
-    """
-    m = _native()
-    path = _region_path(region_or_dir)
-    reclaimed_bytes = m.ffi.new("uint64_t *")
-    reclaimed_slots = m.ffi.new("uint32_t *")
-    with _opened(path, writable=True) as handle:
-        status = m.lib.gpunode_memcap_reclaim_dead(handle, -1, reclaimed_bytes, reclaimed_slots)
-        if status != m.lib.GPUNODE_MEMCAP_OK:
-            raise _status_error(status, path, m.lib.gpunode_memcap_region_errno(handle))
-    if reclaimed_bytes[0]:
-        log.info(
-            "region %s: reclaimed %d bytes from %d exited process(es)",
-            path,
-            reclaimed_bytes[0],
-            reclaimed_slots[0],
-        )
-    return int(reclaimed_bytes[0])
-
-
-def _region_dirs(root: Path) -> Iterator[Path]:
-    try:
-        entries = sorted(root.iterdir())
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise _io_error(f"cannot list regions in {root}", exc, root) from exc
-    for entry in entries:
-        if _KEY_RE.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink():
-            yield entry
-
-
-def list_regions(root: str | os.PathLike[str]) -> tuple[Region, ...]:
-    """The valid regions under root, by key. Unusable ones are logged and left out (gc_regions removes them)."""
-    regions = []
-    for path in _region_dirs(Path(root)):
-        try:
-            regions.append(load_region(path))
-        except MemcapError as exc:
-            log.warning("skipping memory-cap region %s: %s", path, exc.message)
-    return tuple(regions)
-
-
-def remove_region(root: str | os.PathLike[str], key: str) -> bool:
-    """Remove a region; False if it did not exist. Processes still mapping it keep their mapping."""
-    root = Path(root)
-    path = root / _check_key(key)
-    if not path.exists():
-        return False
-    trash = root / f".trash-{key}-{os.urandom(4).hex()}"
-    try:
-        os.rename(path, trash)
-    except FileNotFoundError:
-        return False
-    except OSError as exc:
-        raise _io_error(f"cannot remove region {path}", exc, root) from exc
-    shutil.rmtree(trash, ignore_errors=True)
-    log.debug("removed memory-cap region %s", path)
-    return True
-
-
-def gc_regions(root: str | os.PathLike[str], keep: Iterable[str]) -> tuple[str, ...]:
-    """Remove every region whose key is not in keep (and stale half-made ones); the keys removed."""
-    root = Path(root)
-    keep = set(keep)
-    removed = tuple(p.name for p in _region_dirs(root) if p.name not in keep and remove_region(root, p.name))
-    now = time.time()
-    with contextlib.suppress(OSError):
-        for entry in root.iterdir():  # half-made (.tmp-) and half-removed (.trash-) regions
-            if entry.name.startswith(_TEMP_PREFIXES) and now - entry.lstat().st_mtime > STALE_TEMP_AGE_S:
-                shutil.rmtree(entry, ignore_errors=True)
-    return removed
-
-
-def _write_if_changed(path: Path, text: str) -> None:
-    with contextlib.suppress(OSError):
-        if path.read_text() == text:
-            return
-    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    staging.write_text(text)
-    os.chmod(staging, LIMIT_FILE_MODE)
-    os.replace(staging, path)
-
-
-def container_spec(
-    region: Region,
-    *,
-    preload_lib: Path | None = None,
-    container_dir: str = CONTAINER_DIR,
-    visible_device: str,
-    ld_so_preload: bool = False,
-) -> ContainerSpec:
-    """The environment and mounts that cap a container with region.
-
-    The library and the limit file are mounted read-only, the usage file read-write. With
-    ld_so_preload, an /etc/ld.so.preload naming the library is mounted too (written into the
-    region directory), so a process that clears LD_PRELOAD is still capped.
-    """
-    if not container_dir.startswith("/") or container_dir.rstrip("/") == "":
-        raise MemcapError(
-            f"container_dir must be an absolute path, got {container_dir!r}", hint="use /var/run/gpunode"
-        )
-    if not visible_device:
-        raise MemcapError(
-            "visible_device is empty", hint="pass the GPU UUID (or index) the container may see"
-        )
-    container_dir = container_dir.rstrip("/")
-    library = Path(preload_lib) if preload_lib is not None else preload_library_path()
-    library_in_container = f"{container_dir}/lib/{LIBRARY_NAME}"
-    region_in_container = f"{container_dir}/memcap"
-    envs = {
-        "LD_PRELOAD": library_in_container,
-        ENV_REGION: region_in_container,
-        "NVIDIA_VISIBLE_DEVICES": visible_device,
-        ENV_LIMIT_INFO: ",".join(str(d.limit_bytes) for d in region.devices),
-    }
-    mounts = [
-        MountSpec(library_in_container, str(library), True),
-        MountSpec(f"{region_in_container}/{LIMIT_FILE}", str(region.limit_path), True),
-        MountSpec(f"{region_in_container}/{USAGE_FILE}", str(region.usage_path), False),
-    ]
-    if ld_so_preload:
-        preload_file = region.path / LD_SO_PRELOAD_FILE
-        try:
-            _write_if_changed(preload_file, library_in_container + "\n")
-        except OSError as exc:
-            raise _io_error(f"cannot write {preload_file}", exc, region.path) from exc
-        mounts.append(MountSpec("/etc/ld.so.preload", str(preload_file), True))
-    return ContainerSpec(envs=envs, mounts=tuple(mounts))
+from gpunode.node.memcap.region import (
+    LIMIT_FILE,
+    LIMIT_FILE_MODE,
+    REGION_DIR_MODE,
+    STALE_TEMP_AGE_S,
+    USAGE_FILE,
+    USAGE_FILE_MODE,
+    DeviceCap,
+    Region,
+    create_multi_gpu_region,
+    create_region,
+    gc_regions,
+    list_regions,
+    load_region,
+    remove_region,
+)
+from gpunode.node.memcap.usage import DeviceUsage, ProcessUsage, RegionUsage, read_usage, reclaim_dead
+
+__all__ = [
+    "CONTAINER_DIR",
+    "ENV_FAIL_OPEN",
+    "ENV_LIMIT_INFO",
+    "ENV_LOG_LEVEL",
+    "ENV_REGION",
+    "LD_SO_PRELOAD_FILE",
+    "LIBRARY_NAME",
+    "LIMIT_FILE",
+    "LIMIT_FILE_MODE",
+    "REGION_DIR_MODE",
+    "STALE_TEMP_AGE_S",
+    "USAGE_FILE",
+    "USAGE_FILE_MODE",
+    "ContainerSpec",
+    "DeviceCap",
+    "DeviceUsage",
+    "MountSpec",
+    "ProcessUsage",
+    "Region",
+    "RegionUsage",
+    "container_spec",
+    "create_multi_gpu_region",
+    "create_region",
+    "default_region_dir",
+    "gc_regions",
+    "list_regions",
+    "load_region",
+    "preload_library_path",
+    "read_usage",
+    "reclaim_dead",
+    "remove_region",
+]

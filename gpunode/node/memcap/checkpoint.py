@@ -30,6 +30,12 @@ FILE_NAME = "checkpoint.json"
 
 @dataclass(frozen=True)
 class CapRecord:
+    """One cap handed out, as checkpointed: region key, resource, device IDs, the capped device and its limit.
+
+    Sizes are bytes; fail_open is the region's fail-open flag (an unusable usage file lets allocations
+    through instead of refusing them).
+    """
+
     key: str  # memcap region key (inventory.region_key of the device IDs)
     resource: str
     device_ids: tuple[str, ...]
@@ -75,10 +81,12 @@ class Checkpoint:
             return dict(self._records)
 
     def records(self) -> dict[str, CapRecord]:
+        """A copy of the records held now, by region key."""
         with self._lock:
             return dict(self._records)
 
     def add(self, record: CapRecord) -> None:
+        """Record a cap and rewrite the file; a key held already with the same limit keeps its record."""
         with self._lock:
             if self._records.get(record.key) == record:
                 return
@@ -89,6 +97,7 @@ class Checkpoint:
             self._write()
 
     def remove(self, keys: Iterable[str]) -> None:
+        """Drop the records of `keys`, rewriting the file only when one of them was held."""
         with self._lock:
             gone = [k for k in keys if self._records.pop(k, None) is not None]
             if gone:

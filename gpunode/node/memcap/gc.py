@@ -71,7 +71,7 @@ def restore_regions(checkpoint: Checkpoint, root: Path) -> list[str]:
             )
             restored.append(rec.key)
         except GpunodeError as exc:
-            log.error("checkpoint: cannot restore region %s: %s", rec.key, exc.message)
+            log.error("checkpoint: cannot restore region %s: %s", rec.key, exc)
     if restored:
         log.info("checkpoint: restored %d memory-cap region(s)", len(restored))
     return restored
@@ -83,6 +83,13 @@ def live_keys(containers: Iterable[ContainerDevices]) -> set[str]:
 
 
 class RegionKeeper:
+    """Garbage-collects the memory-cap regions under root of containers the kubelet no longer lists.
+
+    A region stays while a container holds its devices or for grace_s seconds after its cap was
+    created; regions kept get the usage of dead processes reclaimed. `removed` and `reclaimed_bytes`
+    accumulate what was done.
+    """
+
     def __init__(
         self,
         *,
@@ -117,7 +124,7 @@ class RegionKeeper:
                 try:
                     self.reclaimed_bytes += await asyncio.to_thread(memcap.reclaim_dead, region)
                 except GpunodeError as exc:
-                    log.warning("memory caps: reclaiming in %s failed: %s", region.key, exc.message)
+                    log.warning("memory caps: reclaiming in %s failed: %s", region.key, exc)
         removed = await asyncio.to_thread(memcap.gc_regions, self.root, keep)
         if removed:
             log.info("memory caps: removed %d region(s) of containers that are gone", len(removed))
@@ -126,6 +133,10 @@ class RegionKeeper:
         return removed
 
     async def run(self, *, ready: asyncio.Event | None = None) -> None:
+        """Collect every interval_s seconds until cancelled; sets `ready` after the first pass.
+
+        While the kubelet cannot be asked, nothing is removed and one warning is logged.
+        """
         warned = False
         while True:
             try:
@@ -135,7 +146,7 @@ class RegionKeeper:
                 if not warned:
                     log.warning(
                         "memory caps: no garbage collection while the kubelet cannot be asked: %s",
-                        exc.message,
+                        exc,
                     )
                     warned = True
             if ready is not None and not ready.is_set():

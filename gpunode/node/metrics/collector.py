@@ -21,23 +21,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 import math
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from gpunode.config.metrics import MetricsConfig
-from gpunode.errors import BackendError, DeviceNotFound, GpuLostError, GpunodeError, KubeError, MemcapError
+from gpunode.errors import BackendError, DeviceNotFound, GpuLostError, GpunodeError, KubeError
 from gpunode.node.devices.base import Backend, DeviceEvent, EventKind, Gpu, GpuSample
 from gpunode.node.inventory import Inventory
+from gpunode.node.metrics.own import OwnMetrics
+from gpunode.node.metrics.regions import read_regions
 from gpunode.node.metrics.render import XidState, render_body
 from gpunode.node.metrics.snapshot import EntityKey, LabelStyle, NodeSnapshot, build_snapshot
 
@@ -48,75 +48,6 @@ log = logging.getLogger(__name__)
 
 InventoryProvider = Callable[[], Inventory | None]
 HealthProvider = Callable[[], Mapping[str, str]]  # device ID -> reason, for the unhealthy ones only
-
-_DURATION_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-
-@dataclass(frozen=True)
-class RegionReading:
-    """What the collector takes from one device of one memory-cap region."""
-
-    key: str
-    device_uuid: str  # a GPU or a MIG device
-    used_bytes: int
-    limit_bytes: int
-
-
-class _OwnMetrics:
-    """The agent's own metrics about collection, in a registry of their own."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.duration = Histogram(
-            "gpunode_metrics_collection_duration_seconds",
-            "Time one background collection took (backend, memory-cap regions, rendering).",
-            buckets=_DURATION_BUCKETS_S,
-            registry=registry,
-        )
-        self.collections = Counter(
-            "gpunode_metrics_collections",
-            "Background collections by result: ok, partial (some GPU could not be read) or failed.",
-            ["result"],
-            registry=registry,
-        )
-        self.backend_errors = Counter(
-            "gpunode_backend_errors",
-            "Failed backend (NVML) calls during collection, by call and error.",
-            ["call", "error"],
-            registry=registry,
-        )
-        self.last_success = Gauge(
-            "gpunode_metrics_last_success_timestamp_seconds",
-            "When the last collection that read the node finished (seconds since the epoch).",
-            registry=registry,
-        )
-        self.sample_age = Gauge(
-            "gpunode_metrics_sample_age_seconds",
-            "Age of the device values this scrape shows: now minus the time of the last good collection.",
-            registry=registry,
-        )
-        self.attribution_errors = Counter(
-            "gpunode_pod_attribution_errors",
-            "Failed pod-resources List calls to the kubelet.",
-            registry=registry,
-        )
-        self.attribution_age = Gauge(
-            "gpunode_pod_attribution_age_seconds",
-            "Age of the kubelet's device assignment used for pod labels.",
-            registry=registry,
-        )
-        self.region_errors = Counter(
-            "gpunode_memcap_region_errors",
-            "Memory-cap regions that could not be read during collection.",
-            registry=registry,
-        )
-        # The agent process itself: resident memory, CPU seconds, open file descriptors.
-        ProcessCollector(registry=registry)
-        self.event_counts = Counter(
-            "gpunode_metrics_device_events",
-            "Device events the collector received from the agent, by kind.",
-            ["kind"],
-            registry=registry,
-        )
 
 
 class MetricsCollector:
@@ -155,7 +86,7 @@ class MetricsCollector:
         self.stale_after_s = max(3 * self.interval_s, 30.0)
 
         self.registry = CollectorRegistry(auto_describe=False)
-        self._own = _OwnMetrics(self.registry)
+        self._own = OwnMetrics(self.registry)
         self._own.sample_age.set_function(self._sample_age_s)
         self._own.attribution_age.set_function(self._attribution_age_s)
 
@@ -186,7 +117,7 @@ class MetricsCollector:
             try:
                 await self.collect_once()
             except GpunodeError as err:
-                log.warning("metrics collection failed: %s", err.message)
+                log.warning("metrics collection failed: %s", err)
             except Exception:
                 log.exception("metrics collection failed unexpectedly")
             if ready is not None and not ready.is_set():
@@ -226,6 +157,7 @@ class MetricsCollector:
 
     @property
     def snapshot(self) -> NodeSnapshot | None:
+        """The last successful collection, however old; None before the first one."""
         return self._snapshot
 
     # -- what a scrape gets -----------------------------------------------------------------
@@ -270,7 +202,7 @@ class MetricsCollector:
         try:
             return provider()
         except GpunodeError as err:
-            log.warning("metrics: the %s provider failed: %s", what, err.message)
+            log.warning("metrics: the %s provider failed: %s", what, err)
             return None
 
     async def _read_attribution(self) -> AttributionSnapshot | None:
@@ -280,9 +212,9 @@ class MetricsCollector:
             snapshot = await self._attribution.snapshot()
         except KubeError as err:
             self._own.attribution_errors.inc()
-            if err.message != self._attribution_error:  # once per streak, not every collection
-                log.warning("metrics: pod attribution unavailable, using the last answer: %s", err.message)
-            self._attribution_error = err.message
+            if str(err) != self._attribution_error:  # once per streak, not every collection
+                log.warning("metrics: pod attribution unavailable, using the last answer: %s", err)
+            self._attribution_error = str(err)
             return self._attribution.last
         if self._attribution_error is not None:
             log.info("metrics: pod attribution is back")
@@ -331,9 +263,7 @@ class MetricsCollector:
                 return self._collect(inventory, unhealthy, attribution)
         except Exception as err:
             self._own.collections.labels(result="failed").inc()
-            self._last_error = (
-                err.message if isinstance(err, GpunodeError) else f"{type(err).__name__}: {err}"
-            )
+            self._last_error = str(err) if isinstance(err, GpunodeError) else f"{type(err).__name__}: {err}"
             raise
 
     def _collect(
@@ -349,7 +279,7 @@ class MetricsCollector:
             self._count_backend_error("gpus", err)
             raise
         samples, failed = self._read_samples(gpus)
-        regions = self._read_regions()
+        regions = read_regions(self._regions_root, self._own.region_errors)
         now = self._clock()
         for uuid, s in samples.items():
             self._last_sample_times[uuid] = s.timestamp
@@ -402,38 +332,6 @@ class MetricsCollector:
             except BackendError as err:
                 self._count_backend_error("driver_version", err)
         return self._driver_version
-
-    def _read_regions(self) -> list[RegionReading]:
-        if self._regions_root is None or not self._regions_root.is_dir():
-            return []
-        try:
-            memcap = importlib.import_module("gpunode.node.memcap")
-        except ImportError as err:  # the native part is not built: no per-container memory
-            log.warning(
-                "metrics: per-container memory unavailable, gpunode.node.memcap cannot be loaded: %s", err
-            )
-            return []
-        out: list[RegionReading] = []
-        try:
-            regions = memcap.list_regions(self._regions_root)
-        except MemcapError as err:
-            self._own.region_errors.inc()
-            log.warning("metrics: cannot list memory-cap regions: %s", err.message)
-            return []
-        for region in regions:
-            try:
-                usage = memcap.read_usage(region.path)
-            except MemcapError as err:
-                self._own.region_errors.inc()
-                log.warning("metrics: cannot read memory-cap region %s: %s", region.key, err.message)
-                continue
-            if usage.devices:  # one reading per capped device of the container
-                out.extend(
-                    RegionReading(usage.key, d.uuid, d.used_bytes, d.limit_bytes) for d in usage.devices
-                )
-            else:
-                out.append(RegionReading(usage.key, usage.gpu_uuid, usage.used_bytes, usage.limit_bytes))
-        return out
 
 
 async def _in_daemon_thread(work: Callable[[], NodeSnapshot]) -> NodeSnapshot:

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gpunode.contract.names import MIB
 from gpunode.node.devices.base import GpuSample, MigSample
 
-MIB = 1 << 20
 Number = int | float
 
 

@@ -80,6 +80,8 @@ class DeviceState:
 
 @dataclass(frozen=True)
 class GpuSampleTime:
+    """When one GPU (by NVML index and UUID) was last sampled successfully."""
+
     gpu_index: int
     uuid: str
     timestamp_s: float  # time.time() of the GPU's last successful sample
@@ -97,6 +99,7 @@ class NodeSnapshot:
     devices: tuple[DeviceState, ...] = ()
 
     def entity(self, key: EntityKey) -> Entity | None:
+        """The GPU or MIG device with this (GPU UUID, MIG UUID or None) key, or None when absent."""
         return next((e for e in self.entities if e.key == key), None)
 
 

@@ -31,18 +31,23 @@ from __future__ import annotations
 import ctypes
 import importlib
 import logging
-import re
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from gpunode.contract.deviceids import normalize_pci_bus_id
 from gpunode.errors import BackendError, BackendUnavailable, DeviceNotFound, GpuLostError
 from gpunode.node.devices.base import DeviceEvent, EventKind, Gpu, GpuProbe, GpuProcess, GpuSample, MigDevice
+from gpunode.node.devices.nvml.discovery import (
+    discover_mig,
+    memory_total,
+    minor_number,
+    numa_node,
+    nvlink_peers,
+)
 from gpunode.node.devices.nvml.query import (
-    ERR_INVALID_ARGUMENT,
     ERR_TIMEOUT,
     ERR_UNINITIALIZED,
     NvmlQuery,
@@ -57,8 +62,6 @@ NVML_TEMPERATURE_GPU = 0
 NVML_MEMORY_ERROR_TYPE_CORRECTED = 0
 NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
 NVML_VOLATILE_ECC = 0
-NVML_NVLINK_DEVICE_TYPE_GPU = 0
-NVML_NVLINK_DEVICE_TYPE_SWITCH = 2
 EVENT_SINGLE_BIT_ECC = 0x1
 EVENT_DOUBLE_BIT_ECC = 0x2
 EVENT_XID_CRITICAL = 0x8
@@ -79,21 +82,6 @@ def load_pynvml() -> Any:
             "the nvidia-ml-py package (module pynvml) is not installed",
             hint="pip install nvidia-ml-py, or pass --backend sim to run on a simulated node",
         ) from None
-
-
-def normalize_bus_id(value: str) -> str:
-    """NVML's bus ID form, "00000000:18:00.0", from either the 8- or the 4-digit domain form."""
-    m = re.fullmatch(r"([0-9A-Fa-f]{4,8}):([0-9A-Fa-f]{2}):([0-9A-Fa-f]{2})\.([0-7])", value.strip())
-    if not m:
-        return value.strip().upper()
-    domain, bus, dev, fn = m.groups()
-    return f"{int(domain, 16):08X}:{bus.upper()}:{dev.upper()}.{fn}"
-
-
-def _sysfs_bdf(bus_id: str) -> str:
-    """The sysfs form of a bus ID: 4-digit domain, lower case ("0000:18:00.0")."""
-    domain, rest = bus_id.split(":", 1)
-    return f"{int(domain, 16):04x}:{rest.lower()}"
 
 
 class NvmlBackend:
@@ -129,9 +117,14 @@ class NvmlBackend:
     # -- Backend protocol -------------------------------------------------------------------
 
     def driver_version(self) -> str | None:
+        """The driver version read at start (nvmlSystemGetDriverVersion); None when NVML did not give one."""
         return str(self._driver) if self._driver is not None else None
 
     def gpus(self) -> tuple[Gpu, ...]:
+        """Discover the GPUs now, ordered by index, with their NVLink peers.
+
+        A GPU lost since it was last seen stays listed with that snapshot; one never seen is left out.
+        """
         count = int(self._q.require("nvmlDeviceGetCount"))
         found: list[tuple[Gpu, Any]] = []
         for index in range(count):
@@ -146,7 +139,7 @@ class NvmlBackend:
                     )
                     continue
                 found.append((known, None))
-        peers = self._nvlink_peers(found)
+        peers = nvlink_peers(self._q, found)
         order = {g.uuid: g.index for g, _ in found}
         gpus = tuple(
             g if h is None else replace(g, nvlink_peers=tuple(sorted(peers[g.uuid], key=order.__getitem__)))
@@ -162,12 +155,14 @@ class NvmlBackend:
         return gpus
 
     def sample(self, uuid: str) -> GpuSample:
+        """Telemetry of one GPU and its MIG devices; DeviceNotFound if unknown, GpuLostError if lost."""
         handle = self._handle(uuid)
         with self._lock:
             migs = self._mig.get(uuid, ())
         return read_sample(self._q, handle, uuid, migs, self._gpm)
 
     def processes(self, uuid: str) -> tuple[GpuProcess, ...]:
+        """Processes with a compute or graphics context on the GPU (per MIG device in MIG mode), by pid."""
         handle = self._handle(uuid)
         with self._lock:
             migs = self._mig.get(uuid, ())
@@ -190,6 +185,11 @@ class NvmlBackend:
         return tuple(sorted(merged.values(), key=lambda p: (p.pid, p.mig_uuid or "")))
 
     def probe(self, uuid: str) -> GpuProbe:
+        """Probe one GPU in a worker thread, waiting at most probe_timeout_s.
+
+        Answers reachable=False when NVML fails, reports the GPU lost, does not answer in time, or an earlier
+        probe of the GPU still hangs. Raises DeviceNotFound for an unknown UUID.
+        """
         started = time.monotonic()
         with self._lock:
             hung = self._hung.get(uuid)
@@ -225,16 +225,18 @@ class NvmlBackend:
         if isinstance(error, DeviceNotFound):
             raise error
         if isinstance(error, GpuLostError):
-            return GpuProbe(uuid=uuid, reachable=False, detail=error.message, duration_s=elapsed)
+            return GpuProbe(uuid=uuid, reachable=False, detail=str(error), duration_s=elapsed)
         if isinstance(error, BackendError):
-            return GpuProbe(
-                uuid=uuid, reachable=False, detail=f"probe failed: {error.message}", duration_s=elapsed
-            )
+            return GpuProbe(uuid=uuid, reachable=False, detail=f"probe failed: {error}", duration_s=elapsed)
         if error is not None:
             raise error
         return replace(box["probe"], duration_s=elapsed)
 
     def wait_event(self, timeout_s: float) -> DeviceEvent | None:
+        """Wait up to timeout_s for an XID or ECC event, registering GPUs not yet watched first.
+
+        None on timeout, after close(), or (after sleeping timeout_s) when no GPU supports these events.
+        """
         with self._event_lock:
             if self._closed:
                 return None
@@ -249,6 +251,7 @@ class NvmlBackend:
         return self._to_event(data)
 
     def close(self) -> None:
+        """Free the GPM buffers and the event set and shut NVML down; later calls do nothing."""
         with self._event_lock:
             if self._closed:
                 return
@@ -277,12 +280,15 @@ class NvmlBackend:
         q = self._q
         handle = q.require("nvmlDeviceGetHandleByIndex", index, uuid=ref)
         uuid = str(q.require("nvmlDeviceGetUUID", handle, uuid=ref))
-        memory = self._memory_total(handle, uuid)
-        bus = normalize_bus_id(str(q.require("nvmlDeviceGetPciInfo", handle, uuid=uuid).busId))
+        memory = memory_total(q, handle, uuid)
+        try:
+            bus = normalize_pci_bus_id(str(q.require("nvmlDeviceGetPciInfo", handle, uuid=uuid).busId))
+        except ValueError as exc:
+            raise BackendError(f"GPU {uuid}: NVML reports a bus ID gpunode cannot use: {exc}") from None
         arch = q.call("nvmlDeviceGetArchitecture", handle, uuid=uuid)
         mig_mode = q.call("nvmlDeviceGetMigMode", handle, uuid=uuid)
         mig_enabled = bool(mig_mode) and int(mig_mode[0]) == 1
-        migs = self._discover_mig(handle, uuid) if mig_enabled else ()
+        migs = discover_mig(q, handle, uuid) if mig_enabled else ()
         with self._lock:
             self._mig[uuid] = migs
         gpu = Gpu(
@@ -291,119 +297,13 @@ class NvmlBackend:
             model=str(q.require("nvmlDeviceGetName", handle, uuid=uuid)),
             memory_total_bytes=memory,
             pci_bus_id=bus,
-            numa_node=self._numa_node(handle, uuid, bus),
-            minor=self._minor(handle, uuid, bus),
+            numa_node=numa_node(q, self._sysfs, handle, uuid, bus),
+            minor=minor_number(q, self._procfs, handle, uuid, bus),
             mig_enabled=mig_enabled,
             mig_devices=tuple(m for _, m in migs),
             architecture=_ARCHITECTURES.get(int(arch)) if arch is not None else None,
         )
         return gpu, handle
-
-    def _memory_total(self, handle: Any, uuid: str) -> int:
-        version = self._q.const("nvmlMemory_v2", None)
-        info = None
-        if version is not None:
-            info = self._q.call("nvmlDeviceGetMemoryInfo", handle, uuid=uuid, version=version)
-        if info is None:
-            info = self._q.require("nvmlDeviceGetMemoryInfo", handle, uuid=uuid)
-        return int(info.total)
-
-    def _numa_node(self, handle: Any, uuid: str, bus: str) -> int | None:
-        node = self._q.call("nvmlDeviceGetNumaNodeId", handle, uuid=uuid)
-        if node is None:
-            try:
-                node = int((self._sysfs / "bus/pci/devices" / _sysfs_bdf(bus) / "numa_node").read_text())
-            except (OSError, ValueError):
-                return None
-        return int(node) if int(node) >= 0 else None
-
-    def _minor(self, handle: Any, uuid: str, bus: str) -> int:
-        minor = self._q.call("nvmlDeviceGetMinorNumber", handle, uuid=uuid)
-        if minor is not None:
-            return int(minor)
-        info = self._procfs / "driver/nvidia/gpus" / _sysfs_bdf(bus) / "information"
-        try:
-            m = re.search(r"^Device Minor:\s*(\d+)", info.read_text(), re.MULTILINE)
-        except OSError:
-            m = None
-        if m is None:
-            raise BackendError(
-                f"cannot tell the device minor number of GPU {uuid} (NVML and {info} give none)"
-            )
-        return int(m.group(1))
-
-    def _discover_mig(self, handle: Any, uuid: str) -> tuple[tuple[Any, MigDevice], ...]:
-        q = self._q
-        found = []
-        for i in range(int(q.call("nvmlDeviceGetMaxMigDeviceCount", handle, uuid=uuid) or 0)):
-            mh = q.call(
-                "nvmlDeviceGetMigDeviceHandleByIndex", handle, i, uuid=uuid, absent=(ERR_INVALID_ARGUMENT,)
-            )
-            if mh is None:
-                continue  # no MIG device in this slot
-            name = str(q.call("nvmlDeviceGetName", mh, uuid=uuid) or "")
-            attrs = q.call("nvmlDeviceGetAttributes", mh, uuid=uuid)
-            profile = name.rsplit(" MIG ", 1)[1].strip() if " MIG " in name else ""
-            if not profile and attrs is not None:
-                profile = f"{attrs.gpuInstanceSliceCount}g.{round(attrs.memorySizeMB / 1024)}gb"
-            slices_match = re.search(r"(\d+)g\.", profile)
-            if attrs is not None:
-                slices = int(attrs.gpuInstanceSliceCount)
-            elif slices_match:
-                slices = int(slices_match.group(1))
-            else:
-                raise BackendError(f"cannot tell the size of MIG device {i} on GPU {uuid} (name {name!r})")
-            mem = q.call("nvmlDeviceGetMemoryInfo", mh, uuid=uuid)
-            if mem is None and attrs is None:
-                raise BackendError(f"cannot tell the memory of MIG device {i} on GPU {uuid}")
-            device = MigDevice(
-                uuid=str(q.require("nvmlDeviceGetUUID", mh, uuid=uuid)),
-                parent_uuid=uuid,
-                index=i,
-                profile=profile or f"{slices}g",
-                gi_id=int(q.require("nvmlDeviceGetGpuInstanceId", mh, uuid=uuid)),
-                ci_id=int(q.require("nvmlDeviceGetComputeInstanceId", mh, uuid=uuid)),
-                slices=slices,
-                memory_total_bytes=int(mem.total) if mem is not None else int(attrs.memorySizeMB) * 2**20,
-            )
-            found.append((mh, device))
-        return tuple(found)
-
-    def _nvlink_peers(self, found: Sequence[tuple[Gpu, Any]]) -> dict[str, set[str]]:
-        """UUIDs of the GPUs each GPU reaches over an active NVLink (directly or through NVSwitch)."""
-        q = self._q
-        by_bus = {g.pci_bus_id: g.uuid for g, _ in found}
-        peers: dict[str, set[str]] = {g.uuid: set() for g, _ in found}
-        on_switch: set[str] = set()
-        links = int(q.const("NVML_NVLINK_MAX_LINKS", 18))
-        odd = (ERR_INVALID_ARGUMENT,)
-        for gpu, handle in found:
-            if handle is None:
-                continue
-            for link in range(links):
-                try:
-                    if not q.call("nvmlDeviceGetNvLinkState", handle, link, uuid=gpu.uuid, absent=odd):
-                        continue
-                    kind = q.call(
-                        "nvmlDeviceGetNvLinkRemoteDeviceType", handle, link, uuid=gpu.uuid, absent=odd
-                    )
-                    if kind == NVML_NVLINK_DEVICE_TYPE_SWITCH:
-                        on_switch.add(gpu.uuid)
-                        continue
-                    pci = q.call("nvmlDeviceGetNvLinkRemotePciInfo", handle, link, uuid=gpu.uuid, absent=odd)
-                except GpuLostError:
-                    break
-                if pci is None or kind not in (None, NVML_NVLINK_DEVICE_TYPE_GPU):
-                    continue  # an IBM NPU or an unknown device at the far end
-                remote = by_bus.get(normalize_bus_id(str(pci.busId)))
-                if remote is not None and remote != gpu.uuid:
-                    peers[gpu.uuid].add(remote)
-                    peers[remote].add(gpu.uuid)
-                elif remote is None and kind is None:
-                    on_switch.add(gpu.uuid)  # an older driver: a non-GPU remote end is the switch
-        for uuid in on_switch:
-            peers[uuid] |= on_switch - {uuid}
-        return peers
 
     # -- probe and events ---------------------------------------------------------------------------
 

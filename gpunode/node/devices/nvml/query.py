@@ -67,6 +67,7 @@ class NvmlQuery:
         self.nv = nvml
 
     def const(self, name: str, default: Any) -> Any:
+        """The NVML module's constant `name`, or `default` where the installed nvidia-ml-py lacks it."""
         return getattr(self.nv, name, default)
 
     def call(
@@ -115,6 +116,7 @@ class NvmlQuery:
         return value
 
     def translate(self, fn: str, code: int, text: str, uuid: str | None) -> BackendError:
+        """The gpunode error for NVML return code `code` from call `fn` (see the module docstring's table)."""
         if code in LOST and uuid is not None:
             return GpuLostError(uuid, f"GPU {uuid} is lost ({fn}: {text})")
         if code == ERR_UNKNOWN and uuid is not None and self.vanished(uuid):

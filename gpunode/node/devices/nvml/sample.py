@@ -44,13 +44,13 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from gpunode.contract.names import MIB
 from gpunode.node.devices.base import GpuSample, MigDevice, MigSample
 
 if TYPE_CHECKING:
     from gpunode.node.devices.nvml.query import NvmlQuery
 
 KIB = 1024
-MIB = 1024 * 1024
 UINT_MAX = 0xFFFFFFFF
 
 FI_DEV_MEMORY_TEMP = 82
@@ -148,6 +148,7 @@ class GpmState:
                 del self._supported[uuid]
 
     def free_all(self) -> None:
+        """Free every held GPM sample (the backend closes)."""
         with self._lock:
             for sample in self._prev.values():
                 self._q.call("nvmlGpmSampleFree", sample)

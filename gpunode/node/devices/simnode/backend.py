@@ -24,12 +24,11 @@ from __future__ import annotations
 import queue
 import threading
 import time
-import uuid as uuidlib
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
-from gpunode.errors import DeviceNotFound, GpuLostError, GpunodeError
+from gpunode.errors import DeviceNotFound, GpuLostError, GpunodeError, SimFaultError
 from gpunode.node.devices.base import (
     DeviceEvent,
     EventKind,
@@ -37,15 +36,20 @@ from gpunode.node.devices.base import (
     GpuProbe,
     GpuProcess,
     GpuSample,
-    MigDevice,
 )
 from gpunode.node.devices.simnode.gpu import SimGpu
 from gpunode.node.devices.simnode.profile import (
-    MigPlacement,
-    SimModel,
     SimProfile,
     bundled_profiles,
     load_profile,
+)
+from gpunode.node.devices.simnode.snapshot import (
+    SimGpuState,
+    gpu_state,
+    gpu_uuid,
+    hotplug_slot,
+    make_gpu,
+    nvlink_peers,
 )
 
 __all__ = [
@@ -56,29 +60,6 @@ __all__ = [
     "bundled_profiles",
     "load_profile",
 ]
-
-_NAMESPACE = uuidlib.uuid5(uuidlib.NAMESPACE_DNS, "sim.gpunode.io")
-
-
-class SimFaultError(GpunodeError):
-    """A fault or process request the simulated node cannot carry out."""
-
-    default_hint = "list the simulated GPUs with `gpunode sim list --socket PATH` and check the request"
-
-
-@dataclass(frozen=True)
-class SimGpuState:
-    """What the simulator knows about one GPU beyond its Gpu snapshot (for `gpunode sim list`)."""
-
-    gpu: Gpu
-    lost: bool
-    ecc_sbe_volatile: int
-    ecc_dbe_volatile: int
-    row_remap_pending: bool | None
-    row_remap_failure: bool | None
-    retired_pages_pending: bool | None
-    probe_delay_s: float
-    processes: int
 
 
 class SimBackend:
@@ -104,11 +85,9 @@ class SimBackend:
         now = clock()
         self._gpus: dict[str, SimGpu] = {}
         for spec in profile.gpus:
-            uuid = self._gpu_uuid(f"gpu/{spec.index}")
+            uuid = gpu_uuid(profile, f"gpu/{spec.index}")
             model = profile.model(spec.model)
-            gpu = self._make_gpu(
-                spec.index, uuid, model, spec.pci_bus_id, spec.numa_node, spec.minor, spec.mig
-            )
+            gpu = make_gpu(spec.index, uuid, model, spec.pci_bus_id, spec.numa_node, spec.minor, spec.mig)
             self._gpus[uuid] = SimGpu(gpu, model, now)
 
     @classmethod
@@ -128,14 +107,17 @@ class SimBackend:
     # -- Backend protocol -------------------------------------------------------------------
 
     def driver_version(self) -> str | None:
+        """The profile's driver_version."""
         return self.profile.driver_version
 
     def gpus(self) -> tuple[Gpu, ...]:
+        """The simulated GPUs, ordered by index, with their NVLink peers; a lost GPU stays listed."""
         with self._lock:
             states = sorted(self._gpus.values(), key=lambda s: s.gpu.index)
             return tuple(replace(s.gpu, nvlink_peers=self._peers_of(s)) for s in states)
 
     def sample(self, uuid: str) -> GpuSample:
+        """Telemetry of one GPU at the clock's time now; DeviceNotFound if unknown, GpuLostError if lost."""
         with self._lock:
             gs = self._readable(uuid)
             t = self._clock()
@@ -143,11 +125,16 @@ class SimBackend:
             return gs.sample(t, self._wall_clock())
 
     def processes(self, uuid: str) -> tuple[GpuProcess, ...]:
+        """The simulated processes on one GPU, by pid; DeviceNotFound if unknown, GpuLostError if lost."""
         with self._lock:
             gs = self._readable(uuid)
             return tuple(sorted(gs.processes.values(), key=lambda p: p.pid))
 
     def probe(self, uuid: str) -> GpuProbe:
+        """Probe one GPU after its injected delay; reachable=False when the delay reaches probe_timeout_s.
+
+        Raises DeviceNotFound for an unknown UUID.
+        """
         started = time.monotonic()
         with self._lock:
             gs = self._present(uuid)
@@ -166,6 +153,7 @@ class SimBackend:
             return self._present(uuid).probe_result(time.monotonic() - started)
 
     def wait_event(self, timeout_s: float) -> DeviceEvent | None:
+        """The next injected event, in order, waiting up to timeout_s; None on timeout or once closed."""
         if self._closed.is_set():
             return None
         try:
@@ -176,6 +164,7 @@ class SimBackend:
             return None
 
     def close(self) -> None:
+        """Close the node: a probe waiting out its delay returns at once and wait_event answers None."""
         self._closed.set()
 
     # -- simulated processes ------------------------------------------------------------------
@@ -289,27 +278,13 @@ class SimBackend:
             try:
                 sim_model = self.profile.model(model) if model is not None else None
             except GpunodeError as e:
-                raise SimFaultError(e.message) from None
-            slot = self.profile.gpus[index] if index < len(self.profile.gpus) else None
-            taken_bus = {s.gpu.pci_bus_id for s in self._gpus.values()}
-            taken_minor = {s.gpu.minor for s in self._gpus.values()}
-            if slot is not None and slot.pci_bus_id not in taken_bus and slot.minor not in taken_minor:
-                slot_model = self.profile.model(slot.model)
-                sim_model = sim_model or slot_model
-                mig = slot.mig if sim_model is slot_model else None
-                bus, numa, minor = slot.pci_bus_id, slot.numa_node, slot.minor
-            else:
-                sim_model = sim_model or self.profile.model(self.profile.gpus[0].model)
-                # A slot the profile does not have: a bus in a second PCI domain, no NUMA affinity known.
-                free_bus = [b for b in (f"00000001:{n:02X}:00.0" for n in range(256)) if b not in taken_bus]
-                if not free_bus:
-                    raise SimFaultError("no free simulated PCI bus is left for another GPU")
-                bus = free_bus[0]
-                numa, mig = None, None
-                minor = next(m for m in range(index, index + 1 + len(taken_minor)) if m not in taken_minor)
+                raise SimFaultError(str(e)) from None
+            sim_model, bus, numa, minor, mig = hotplug_slot(
+                self.profile, index, sim_model, self._gpus.values()
+            )
             self._added += 1
-            uuid = self._gpu_uuid(f"added/{self._added}")
-            gpu = self._make_gpu(index, uuid, sim_model, bus, numa, minor, mig)
+            uuid = gpu_uuid(self.profile, f"added/{self._added}")
+            gpu = make_gpu(index, uuid, sim_model, bus, numa, minor, mig)
             self._gpus[uuid] = SimGpu(gpu, sim_model, self._clock())
             self._emit(EventKind.GPU_ADDED, uuid)
             return replace(gpu, nvlink_peers=self._peers_of(self._gpus[uuid]))
@@ -386,67 +361,9 @@ class SimBackend:
     def gpu_states(self) -> tuple[SimGpuState, ...]:
         """Every present GPU with its fault state, by index."""
         with self._lock:
-            out = []
-            for gpu in self.gpus():
-                gs = self._gpus[gpu.uuid]
-                m = gs.model
-                out.append(
-                    SimGpuState(
-                        gpu=gpu,
-                        lost=gs.lost,
-                        ecc_sbe_volatile=gs.ecc_sbe,
-                        ecc_dbe_volatile=gs.ecc_dbe,
-                        row_remap_pending=gs.remap_pending if m.supports("row_remapping") else None,
-                        row_remap_failure=gs.remap_failure if m.supports("row_remapping") else None,
-                        retired_pages_pending=gs.retired_pages_pending
-                        if m.supports("page_retirement")
-                        else None,
-                        probe_delay_s=gs.probe_delay_s,
-                        processes=len(gs.processes),
-                    )
-                )
-            return tuple(out)
+            return tuple(gpu_state(gpu, self._gpus[gpu.uuid]) for gpu in self.gpus())
 
     # -- internals --------------------------------------------------------------------------------
-
-    def _gpu_uuid(self, what: str) -> str:
-        return f"GPU-{uuidlib.uuid5(_NAMESPACE, f'{self.profile.name}/{self.profile.seed}/{what}')}"
-
-    def _make_gpu(
-        self,
-        index: int,
-        uuid: str,
-        model: SimModel,
-        bus: str,
-        numa: int | None,
-        minor: int,
-        mig: tuple[MigPlacement, ...] | None,
-    ) -> Gpu:
-        devices = tuple(
-            MigDevice(
-                uuid=f"MIG-{uuidlib.uuid5(_NAMESPACE, f'{uuid}/mig/{p.gi_id}/{p.ci_id}')}",
-                parent_uuid=uuid,
-                index=i,
-                profile=p.profile,
-                gi_id=p.gi_id,
-                ci_id=p.ci_id,
-                slices=p.compute_slices,
-                memory_total_bytes=p.memory_bytes,
-            )
-            for i, p in enumerate(mig or ())
-        )
-        return Gpu(
-            index=index,
-            uuid=uuid,
-            model=model.name,
-            memory_total_bytes=model.memory_total_bytes,
-            pci_bus_id=bus,
-            numa_node=numa,
-            minor=minor,
-            mig_enabled=mig is not None,
-            mig_devices=devices,
-            architecture=model.architecture,
-        )
 
     def _advance(self, gs: SimGpu, t: float) -> None:
         gs.advance(t, linked=bool(self._peers_of(gs)))
@@ -464,17 +381,7 @@ class SimBackend:
         return gs
 
     def _peers_of(self, gs: SimGpu) -> tuple[str, ...]:
-        if gs.lost or self.profile.nvlink == "none":
-            return ()
-        others = [o for o in self._gpus.values() if o is not gs and not o.lost]
-        if self.profile.nvlink == "nvswitch":
-            peers = [o for o in others if o.model.supports("nvlink")] if gs.model.supports("nvlink") else []
-        else:
-            # Index pairs name profile slots; a GPU hot-added into a slot takes over its links.
-            pairs = set(self.profile.nvlink_pairs)
-            me = gs.gpu.index
-            peers = [o for o in others if (min(me, o.gpu.index), max(me, o.gpu.index)) in pairs]
-        return tuple(o.gpu.uuid for o in sorted(peers, key=lambda o: o.gpu.index))
+        return nvlink_peers(self.profile, gs, self._gpus.values())
 
     def _emit(
         self,

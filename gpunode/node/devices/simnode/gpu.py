@@ -53,12 +53,14 @@ class SimGpu:
     # -- load ------------------------------------------------------------------------------------
 
     def memory_capacity_bytes(self, mig_uuid: str | None) -> int:
+        """Bytes processes may use: the MIG device's total (0 if not on this GPU), else total - reserved."""
         if mig_uuid is not None:
             mig = self.gpu.mig_by_uuid(mig_uuid)
             return mig.memory_total_bytes if mig is not None else 0
         return self.model.memory_total_bytes - self.model.memory_reserved_bytes
 
     def memory_used_bytes(self, mig_uuid: str | None = None) -> int:
+        """Bytes held by the simulated processes on the GPU, or only by those on MIG device `mig_uuid`."""
         return sum(
             p.used_memory_bytes or 0
             for p in self.processes.values()
@@ -75,6 +77,10 @@ class SimGpu:
         return sum(m.slices for m in self.gpu.mig_devices if m.uuid in busy) / 7.0
 
     def activity(self, t: float, mig_uuid: str | None = None) -> float:
+        """Activity ratio 0..1 at time t, of the GPU or one MIG device.
+
+        The override when one is set; else the busy share times a sine between 0.25 and 0.95 (period 60 s).
+        """
         if self.activity_override is not None:
             return self.activity_override
         busy = self.busy_ratio(mig_uuid)
@@ -96,6 +102,7 @@ class SimGpu:
         return busy * (antiderivative(t1) - antiderivative(t0))
 
     def power_w(self, activity: float) -> float:
+        """Power draw in watts at an activity ratio: idle power at 0, linearly up to 85% of the limit at 1."""
         m = self.model
         return m.power_idle_w + activity * (0.85 * m.power_limit_w - m.power_idle_w)
 

@@ -1,4 +1,4 @@
-"""Simulated-node profiles: the YAML schema, its strict loader and the MIG placement rules.
+"""Simulated-node profiles: the YAML schema and its strict loader (MIG placement is in simnode.mig).
 
 A profile describes one GPU node for gpunode.node.devices.simnode.backend: the driver version,
 the GPU models (NVML name, memory, power and clock envelope, which optional
@@ -38,13 +38,6 @@ Schema (version 1; sizes accept 81559Mi, 80GiB or a number of bytes)::
     nvlink: nvswitch                # optional: none (default), nvswitch (every GPU in one
                                     # mesh), or a list of index pairs [[0, 1], [2, 3]]
 
-A MIG layout must fit the GPU the way NVIDIA documents it: every instance sits
-at one of its profile's allowed placements (in units of the 8 memory slices),
-no two instances share a memory slice, and together they use at most 7
-compute slices. GPU instance IDs follow the placement (0 for the whole GPU,
-1-2 for halves, 3-6 for quarters, 7-14 for eighths); each GPU instance holds
-one compute instance with ID 0.
-
 This module only parses and validates; it keeps no state and never touches the
 simulated devices (sim.py does).
 """
@@ -53,16 +46,15 @@ from __future__ import annotations
 
 import importlib.resources
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from gpunode.config.reader import SectionReader
+from gpunode.contract.deviceids import normalize_pci_bus_id
 from gpunode.errors import ConfigError, ProfileError
-
-MIB = 2**20
+from gpunode.node.devices.simnode.mig import MIG_TABLES, MigPlacement, place_mig_layout
 
 FEATURES = frozenset(
     {
@@ -76,69 +68,6 @@ FEATURES = frozenset(
         "decoder",  # NVDEC utilisation
     }
 )
-
-TOTAL_COMPUTE_SLICES = 7
-TOTAL_MEMORY_SLICES = 8
-
-
-@dataclass(frozen=True)
-class MigProfileSpec:
-    """One GPU instance profile: its slices, memory and allowed starting memory slices."""
-
-    name: str
-    compute_slices: int
-    memory_slices: int
-    memory_bytes: int
-    starts: tuple[int, ...]
-
-
-def _table(*rows: tuple[str, int, int, int, tuple[int, ...]]) -> dict[str, MigProfileSpec]:
-    return {name: MigProfileSpec(name, c, m, mib * MIB, starts) for name, c, m, mib, starts in rows}
-
-
-# Memory as `nvidia-smi mig -lgip` lists it for each profile, in MiB.
-MIG_TABLES: dict[str, dict[str, MigProfileSpec]] = {
-    "a100-80gb": _table(
-        ("1g.10gb", 1, 1, 9728, (0, 1, 2, 3, 4, 5, 6)),
-        ("1g.20gb", 1, 2, 19968, (0, 2, 4, 6)),
-        ("2g.20gb", 2, 2, 19968, (0, 2, 4)),
-        ("3g.40gb", 3, 4, 40192, (0, 4)),
-        ("4g.40gb", 4, 4, 40192, (0,)),
-        ("7g.80gb", 7, 8, 80896, (0,)),
-    ),
-    "a100-40gb": _table(
-        ("1g.5gb", 1, 1, 4864, (0, 1, 2, 3, 4, 5, 6)),
-        ("1g.10gb", 1, 2, 9984, (0, 2, 4, 6)),
-        ("2g.10gb", 2, 2, 9984, (0, 2, 4)),
-        ("3g.20gb", 3, 4, 20096, (0, 4)),
-        ("4g.20gb", 4, 4, 20096, (0,)),
-        ("7g.40gb", 7, 8, 40192, (0,)),
-    ),
-    "h100-80gb": _table(
-        ("1g.10gb", 1, 1, 9984, (0, 1, 2, 3, 4, 5, 6)),
-        ("1g.20gb", 1, 2, 20096, (0, 2, 4, 6)),
-        ("2g.20gb", 2, 2, 20096, (0, 2, 4)),
-        ("3g.40gb", 3, 4, 40448, (0, 4)),
-        ("4g.40gb", 4, 4, 40448, (0,)),
-        ("7g.80gb", 7, 8, 81152, (0,)),
-    ),
-}
-
-# First GPU instance ID of each placement size (memory slices): a heap-style numbering.
-_GI_ID_BASE = {8: 0, 4: 1, 2: 3, 1: 7}
-
-
-@dataclass(frozen=True)
-class MigPlacement:
-    """One placed MIG instance of a layout."""
-
-    profile: str
-    start: int  # first memory slice
-    memory_slices: int
-    compute_slices: int
-    memory_bytes: int
-    gi_id: int
-    ci_id: int = 0
 
 
 @dataclass(frozen=True)
@@ -161,6 +90,7 @@ class SimModel:
     features: frozenset[str]
 
     def supports(self, feature: str) -> bool:
+        """Whether the model has the NVML feature `feature` (a FEATURES name, e.g. "ecc", "nvlink")."""
         return feature in self.features
 
 
@@ -191,90 +121,12 @@ class SimProfile:
     nvlink_pairs: tuple[tuple[int, int], ...] = ()
 
     def model(self, key_or_name: str) -> SimModel:
+        """The GPU model with this key or name; ProfileError naming the known keys when there is none."""
         for m in self.models:
             if key_or_name in (m.key, m.name):
                 return m
         known = ", ".join(m.key for m in self.models)
         raise ProfileError(f"profile {self.name}: no GPU model {key_or_name!r} (models: {known})")
-
-
-def place_mig_layout(table: str, profiles: Sequence[str], *, where: str) -> tuple[MigPlacement, ...]:
-    """Place a MIG layout on one GPU, in the given order, or raise ProfileError saying why it cannot fit."""
-    specs_by_name = MIG_TABLES.get(table)
-    if specs_by_name is None:
-        raise ProfileError(f"{where}: unknown MIG table {table!r} (known: {', '.join(sorted(MIG_TABLES))})")
-    specs: list[MigProfileSpec] = []
-    for name in profiles:
-        spec = specs_by_name.get(name)
-        if spec is None:
-            raise ProfileError(
-                f"{where}: {name!r} is not a MIG profile of this GPU (profiles: {', '.join(specs_by_name)})"
-            )
-        specs.append(spec)
-    compute = sum(s.compute_slices for s in specs)
-    if compute > TOTAL_COMPUTE_SLICES:
-        raise ProfileError(
-            f"{where}: layout {'+'.join(profiles)} needs {compute} compute slices, "
-            f"the GPU has {TOTAL_COMPUTE_SLICES}"
-        )
-    memory = sum(s.memory_slices for s in specs)
-    if memory > TOTAL_MEMORY_SLICES:
-        raise ProfileError(
-            f"{where}: layout {'+'.join(profiles)} needs {memory} memory slices, "
-            f"the GPU has {TOTAL_MEMORY_SLICES}"
-        )
-    # Place the largest instances first; the layout keeps the order it was written in.
-    order = sorted(range(len(specs)), key=lambda i: -specs[i].memory_slices)
-    starts: dict[int, int] = {}
-    if not _place(specs, order, 0, [False] * TOTAL_MEMORY_SLICES, starts):
-        raise ProfileError(
-            f"{where}: layout {'+'.join(profiles)} has no valid placement: "
-            "its instances cannot sit at their allowed memory slices without overlapping"
-        )
-    return tuple(
-        MigPlacement(
-            profile=s.name,
-            start=starts[i],
-            memory_slices=s.memory_slices,
-            compute_slices=s.compute_slices,
-            memory_bytes=s.memory_bytes,
-            gi_id=_GI_ID_BASE[s.memory_slices] + starts[i] // s.memory_slices,
-        )
-        for i, s in enumerate(specs)
-    )
-
-
-def _place(
-    specs: list[MigProfileSpec], order: list[int], k: int, used: list[bool], starts: dict[int, int]
-) -> bool:
-    if k == len(order):
-        return True
-    i = order[k]
-    spec = specs[i]
-    for start in spec.starts:
-        cells = range(start, start + spec.memory_slices)
-        if any(used[c] for c in cells):
-            continue
-        for c in cells:
-            used[c] = True
-        starts[i] = start
-        if _place(specs, order, k + 1, used, starts):
-            return True
-        for c in cells:
-            used[c] = False
-    return False
-
-
-_BUS_ID = re.compile(r"([0-9A-Fa-f]{4}|[0-9A-Fa-f]{8}):([0-9A-Fa-f]{2}):([0-9A-Fa-f]{2})\.([0-7])")
-
-
-def normalize_pci_bus_id(value: str) -> str | None:
-    """Return a bus ID in NVML's form ("00000000:18:00.0"), or None when it is not one."""
-    m = _BUS_ID.fullmatch(value.strip())
-    if not m:
-        return None
-    domain, bus, dev, fn = m.groups()
-    return f"{int(domain, 16):08X}:{bus.upper()}:{dev.upper()}.{fn}"
 
 
 def bundled_profiles() -> tuple[str, ...]:
@@ -298,7 +150,7 @@ def load_profile(name_or_path: str | Path) -> SimProfile:
         raise
     except ConfigError as e:
         hint = None if e.hint == ConfigError.default_hint else e.hint
-        raise ProfileError(e.message, hint=hint) from None
+        raise ProfileError(str(e), hint=hint) from None
 
 
 def _read_profile_text(name_or_path: str | Path) -> tuple[str, str, str]:
@@ -450,10 +302,12 @@ def _parse_gpus(top: SectionReader, models: tuple[SimModel, ...]) -> tuple[SimGp
             model = models[0]
         else:
             raise ProfileError(f"{r.key_path('model')}: required when the profile has several models")
-        bus_raw = r.get("pci_bus_id", str)
-        bus = normalize_pci_bus_id(bus_raw)
-        if bus is None:
-            raise ProfileError(f"{r.key_path('pci_bus_id')}: expected a PCI bus ID such as 00000000:18:00.0")
+        try:
+            bus = normalize_pci_bus_id(r.get("pci_bus_id", str))
+        except ValueError:
+            raise ProfileError(
+                f"{r.key_path('pci_bus_id')}: expected a PCI bus ID such as 00000000:18:00.0"
+            ) from None
         numa = r.get("numa_node", int, None)
         if numa is not None and numa < 0:
             raise ProfileError(f"{r.key_path('numa_node')}: must be 0 or more, or null")

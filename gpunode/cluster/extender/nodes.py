@@ -1,0 +1,166 @@
+"""The extender's cache of node GPU states.
+
+NodeCache holds decoded node GPU states keyed by node name and annotation text,
+fed with Node objects (from each request, or from a refresher when
+kube-scheduler sends only names). We do not run an informer: kube-scheduler
+already sends the nodes, and a refresher function that lists nodes is enough for
+the names-only mode; no watch connection, no extra memory per node beyond the
+decoded state. Thread safe; no I/O.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpunode.cluster.extender.pods import _ceil, parse_quantity
+from gpunode.contract.nodestate import ANNOTATION_KEY, NodeGpuState, decode
+from gpunode.errors import InvalidRequest, NodeStateError
+from gpunode.placement import NodeCapacity, NodeState
+from gpunode.placement.published import node_state
+
+_UNKNOWN_NODE = "node unknown to the extender's cache (no refresh has seen it yet)"
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """A node as the extender sees it: its placement state, or why it has none."""
+
+    name: str
+    state: NodeState | None
+    reason: str = ""
+    annotation: NodeGpuState | None = None
+    fingerprint: str = ""  # changes whenever the annotation text changes
+    pods: frozenset[str] = frozenset()  # namespace/name of the pods the annotation lists
+
+
+def _allocatable(node: Mapping[str, Any], key: str, scale: int) -> int:
+    status = node.get("status") or {}
+    alloc = status.get("allocatable") if isinstance(status, Mapping) else None
+    if not isinstance(alloc, Mapping) or key not in alloc:
+        return 0
+    try:
+        return _ceil(parse_quantity(alloc[key], where=f"status.allocatable.{key}") * scale)
+    except InvalidRequest:
+        return 0
+
+
+class NodeCache:
+    """Decoded node states by name, reused while a node's annotation text is unchanged."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._views: dict[str, tuple[str, NodeView]] = {}
+        self._supply: Counter[str] = Counter()  # GPUs per model over the cached views
+        self._capacity: dict[str, NodeCapacity] = {}  # what each cached node offers empty (node pressure)
+        self.capacity_version = 0  # moves whenever _capacity changes
+
+    def view(self, node: object) -> NodeView:
+        """Decode (or reuse) one v1.Node; never raises for a bad node, the reason says what is wrong."""
+        if not isinstance(node, Mapping):
+            return NodeView(name="", state=None, reason="not a Node object")
+        meta = node.get("metadata") or {}
+        name = meta.get("name") if isinstance(meta, Mapping) else None
+        if not isinstance(name, str) or not name:
+            return NodeView(name="", state=None, reason="Node without metadata.name")
+        annotations = meta.get("annotations") or {}
+        text = annotations.get(ANNOTATION_KEY) if isinstance(annotations, Mapping) else None
+        with self._lock:
+            cached = self._views.get(name)
+        if cached is not None and cached[0] == text and text is not None:
+            return cached[1]
+        view = self._decode(name, node, text)
+        with self._lock:
+            old = self._views.get(name)
+            if old is not None and old[1].state is not None:
+                self._supply.subtract(g.model for g in old[1].state.gpus)
+            if view.state is not None:
+                self._supply.update(g.model for g in view.state.gpus)
+            self._set_capacity(name, view.state)
+            self._views[name] = (text or "", view)
+        return view
+
+    def _set_capacity(self, name: str, state: NodeState | None) -> None:
+        """Record what the node offers empty (one GPU model per node; others get no node pressure)."""
+        models = {g.model for g in state.gpus} if state is not None else set()
+        capacity = (
+            NodeCapacity(name, models.pop(), len(state.gpus), state.cpu_milli_free)
+            if state is not None and len(models) == 1
+            else None
+        )
+        if self._capacity.get(name) != capacity:
+            if capacity is None:
+                del self._capacity[name]
+            else:
+                self._capacity[name] = capacity
+            self.capacity_version += 1
+
+    def node_capacities(self) -> tuple[int, tuple[NodeCapacity, ...]]:
+        """(capacity_version, what each cached node with one GPU model offers when empty)."""
+        with self._lock:
+            return self.capacity_version, tuple(self._capacity.values())
+
+    def gpu_supply(self) -> dict[str, int]:
+        """GPUs per model on the cached nodes."""
+        with self._lock:
+            return {m: n for m, n in self._supply.items() if n > 0}
+
+    def _decode(self, name: str, node: Mapping[str, Any], text: object) -> NodeView:
+        if text is None:
+            return NodeView(
+                name, None, f"no {ANNOTATION_KEY} annotation (is the gpunode agent running there?)"
+            )
+        if not isinstance(text, str):
+            return NodeView(name, None, f"{ANNOTATION_KEY} annotation is not a string")
+        try:
+            annotation = decode(text, node=name)
+            labels = (node.get("metadata") or {}).get("labels") or {}
+            state = node_state(
+                annotation,
+                cpu_milli_free=_allocatable(node, "cpu", 1000),
+                memory_free_bytes=_allocatable(node, "memory", 1),
+                labels={str(k): str(v) for k, v in labels.items()} if isinstance(labels, Mapping) else {},
+            )
+        except NodeStateError as exc:
+            return NodeView(name, None, f"unusable {ANNOTATION_KEY} annotation: {exc}")
+        fingerprint = f"{annotation.generation}:{hash(text)}"
+        return NodeView(name, state, annotation=annotation, fingerprint=fingerprint, pods=annotation.pods())
+
+    def update(self, nodes: Iterable[object]) -> int:
+        """Feed Node objects (a refresher's list); returns how many were taken."""
+        return sum(1 for n in nodes if self.view(n).name)
+
+    def get(self, name: str) -> NodeView:
+        """The cached view of one node (see get_many)."""
+        return self.get_many([name])[0]
+
+    def get_many(self, names: Iterable[str]) -> list[NodeView]:
+        """The cached views of these nodes, in order; an unknown name gets a view that says so."""
+        with self._lock:
+            found = [self._views.get(n) for n in names]
+        names = list(names) if not isinstance(names, list) else names
+        return [
+            c[1] if c is not None else NodeView(n, None, _UNKNOWN_NODE)
+            for n, c in zip(names, found, strict=True)
+        ]
+
+    def views(self) -> list[NodeView]:
+        """Every node view in the cache."""
+        with self._lock:
+            return [view for _, view in self._views.values()]
+
+    def forget(self, names: Iterable[str]) -> None:
+        """Drop these nodes from the cache (and from the GPU supply and node capacities)."""
+        with self._lock:
+            for n in names:
+                old = self._views.pop(n, None)
+                if old is not None and old[1].state is not None:
+                    self._supply.subtract(g.model for g in old[1].state.gpus)
+                self._set_capacity(n, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._views)

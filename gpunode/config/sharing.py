@@ -1,0 +1,242 @@
+"""How devices are selected and shared: device selectors, the NVIDIA plugin flags, time-slicing and
+fractional (memory-capped) sharing, with the parsers of their configuration sections."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from gpunode.config.reader import SectionReader, parse_bytes, parse_resource_name
+from gpunode.contract.names import GIB, GPU_MEMORY_RESOURCE, GPU_RESOURCE, MIB, mig_profile_of
+from gpunode.errors import ConfigError
+
+DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")
+DEVICE_ID_STRATEGIES = ("uuid", "index")
+
+
+@dataclass(frozen=True)
+class DeviceSelector:
+    """Which devices a setting applies to: all of them, or the listed GPU indexes, MIG indexes
+    ("<gpu>:<mig>") and GPU or MIG UUIDs. Selecting a GPU selects its MIG devices too."""
+
+    all: bool = True
+    indexes: tuple[int, ...] = ()
+    uuids: tuple[str, ...] = ()
+    where: str = ""  # the config key it came from, for messages
+    mig_indexes: tuple[tuple[int, int], ...] = ()  # (GPU index, MIG device index)
+
+    def matches(self, index: int, uuid: str) -> bool:
+        """Whether a whole GPU is selected."""
+        return self.all or index in self.indexes or uuid in self.uuids
+
+    def matches_mig(self, gpu_index: int, gpu_uuid: str, mig_index: int, mig_uuid: str) -> bool:
+        """Whether one MIG device is selected: by itself, or through its parent GPU."""
+        return (
+            self.matches(gpu_index, gpu_uuid)
+            or (gpu_index, mig_index) in self.mig_indexes
+            or mig_uuid in self.uuids
+        )
+
+    def describe(self) -> str:
+        """The selection in words, for messages."""
+        if self.all:
+            return "all GPUs"
+        parts = [f"index {i}" for i in self.indexes] + [f"MIG index {g}:{m}" for g, m in self.mig_indexes]
+        return ", ".join(parts + list(self.uuids))
+
+
+def parse_device_selector(value: object, where: str) -> DeviceSelector:
+    """`all`, or a list of GPU indexes, MIG indexes ("0:1") and GPU/MIG UUIDs (the NVIDIA `devices` field)."""
+    if value == "all":
+        return DeviceSelector(all=True, where=where)
+    if isinstance(value, int) and not isinstance(value, bool):
+        raise ConfigError(
+            f"{where}: a bare number ({value}) is a device count in the NVIDIA schema, which gpunode "
+            "does not support",
+            hint=f"list the GPU indexes instead, e.g. devices: [{value}] for the GPU with index {value}",
+        )
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, list) or not value:
+        raise ConfigError(
+            f"{where}: expected `all` or a non-empty list of GPU indexes or UUIDs, got {value!r}"
+        )
+    indexes: list[int] = []
+    mig_indexes: list[tuple[int, int]] = []
+    uuids: list[str] = []
+    for item in value:
+        if isinstance(item, int) and not isinstance(item, bool) and item >= 0:
+            indexes.append(item)
+        elif isinstance(item, str) and item.isdigit():
+            indexes.append(int(item))
+        elif isinstance(item, str) and re.fullmatch(r"\d+:\d+", item):
+            gpu, mig = item.split(":")
+            mig_indexes.append((int(gpu), int(mig)))
+        elif isinstance(item, str) and re.fullmatch(r"(GPU|MIG)-[0-9A-Za-z][-0-9A-Za-z/]*", item):
+            uuids.append(item)
+        else:
+            raise ConfigError(
+                f"{where}: {item!r} is not a GPU index (0), a MIG index (0:1) or a GPU/MIG UUID (GPU-..., MIG-...)"
+            )
+    return DeviceSelector(
+        all=False,
+        indexes=tuple(dict.fromkeys(indexes)),
+        uuids=tuple(dict.fromkeys(uuids)),
+        where=where,
+        mig_indexes=tuple(dict.fromkeys(mig_indexes)),
+    )
+
+
+@dataclass(frozen=True)
+class PluginFlags:
+    """NVIDIA `flags.plugin`: how Allocate hands devices to the container runtime."""
+
+    pass_device_specs: bool = False
+    device_list_strategy: tuple[str, ...] = ("envvar",)
+    device_id_strategy: str = "uuid"
+    container_driver_root: str = "/driver-root"
+    cdi_annotation_prefix: str = "cdi.k8s.io/"
+
+
+@dataclass(frozen=True)
+class SharedResource:
+    """One `sharing.timeSlicing.resources[]` entry."""
+
+    name: str  # the resource being shared: nvidia.com/gpu or nvidia.com/mig-<profile>
+    replicas: int
+    rename: str | None
+    devices: DeviceSelector
+
+
+@dataclass(frozen=True)
+class TimeSlicing:
+    """NVIDIA `sharing.timeSlicing`: GPUs and MIG devices advertised several times each."""
+
+    rename_by_default: bool = False
+    fail_requests_greater_than_one: bool = False
+    resources: tuple[SharedResource, ...] = ()
+
+
+@dataclass(frozen=True)
+class Fractional:
+    """gpunode.fractional: GPUs shared by memory, each container capped by the interposer."""
+
+    devices: DeviceSelector | None = None  # None: no GPU is fractional
+    resource_name: str = GPU_MEMORY_RESOURCE
+    unit_bytes: int = GIB
+    fail_open: bool = False  # what the interposer does when its region is unusable
+    ld_so_preload: bool = False  # also mount /etc/ld.so.preload so clearing LD_PRELOAD does not escape
+    gc_interval_s: float = 60.0  # how often regions of vanished containers are looked for
+    gc_grace_s: float = 600.0  # a region younger than this is kept even if the kubelet does not list it yet
+
+
+def parse_plugin_flags(r: SectionReader) -> PluginFlags:
+    """Validate `flags.plugin`."""
+    strategies_raw = r.raw("deviceListStrategy", "envvar")
+    strategies = [strategies_raw] if isinstance(strategies_raw, str) else strategies_raw
+    if not isinstance(strategies, list) or not strategies:
+        raise ConfigError(f"{r.key_path('deviceListStrategy')}: expected a strategy or a list of them")
+    for s in strategies:
+        if s not in DEVICE_LIST_STRATEGIES:
+            raise ConfigError(
+                f"{r.key_path('deviceListStrategy')}: expected one of {', '.join(DEVICE_LIST_STRATEGIES)}, "
+                f"got {s!r}"
+            )
+    flags = PluginFlags(
+        pass_device_specs=r.get("passDeviceSpecs", bool, False),
+        device_list_strategy=tuple(dict.fromkeys(strategies)),
+        device_id_strategy=r.choice("deviceIDStrategy", DEVICE_ID_STRATEGIES, "uuid"),
+        container_driver_root=r.get("containerDriverRoot", str, "/driver-root"),
+        cdi_annotation_prefix=r.get("cdiAnnotationPrefix", str, "cdi.k8s.io/"),
+    )
+    r.raw("nvidiaCTKPath", None)  # accepted for compatibility; gpunode writes no CDI spec files
+    r.finish()
+    return flags
+
+
+def parse_time_slicing(r: SectionReader) -> TimeSlicing:
+    """Validate `sharing.timeSlicing`: at least 2 replicas per resource, each resource once."""
+    rename_by_default = r.get("renameByDefault", bool, False)
+    fail_gt_one = r.get("failRequestsGreaterThanOne", bool, False)
+    items = r.raw("resources", [])
+    if not isinstance(items, list):
+        raise ConfigError(f"{r.key_path('resources')}: expected a list")
+    resources: list[SharedResource] = []
+    for i, item in enumerate(items):
+        ir = SectionReader(item, f"{r.key_path('resources')}[{i}]")
+        name = parse_resource_name(ir.get("name", str), ir.key_path("name"))
+        if name != GPU_RESOURCE and mig_profile_of(name) is None:
+            raise ConfigError(
+                f"{ir.key_path('name')}: only nvidia.com/gpu and nvidia.com/mig-<profile> can be "
+                f"time-sliced, got {name!r}"
+            )
+        replicas = ir.get("replicas", int)
+        if replicas < 2:
+            raise ConfigError(f"{ir.key_path('replicas')}: must be at least 2 to share a GPU, got {replicas}")
+        rename = ir.get("rename", str, None)
+        if rename is not None:
+            rename = parse_resource_name(rename, ir.key_path("rename"))
+        devices = ir.parse("devices", parse_device_selector, DeviceSelector(where=ir.key_path("devices")))
+        ir.finish()
+        if any(res.name == name for res in resources):
+            raise ConfigError(f"{ir.key_path('name')}: {name} is listed twice under timeSlicing.resources")
+        resources.append(SharedResource(name=name, replicas=replicas, rename=rename, devices=devices))
+    r.finish()
+    return TimeSlicing(rename_by_default, fail_gt_one, tuple(resources))
+
+
+def parse_replica_cap(value: object, where: str) -> str | int | None:
+    """`equal` (the GPU's memory divided by its replicas), `none`, or a size per replica."""
+    if value in ("none", None):
+        return None
+    if value == "equal":
+        return "equal"
+    try:
+        cap = parse_bytes(value, where=where)
+    except ConfigError:
+        raise ConfigError(f"{where}: expected equal, none or a size such as 10Gi, got {value!r}") from None
+    if cap == 0:
+        raise ConfigError(f"{where}: a replica memory cap must be more than 0 bytes (or `none`)")
+    return cap
+
+
+def parse_fractional(r: SectionReader) -> Fractional:
+    """Validate `gpunode.fractional`: whole GPUs only, a resource name of its own, a unit of at least 1Mi."""
+    devices = r.parse("devices", parse_device_selector, None)
+    if devices is not None and (devices.mig_indexes or any(u.startswith("MIG-") for u in devices.uuids)):
+        raise ConfigError(
+            f"{r.key_path('devices')}: fractional sharing applies to whole GPUs, not to MIG devices",
+            hint="list GPU indexes or GPU UUIDs (GPU-...)",
+        )
+    name = parse_resource_name(r.get("resourceName", str, GPU_MEMORY_RESOURCE), r.key_path("resourceName"))
+    if name == GPU_RESOURCE or mig_profile_of(name) is not None:
+        raise ConfigError(
+            f"{r.key_path('resourceName')}: {name} is already advertised for whole GPUs or MIG devices",
+            hint="give fractional GPUs a resource of their own, e.g. gpunode.io/gpu-memory",
+        )
+    unit = r.size("unit", GIB)
+    if unit < MIB:
+        raise ConfigError(f"{r.key_path('unit')}: the unit must be at least 1Mi, got {unit} bytes")
+    frac = Fractional(
+        devices=devices,
+        resource_name=name,
+        unit_bytes=unit,
+        fail_open=r.get("failOpen", bool, False),
+        ld_so_preload=r.get("ldSoPreload", bool, False),
+        gc_interval_s=r.duration("gcInterval", 60.0),
+        gc_grace_s=r.duration("gcGrace", 600.0),
+    )
+    r.finish()
+    return frac
+
+
+def parse_sharing(sharing: SectionReader) -> TimeSlicing:
+    """Validate the `sharing` section: time-slicing only (MPS is refused)."""
+    if sharing.raw("mps", None) is not None:
+        raise ConfigError(
+            f"{sharing.key_path('mps')}: MPS sharing is not supported by gpunode",
+            hint="use gpunode.fractional for memory-capped sharing, or sharing.timeSlicing",
+        )
+    time_slicing = parse_time_slicing(sharing.section("timeSlicing"))
+    sharing.finish()
+    return time_slicing

@@ -1,0 +1,70 @@
+"""The names the node and the cluster agree on: resources, annotations, units and sharing modes.
+
+The agent advertises resources and publishes annotations under these names;
+the extender and the simulator read them. Any name that crosses the node /
+cluster boundary, or that the kubelet and pods see, is spelled here once.
+Device-ID formats live beside this module, in gpunode.contract.deviceids.
+"""
+
+from __future__ import annotations
+
+import enum
+
+# -- units --------------------------------------------------------------------------------------
+
+KIB = 2**10
+MIB = 2**20
+GIB = 2**30
+TIB = 2**40
+MILLI_PER_GPU = 1000  # compute share: 1000 milli-GPU is one whole GPU
+
+# -- extended resources -------------------------------------------------------------------------
+
+NVIDIA_DOMAIN = "nvidia.com"
+GPU_RESOURCE = "nvidia.com/gpu"  # whole GPUs (and MIG devices under migStrategy single)
+MIG_RESOURCE_PREFIX = "nvidia.com/mig-"  # + profile, e.g. nvidia.com/mig-1g.10gb
+SHARED_SUFFIX = ".shared"  # a time-sliced resource renamed by default: nvidia.com/gpu.shared
+GPU_MEMORY_RESOURCE = "gpunode.io/gpu-memory"  # fractional GPUs, in units of memory
+
+# -- annotations --------------------------------------------------------------------------------
+
+NODE_STATE_ANNOTATION = "gpunode.io/gpu-state"  # Node: the agent's GPU state (gpunode.contract.nodestate)
+UNHEALTHY_GPUS_ANNOTATION = "gpunode.io/unhealthy-gpus"  # Node: UUID -> reason, set by remediation
+ASSIGNMENT_ANNOTATION = "gpunode.io/gpu-assigned"  # Pod: the GPUs the extender bound it to
+GPU_MILLI_ANNOTATION = "gpunode.io/gpu-milli"  # Pod: the compute share it asks for
+GPU_MODEL_ANNOTATION = "gpunode.io/gpu-model"  # Pod: the GPU models it accepts, `|`-separated
+
+
+def mig_resource_name(profile: str) -> str:
+    """The resource of one MIG profile: nvidia.com/mig-1g.10gb for 1g.10gb."""
+    return f"{MIG_RESOURCE_PREFIX}{profile}"
+
+
+def mig_profile_of(resource: str) -> str | None:
+    """The MIG profile a resource names (1g.10gb for nvidia.com/mig-1g.10gb), or None for any other."""
+    if resource.startswith(MIG_RESOURCE_PREFIX) and len(resource) > len(MIG_RESOURCE_PREFIX):
+        return resource[len(MIG_RESOURCE_PREFIX) :]
+    return None
+
+
+def shared_resource_default(resource: str) -> str:
+    """The name a time-sliced resource gets when renamed by default: nvidia.com/gpu.shared."""
+    return f"{resource}{SHARED_SUFFIX}"
+
+
+# -- sharing modes ------------------------------------------------------------------------------
+
+
+class Sharing(enum.StrEnum):
+    """How one physical GPU is shared; the agent decides it per GPU and publishes it.
+
+    Members are strings, so a mode compares equal to its published name ("time-sliced").
+    """
+
+    WHOLE = "whole"  # handed out whole, one container at a time
+    FRACTIONAL = "fractional"  # memory units with a cap enforced by the interposer
+    TIME_SLICED = "time-sliced"  # replicas that share the GPU without isolation
+    MIG = "mig"  # split into MIG instances
+
+
+SHARING_MODES: tuple[str, ...] = tuple(m.value for m in Sharing)

@@ -1,0 +1,111 @@
+"""What a container needs in order to be capped: the interposer's environment and mounts."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.resources
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpunode.errors import MemcapError
+from gpunode.node.memcap.region import LIMIT_FILE, LIMIT_FILE_MODE, USAGE_FILE, Region, _io_error, _native
+
+ENV_REGION = "GPUNODE_MEMCAP_REGION"
+ENV_LOG_LEVEL = "GPUNODE_MEMCAP_LOG_LEVEL"
+ENV_FAIL_OPEN = "GPUNODE_MEMCAP_FAIL_OPEN"
+ENV_LIMIT_INFO = "GPUNODE_MEMCAP_LIMIT_BYTES"
+LD_SO_PRELOAD_FILE = "ld.so.preload"
+LIBRARY_NAME = "libgpunode-preload.so"
+CONTAINER_DIR = "/var/run/gpunode"
+
+
+@dataclass(frozen=True)
+class MountSpec:
+    """One bind mount Allocate asks for: host_path appears at container_path, read-only or read-write."""
+
+    container_path: str
+    host_path: str
+    read_only: bool
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    """What Allocate hands the kubelet for a capped container."""
+
+    envs: dict[str, str]
+    mounts: tuple[MountSpec, ...]
+
+
+def default_region_dir() -> str:
+    """Where the interposer looks for its region when GPUNODE_MEMCAP_REGION is unset."""
+    m = _native()
+    return str(m.ffi.string(m.lib.gpunode_memcap_default_region_dir()).decode())
+
+
+def preload_library_path() -> Path:
+    """The installed libgpunode-preload.so (built into gpunode/lib/ by the package build)."""
+    resource = importlib.resources.files("gpunode") / "lib" / LIBRARY_NAME
+    if not isinstance(resource, Path) or not resource.is_file():
+        raise MemcapError(
+            f"the preload library {resource} is missing",
+            hint="reinstall gpunode with `pip install .` on a machine with a C compiler, so native/ is built",
+        )
+    return resource
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    with contextlib.suppress(OSError):
+        if path.read_text() == text:
+            return
+    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    staging.write_text(text)
+    os.chmod(staging, LIMIT_FILE_MODE)
+    os.replace(staging, path)
+
+
+def container_spec(
+    region: Region,
+    *,
+    preload_lib: Path | None = None,
+    container_dir: str = CONTAINER_DIR,
+    visible_device: str,
+    ld_so_preload: bool = False,
+) -> ContainerSpec:
+    """The environment and mounts that cap a container with region.
+
+    The library and the limit file are mounted read-only, the usage file read-write. With
+    ld_so_preload, an /etc/ld.so.preload naming the library is mounted too (written into the
+    region directory), so a process that clears LD_PRELOAD is still capped.
+    """
+    if not container_dir.startswith("/") or container_dir.rstrip("/") == "":
+        raise MemcapError(
+            f"container_dir must be an absolute path, got {container_dir!r}", hint="use /var/run/gpunode"
+        )
+    if not visible_device:
+        raise MemcapError(
+            "visible_device is empty", hint="pass the GPU UUID (or index) the container may see"
+        )
+    container_dir = container_dir.rstrip("/")
+    library = Path(preload_lib) if preload_lib is not None else preload_library_path()
+    library_in_container = f"{container_dir}/lib/{LIBRARY_NAME}"
+    region_in_container = f"{container_dir}/memcap"
+    envs = {
+        "LD_PRELOAD": library_in_container,
+        ENV_REGION: region_in_container,
+        "NVIDIA_VISIBLE_DEVICES": visible_device,
+        ENV_LIMIT_INFO: ",".join(str(d.limit_bytes) for d in region.devices),
+    }
+    mounts = [
+        MountSpec(library_in_container, str(library), True),
+        MountSpec(f"{region_in_container}/{LIMIT_FILE}", str(region.limit_path), True),
+        MountSpec(f"{region_in_container}/{USAGE_FILE}", str(region.usage_path), False),
+    ]
+    if ld_so_preload:
+        preload_file = region.path / LD_SO_PRELOAD_FILE
+        try:
+            _write_if_changed(preload_file, library_in_container + "\n")
+        except OSError as exc:
+            raise _io_error(f"cannot write {preload_file}", exc, region.path) from exc
+        mounts.append(MountSpec("/etc/ld.so.preload", str(preload_file), True))
+    return ContainerSpec(envs=envs, mounts=tuple(mounts))
