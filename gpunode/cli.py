@@ -70,6 +70,7 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
+    """Run the node agent until it is stopped, printing a summary once it is ready; returns 0."""
     from gpunode.node.agent import Agent
 
     cfg = _load_config(args)
@@ -113,6 +114,7 @@ def _print_ready(agent: Any) -> None:
 
 
 def device_rows(cfg: config_mod.Config) -> tuple[list[dict[str, Any]], Any]:
+    """Open the backend and return one row per advertised device, plus the inventory."""
     from gpunode.node.agent import Agent
 
     agent = Agent(cfg)
@@ -137,6 +139,7 @@ def device_rows(cfg: config_mod.Config) -> tuple[list[dict[str, Any]], Any]:
 
 
 def cmd_devices(args: argparse.Namespace) -> int:
+    """Print the advertised devices (as a table or JSON); returns 0."""
     cfg = _load_config(args)
     _setup_logging("warning")
     rows, inventory = device_rows(cfg)
@@ -163,6 +166,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    """Run the doctor checks and print them; returns 0 if all pass, else 1."""
     from gpunode.node import doctor
 
     cfg = _load_config(args)

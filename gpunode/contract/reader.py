@@ -111,9 +111,11 @@ class SectionReader:
         return self._error(f"{self.key_path(key)}: {problem}", hint=hint)
 
     def has(self, key: str) -> bool:
+        """Whether the section has the key."""
         return key in self._data
 
     def raw(self, key: str, default: Any = _MISSING) -> Any:
+        """The key's value, unchecked, or default if missing or null; marks it read, raises if required."""
         self._seen.add(key)
         if key not in self._data or self._data[key] is None:
             if default is _MISSING:
@@ -125,6 +127,7 @@ class SectionReader:
         return self._data[key]
 
     def get(self, key: str, kind: type[T], default: Any = _MISSING) -> T:
+        """The key's value checked to be of kind (an int is accepted as a float), or default."""
         value = self.raw(key, default)
         if value is default and default is not _MISSING:
             return value
@@ -136,6 +139,7 @@ class SectionReader:
         return value
 
     def choice(self, key: str, choices: tuple[str, ...], default: Any = _MISSING) -> str:
+        """The key's string value, checked to be one of choices, or default."""
         value = self.get(key, str, default)
         if value not in choices:
             raise self.fail(key, f"expected one of {', '.join(choices)}, got {value!r}")
@@ -183,12 +187,14 @@ class SectionReader:
         return value
 
     def size(self, key: str, default: Any = _MISSING) -> int:
+        """The key's size value parsed to bytes, or default."""
         value = self.raw(key, default)
         if value is default:
             return value
         return parse_bytes(value, where=self.key_path(key), error=self._error)
 
     def duration(self, key: str, default: Any = _MISSING) -> float:
+        """The key's duration value parsed to seconds, or default."""
         value = self.raw(key, default)
         if value is default:
             return value
@@ -204,6 +210,7 @@ class SectionReader:
         return value
 
     def int_list(self, key: str, default: Any = _MISSING) -> tuple[int, ...]:
+        """The key's value checked to be a list of integers, as a tuple, or default."""
         value = self.raw(key, default)
         if value is default:
             return value
@@ -231,6 +238,7 @@ class SectionReader:
         return SectionReader(data, where, error=self._error, json_object=self._json)
 
     def parse(self, key: str, parser: Callable[[object, str], T], default: Any = _MISSING) -> T:
+        """The key's value passed through parser (with its key path), or default."""
         value = self.raw(key, default)
         return value if value is default else parser(value, self.key_path(key))
 

@@ -16,6 +16,8 @@ IGNORED, FATAL, INSTANCE_FATAL, COUNTED = "ignored", "fatal", "instance-fatal", 
 
 @dataclass(frozen=True)
 class XidInfo:
+    """One Xid code's catalog entry: name, handling policy and the reason for it."""
+
     code: int
     name: str  # the catalog's description, short
     policy: str  # IGNORED | FATAL | INSTANCE_FATAL | COUNTED

@@ -44,12 +44,15 @@ EVENT_WAIT_S = 0.2  # how long one backend.wait_event call blocks in the pump th
 
 @dataclass(frozen=True)
 class ResourceSummary:
+    """One advertised resource: its device count and plugin socket path."""
+
     resource: str
     count: int
     socket: str
 
 
 def summarize(inventory: Inventory, config: Config) -> list[ResourceSummary]:
+    """One ResourceSummary per resource in the inventory."""
     return [
         ResourceSummary(r, len(inventory.by_resource(r)), str(config.kubelet_dir / socket_name(r)))
         for r in inventory.resources()
@@ -87,6 +90,7 @@ class Agent:
 
     @property
     def backend(self) -> Backend:
+        """The opened backend; raises RuntimeError if the agent has not opened it."""
         if self._backend is None:
             raise RuntimeError("the agent has not opened its backend yet")
         return self._backend
@@ -94,13 +98,16 @@ class Agent:
     # -- thread-safe controls ------------------------------------------------------------------
 
     def request_stop(self) -> None:
+        """Ask the agent to stop (thread-safe)."""
         self._stop.set()
         self._signal(lambda: self._stop_async)
 
     def request_reload(self) -> None:
+        """Ask the agent to reload its configuration (thread-safe)."""
         self._signal(lambda: self._reload_async)
 
     def request_rediscovery(self) -> None:
+        """Ask the agent to rediscover devices (thread-safe)."""
         self._signal(lambda: self._rediscover_async)
 
     def _signal(self, which: Callable[[], asyncio.Event | None]) -> None:
@@ -129,6 +136,7 @@ class Agent:
         return inventory
 
     async def run(self, *, ready: asyncio.Event | None = None, handle_signals: bool = False) -> None:
+        """Open the backend and run plugins, health, metrics and publishing until stopped; sets ready when serving."""
         self._loop = asyncio.get_running_loop()
         self._stop_async = asyncio.Event()
         self._reload_async = asyncio.Event()

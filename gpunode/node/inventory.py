@@ -46,6 +46,8 @@ class AdvertisedDevice:
 
 @dataclass(frozen=True)
 class Inventory:
+    """The advertised devices, their physical GPUs, each GPU's sharing mode and discovery warnings."""
+
     devices: tuple[AdvertisedDevice, ...] = ()
     gpus: tuple[Gpu, ...] = ()  # the physical GPUs the devices come from
     modes: tuple[tuple[str, Sharing], ...] = ()  # (GPU UUID, sharing mode) in GPU order
@@ -56,18 +58,23 @@ class Inventory:
         self._by_id.update({d.id: d for d in self.devices})
 
     def by_id(self, device_id: str) -> AdvertisedDevice | None:
+        """The device with this ID, or None."""
         return self._by_id.get(device_id)
 
     def resources(self) -> tuple[str, ...]:
+        """The resource names of the devices, in first-seen order without duplicates."""
         return tuple(dict.fromkeys(d.resource for d in self.devices))
 
     def by_resource(self, resource: str) -> tuple[AdvertisedDevice, ...]:
+        """The devices advertised under resource."""
         return tuple(d for d in self.devices if d.resource == resource)
 
     def gpu(self, gpu_uuid: str) -> Gpu | None:
+        """The GPU with this UUID, or None."""
         return next((g for g in self.gpus if g.uuid == gpu_uuid), None)
 
     def mode_of(self, gpu_uuid: str) -> Sharing | None:
+        """The sharing mode of the GPU with this UUID, or None."""
         return dict(self.modes).get(gpu_uuid)
 
 

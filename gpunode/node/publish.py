@@ -80,6 +80,7 @@ class NodeStatePublisher:
             log.warning("node state: cannot read assignments from the kubelet, using the last known: %s", exc)
 
     def current(self) -> NodeGpuState:
+        """The node GPU state to publish, from the current snapshot."""
         return node_gpu_state(self.state.snapshot(), node=self.node_name, holders=self._holders)
 
     async def publish_once(self, *, force: bool = False) -> bool:
@@ -97,6 +98,7 @@ class NodeStatePublisher:
         return True
 
     async def run(self, *, ready: asyncio.Event | None = None) -> None:
+        """Publish on change and periodically, retrying with backoff on failure, until cancelled."""
         version = -1
         delay = self.retry_initial_s
         next_refresh = 0.0

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import http.client
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -713,3 +714,31 @@ def test_example_scheduler_configuration_wires_the_extender() -> None:
     assert {"nvidia.com/gpu", "gpunode.io/gpu-memory", "nvidia.com/mig-1g.10gb"} <= managed
     assert all(not r["ignoredByScheduler"] for r in extender["managedResources"])
     assert extender["nodeCacheCapable"] is True and 1 <= extender["weight"] <= 100
+
+
+def test_extender_process_prints_its_bound_address_and_stops_on_sigterm() -> None:
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    gpunode_bin = os.path.join(os.path.dirname(sys.executable), "gpunode")
+    proc = subprocess.Popen(
+        [gpunode_bin, "extender", "--listen", "127.0.0.1:0"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 20
+        line = ""
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if "serving HTTP on" in line:
+                break
+        assert re.search(r"serving HTTP on 127\.0\.0\.1:(?!0\b)\d+", line), line
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=15)
+    assert rc == 0

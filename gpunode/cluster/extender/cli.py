@@ -43,6 +43,12 @@ def register_extender_cli(
     )
     p.add_argument("--kube-ca-file", type=Path, help=f"CA bundle (default {SERVICE_ACCOUNT}/ca.crt)")
     p.add_argument("--node-refresh", default="0s", help="list nodes this often for NodeNames mode (0 = off)")
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="info shows the start-up line; debug adds one line per request",
+    )
     return p
 
 
@@ -86,6 +92,10 @@ def build_extender(args: argparse.Namespace) -> tuple[Extender, KubeApi | None]:
 
 def run_extender_cli(args: argparse.Namespace) -> int:
     """Run `gpunode extender` until SIGINT/SIGTERM; returns the exit code."""
+    logging.basicConfig(
+        level=getattr(logging, str(getattr(args, "log_level", "info")).upper()),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+    )
     host, port = _listen(args.listen)
     extender, api = build_extender(args)
     refresh_s = parse_duration(args.node_refresh, where="--node-refresh")
@@ -125,7 +135,7 @@ def run_extender_cli(args: argparse.Namespace) -> int:
             if t is not stopping and not t.cancelled() and (exc := t.exception()) is not None:
                 raise exc
 
-    log.info("gpunode extender on %s:%d, policy %s", host, port, args.policy)
+    log.debug("gpunode extender: policy %s, asked to listen on %s:%d", args.policy, host, port)
     try:
         asyncio.run(main())
     except GpunodeError:

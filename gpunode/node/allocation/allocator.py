@@ -36,6 +36,8 @@ MIG_MINORS_FILE = Path("/proc/driver/nvidia-caps/mig-minors")
 
 @dataclass(frozen=True)
 class DeviceNode:
+    """A device node to expose in a container: container path, host path and permissions."""
+
     container_path: str
     host_path: str
     permissions: str = "rw"
@@ -43,6 +45,8 @@ class DeviceNode:
 
 @dataclass(frozen=True)
 class ContainerAllocation:
+    """What one container gets: env vars, mounts, device nodes, annotations, CDI devices and region key."""
+
     envs: dict[str, str] = field(default_factory=dict)
     mounts: tuple[MountSpec, ...] = ()
     devices: tuple[DeviceNode, ...] = ()
@@ -117,6 +121,7 @@ class Allocator:
         self._mig_minors_file = mig_minors_file
 
     def allocate(self, snapshot: Snapshot, resource: str, device_ids: Sequence[str]) -> ContainerAllocation:
+        """Validate the requested devices of resource and build the container's allocation."""
         cfg = self.config
         devices = validate_request(snapshot, resource, device_ids, cfg)
         ids = self._visible_ids(snapshot, devices)

@@ -96,6 +96,7 @@ class KubeRemediator:
     # -- input (any thread) -----------------------------------------------------------------------
 
     def notify(self, unhealthy: Mapping[str, str], faults: Sequence[Fault]) -> None:
+        """Queue the current unhealthy devices and new faults for the run loop (thread-safe)."""
         with self._lock:
             self._pending_level = dict(unhealthy)
             self._pending_faults.extend(faults)
@@ -106,6 +107,7 @@ class KubeRemediator:
     # -- the long-running part ------------------------------------------------------------------
 
     async def run(self, *, ready: asyncio.Event | None = None) -> None:
+        """Process notified health changes and faults until cancelled; sets ready once started."""
         wake, dirty = asyncio.Event(), asyncio.Event()
         with self._lock:
             self._loop = asyncio.get_running_loop()

@@ -47,6 +47,7 @@ def socket_name(resource: str) -> str:
 
 
 def device_list(snapshot: Snapshot, resource: str) -> list[pb.Device]:
+    """The kubelet Device messages (ID, health, NUMA node) for resource's devices."""
     out = []
     for st in snapshot.statuses(resource):
         dev = pb.Device(ID=st.device.id, health=HEALTHY if st.healthy else UNHEALTHY)
@@ -57,6 +58,7 @@ def device_list(snapshot: Snapshot, resource: str) -> list[pb.Device]:
 
 
 def to_response(alloc: ContainerAllocation) -> pb.ContainerAllocateResponse:
+    """The ContainerAllocateResponse message for one container's allocation."""
     resp = pb.ContainerAllocateResponse(envs=alloc.envs, annotations=alloc.annotations)
     resp.mounts.extend(
         pb.Mount(container_path=m.container_path, host_path=m.host_path, read_only=m.read_only)
@@ -82,11 +84,13 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
     async def GetDevicePluginOptions(
         self, request: pb.Empty, context: grpc.aio.ServicerContext
     ) -> pb.DevicePluginOptions:
+        """Plugin options: no PreStart, preferred allocation available."""
         return pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 
     async def ListAndWatch(
         self, request: pb.Empty, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ListAndWatchResponse]:
+        """Stream resource's device list to the kubelet each time it changes."""
         version = -1
         last: list[pb.Device] | None = None
         while True:
@@ -100,6 +104,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
     async def GetPreferredAllocation(
         self, request: pb.PreferredAllocationRequest, context: grpc.aio.ServicerContext
     ) -> pb.PreferredAllocationResponse:
+        """Pick preferred device IDs per container request; aborts INVALID_ARGUMENT on bad requests."""
         snap = self.state.snapshot()
         resp = pb.PreferredAllocationResponse()
         for creq in request.container_requests:
@@ -120,6 +125,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
     async def Allocate(
         self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext
     ) -> pb.AllocateResponse:
+        """Allocate the requested devices per container; aborts INVALID_ARGUMENT if refused."""
         snap = self.state.snapshot()
         resp = pb.AllocateResponse()
         for creq in request.container_requests:
@@ -137,6 +143,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
     async def PreStartContainer(
         self, request: pb.PreStartContainerRequest, context: grpc.aio.ServicerContext
     ) -> pb.PreStartContainerResponse:
+        """No-op (PreStart is not required); returns an empty response."""
         return pb.PreStartContainerResponse()
 
 
@@ -151,6 +158,7 @@ class PluginServer:
     inode: int | None = None
 
     async def start(self) -> None:
+        """Start the gRPC server on a fresh Unix socket and record the socket's inode."""
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
         server = grpc.aio.server()
@@ -161,12 +169,14 @@ class PluginServer:
         self.inode = os.stat(self.socket_path).st_ino
 
     def socket_intact(self) -> bool:
+        """Whether the socket file is still the one this server created."""
         try:
             return os.stat(self.socket_path).st_ino == self.inode
         except FileNotFoundError:
             return False
 
     async def stop(self, grace_s: float = 0.5) -> None:
+        """Stop the server (waiting at most about grace_s seconds) and remove its socket if still ours."""
         if self.server is not None:
             server, self.server = self.server, None
             # gRPC's stop waits for handlers to finish; bound it at the asyncio level too, so that a
@@ -239,6 +249,7 @@ class PluginManager:
             self.servers[resource] = srv
 
     async def ensure_registered(self) -> None:
+        """Register each resource with the kubelet if it is new or restarted, restarting servers whose socket vanished."""
         kubelet = _kubelet_identity(self.config.kubelet_socket)
         if kubelet is None:
             return  # no kubelet yet: register when it appears
@@ -283,6 +294,7 @@ class PluginManager:
             await self.stop()
 
     async def stop(self) -> None:
+        """Stop all plugin servers and forget their registrations."""
         for srv in self.servers.values():
             await srv.stop()
         self.servers.clear()

@@ -40,9 +40,13 @@ _INDEX = (
 class MetricsSource(Protocol):
     """What the server needs from a collector."""
 
-    def render(self) -> bytes: ...
+    def render(self) -> bytes:
+        """The metrics in Prometheus text format."""
+        ...
 
-    def health_status(self) -> tuple[bool, str]: ...
+    def health_status(self) -> tuple[bool, str]:
+        """Whether the agent is healthy, with a reason."""
+        ...
 
 
 class MetricsServer:

@@ -85,6 +85,7 @@ class ControlServer:
         self._thread.start()
 
     def close(self) -> None:
+        """Stop the control server and remove its socket (idempotent)."""
         if self._closed:
             return
         self._closed = True
