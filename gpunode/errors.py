@@ -25,12 +25,13 @@ class GpunodeError(Exception):
     exit_code = 1
 
     def __init__(self, message: str, *, hint: str | None = None) -> None:
-        super().__init__(_one_line(message))
-        self.hint = _one_line(hint or self.default_hint)
+        super().__init__(one_line(message))
+        self.hint = one_line(hint or self.default_hint)
 
 
-def _one_line(text: str) -> str:
-    """Text from other libraries (YAML, HTTP bodies) may span lines; a message never does."""
+def one_line(text: str) -> str:
+    """`text` on one line, its lines stripped and joined by spaces: text from other libraries (YAML, HTTP
+    bodies, parser errors) may span lines; a message or log line never does."""
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 

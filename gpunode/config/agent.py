@@ -34,7 +34,7 @@ from gpunode.config.health import (
     parse_remediation_config,
 )
 from gpunode.config.metrics import MetricsConfig, parse_metrics_config
-from gpunode.config.reader import SectionReader, load_yaml
+from gpunode.config.reader import load_yaml
 from gpunode.config.sharing import (
     DEVICE_ID_STRATEGIES,
     DEVICE_LIST_STRATEGIES,
@@ -48,6 +48,7 @@ from gpunode.config.sharing import (
     parse_sharing,
 )
 from gpunode.contract.names import shared_resource_default
+from gpunode.contract.reader import SectionReader
 from gpunode.errors import ConfigError
 
 DEFAULT_KUBELET_DIR = Path("/var/lib/kubelet/device-plugins")

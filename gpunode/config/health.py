@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gpunode.config.reader import SectionReader
+from gpunode.contract.reader import SectionReader
 from gpunode.contract.xids import (
     COUNTED,
     DEFAULT_FATAL,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from gpunode.config.reader import SectionReader
+from gpunode.contract.reader import SectionReader
 from gpunode.errors import ConfigError
 
 DEFAULT_LISTEN = ":9400"

@@ -1,15 +1,10 @@
-"""Strict readers for configuration: YAML text, mappings, sizes, durations and resource names.
+"""Configuration text: strict YAML (a key given twice is refused) and Kubernetes resource names.
 
-Every part of gpunode that owns a configuration section parses it with a
-SectionReader, so that all sections report errors the same way: the file, the
-dotted key, what was expected and what was found. A reader refuses unknown keys
-when it is finished, so a typo never passes silently; load_yaml refuses a key
-given twice for the same reason. This module only parses text and values; it
-never reads files or the environment (config.py does).
-
-SectionReader, parse_bytes and parse_duration are defined in gpunode.contract.reader,
-the bottom layer, because the node-state annotation is read with the same reader;
-they are imported here so configuration code has one module to import from.
+Sections are read with gpunode.contract.reader.SectionReader (with parse_bytes
+and parse_duration), the one strict reader, shared with the node-state
+annotation, so every section reports errors the same way: the file, the dotted
+key, what was expected and what was found. This module only parses text and
+values; it never reads files or the environment (config.agent does).
 """
 
 from __future__ import annotations
@@ -20,10 +15,7 @@ from typing import Any
 import yaml
 
 from gpunode.contract.names import NVIDIA_DOMAIN
-from gpunode.contract.reader import SectionReader, parse_bytes, parse_duration
 from gpunode.errors import ConfigError
-
-__all__ = ["SectionReader", "load_yaml", "parse_bytes", "parse_duration", "parse_resource_name"]
 
 
 def parse_resource_name(name: str, where: str, *, default_domain: str = NVIDIA_DOMAIN) -> str:

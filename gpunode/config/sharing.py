@@ -6,8 +6,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from gpunode.config.reader import SectionReader, parse_bytes, parse_resource_name
+from gpunode.config.reader import parse_resource_name
 from gpunode.contract.names import GIB, GPU_MEMORY_RESOURCE, GPU_RESOURCE, MIB, mig_profile_of
+from gpunode.contract.reader import SectionReader, parse_bytes
 from gpunode.errors import ConfigError
 
 DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")

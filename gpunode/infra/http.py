@@ -47,7 +47,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from gpunode.errors import GpunodeError, ListenError
+from gpunode.errors import GpunodeError, ListenError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +245,6 @@ class _ProtocolLog(logging.LoggerAdapter):
 
     def log(self, level: int, msg: object, *args: object, exc_info: Any = None, **kwargs: Any) -> None:
         if isinstance(exc_info, HttpProcessingError):
-            why = " ".join(line.strip() for line in str(exc_info.message).splitlines() if line.strip())
-            super().log(logging.DEBUG, f"{msg}: %s", *args, why)
+            super().log(logging.DEBUG, f"{msg}: %s", *args, one_line(str(exc_info.message)))
             return
         super().log(level, msg, *args, exc_info=exc_info, **kwargs)

@@ -36,11 +36,12 @@ from kubernetes.client import ApiClient
 
 from gpunode.cli import parse_args
 from gpunode.config.agent import parse_config
+from gpunode.config.metrics import parse_listen
 from gpunode.node import memcap
 from gpunode.node.devices.base import DeviceEvent, EventKind
 from gpunode.node.devices.simnode.backend import SimBackend
 from gpunode.node.inventory import build_inventory, region_key
-from gpunode.node.metrics import MetricsCollector, MetricsServer, parse_listen
+from gpunode.node.metrics import MetricsCollector, MetricsServer
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "gpunode"

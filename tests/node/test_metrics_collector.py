@@ -15,12 +15,13 @@ from typing import Any
 import grpc
 import pytest
 
+from gpunode.config.metrics import MetricsConfig
 from gpunode.errors import BackendError
 from gpunode.node.devices.base import DeviceEvent, EventKind, Gpu, GpuProbe, GpuProcess, GpuSample
 from gpunode.node.devices.simnode.backend import SimBackend
 from gpunode.node.inventory import region_key
 from gpunode.node.kubelet.podresources import ContainerDevices, PodAttribution
-from gpunode.node.metrics import MetricsCollector, MetricsConfig
+from gpunode.node.metrics import MetricsCollector
 from tests.fakes import CappedProcess
 from tests.fakes.podresources import PodResourcesStandIn
 from tests.node.test_metrics_render import Exposition, inventory_for, parse_exposition

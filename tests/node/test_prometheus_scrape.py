@@ -31,10 +31,11 @@ from typing import Any
 import pytest
 
 from gpunode.config.agent import parse_config
+from gpunode.config.metrics import MetricsConfig
 from gpunode.node.devices.simnode.backend import SimBackend
 from gpunode.node.inventory import Inventory, build_inventory, region_key
 from gpunode.node.kubelet.podresources import ContainerDevices, PodAttribution
-from gpunode.node.metrics import MetricsCollector, MetricsConfig, MetricsServer
+from gpunode.node.metrics import MetricsCollector, MetricsServer
 from tests.fakes import CappedProcess
 from tests.fakes.podresources import PodResourcesStandIn
 

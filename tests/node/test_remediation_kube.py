@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from gpunode.config.health import RemediationConfig
+from gpunode.contract.names import UNHEALTHY_GPUS_ANNOTATION as ANNOTATION
 from gpunode.infra.kube import KubeClient
 from gpunode.node.health.actions import ActionRecord
 from gpunode.node.health.model import Fault
-from gpunode.node.health.remediation import ANNOTATION, KubeRemediator
+from gpunode.node.health.remediation import KubeRemediator
 from gpunode.node.kubelet.podresources import ContainerDevices
 from tests.fakes.apiserver import ApiServerStandIn
 from tests.fakes.kubelet import short_socket_dir

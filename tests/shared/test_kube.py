@@ -12,18 +12,15 @@ from typing import Any, TypeAlias
 
 import pytest
 
-from gpunode.errors import KubeError
-from gpunode.infra.kube import (
+from gpunode.errors import (
     EvictionBlocked,
     KubeApiError,
-    KubeClient,
     KubeConflict,
+    KubeError,
     KubeNotFound,
     KubeUnreachable,
-    NodeCondition,
-    ObjectRef,
-    Taint,
 )
+from gpunode.infra.kube import KubeClient, NodeCondition, ObjectRef, Taint
 from tests.fakes.apiserver import ApiServerStandIn
 
 Run: TypeAlias = Callable[[Awaitable[Any]], Any]

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpunode.config.metrics import ListenAddress
+from gpunode.config.metrics import ListenAddress, MetricsConfig, parse_listen, parse_metrics_config
 from gpunode.errors import ConfigError
-from gpunode.node.metrics import MetricsConfig, parse_listen, parse_metrics_config
 
 WHERE = "cfg.yaml: gpunode.metrics"
 

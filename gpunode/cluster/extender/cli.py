@@ -9,12 +9,13 @@ import signal
 from pathlib import Path
 
 from gpunode.cluster.extender.core import Extender, ExtenderConfig
-from gpunode.cluster.extender.kubeapi import SERVICE_ACCOUNT, KubeApi, refresh_nodes_periodically
+from gpunode.cluster.extender.kubeapi import KubeApi, refresh_nodes_periodically
 from gpunode.cluster.extender.server import serve_extender
 from gpunode.cluster.extender.workload import WorkloadTracker
-from gpunode.config.reader import parse_bytes, parse_duration
 from gpunode.contract.names import GIB
+from gpunode.contract.reader import parse_bytes, parse_duration
 from gpunode.errors import ConfigError, GpunodeError, PlacementError
+from gpunode.infra.kube import SERVICE_ACCOUNT_DIR
 from gpunode.placement import POLICIES
 
 log = logging.getLogger(__name__)
@@ -39,9 +40,9 @@ def register_extender_cli(
         help="API server URL; enables bind and node refresh (in-cluster: https://kubernetes.default.svc)",
     )
     p.add_argument(
-        "--kube-token-file", type=Path, help=f"bearer token file (default {SERVICE_ACCOUNT}/token)"
+        "--kube-token-file", type=Path, help=f"bearer token file (default {SERVICE_ACCOUNT_DIR}/token)"
     )
-    p.add_argument("--kube-ca-file", type=Path, help=f"CA bundle (default {SERVICE_ACCOUNT}/ca.crt)")
+    p.add_argument("--kube-ca-file", type=Path, help=f"CA bundle (default {SERVICE_ACCOUNT_DIR}/ca.crt)")
     p.add_argument("--node-refresh", default="0s", help="list nodes this often for NodeNames mode (0 = off)")
     p.add_argument(
         "--log-level",
@@ -77,9 +78,9 @@ def build_extender(args: argparse.Namespace) -> tuple[Extender, KubeApi | None]:
         seed = target_workload(load_pods(args.workload_csv))
     api = None
     if args.kube_api:
-        token_file = args.kube_token_file or SERVICE_ACCOUNT / "token"
+        token_file = args.kube_token_file or SERVICE_ACCOUNT_DIR / "token"
         ca_file = args.kube_ca_file or (
-            SERVICE_ACCOUNT / "ca.crt" if args.kube_api.startswith("https") else None
+            SERVICE_ACCOUNT_DIR / "ca.crt" if args.kube_api.startswith("https") else None
         )
         api = KubeApi(
             args.kube_api,

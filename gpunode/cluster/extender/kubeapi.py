@@ -27,10 +27,9 @@ from typing import Any, TypeVar
 from gpunode.cluster.extender.core import Extender
 from gpunode.contract.names import ASSIGNMENT_ANNOTATION
 from gpunode.errors import ConfigError, KubeError, KubeUnreachable
-from gpunode.infra.kube import SERVICE_ACCOUNT_DIR, KubeClient
+from gpunode.infra.kube import KubeClient
 
 log = logging.getLogger(__name__)
-SERVICE_ACCOUNT = SERVICE_ACCOUNT_DIR
 USER_AGENT = "gpunode-extender"
 
 T = TypeVar("T")

@@ -4,21 +4,13 @@ The node agent (evictions, Events, its Node's annotations, labels, taints and
 conditions), the scheduler extender (annotate a pod, bind it, list nodes) and
 controllers (watch) all use KubeClient. Credentials come from an explicit
 address, the in-cluster service account or a kubeconfig (gpunode.infra.kube.config);
-every failure is one of the KubeError subclasses below. This package imports
+every failure is one of the KubeError subclasses of gpunode.errors. This package imports
 nothing from gpunode.node or gpunode.cluster.
 
 Modules: client (KubeClient), transport (the request path and error
 translation), watch (list+watch), config (credentials), models (value types).
 """
 
-from gpunode.errors import (
-    EvictionBlocked,
-    KubeApiError,
-    KubeConflict,
-    KubeError,
-    KubeNotFound,
-    KubeUnreachable,
-)
 from gpunode.infra.kube.client import COMPONENT, KubeClient
 from gpunode.infra.kube.config import DEFAULT_REQUEST_TIMEOUT_S, SERVICE_ACCOUNT_DIR
 from gpunode.infra.kube.models import (
@@ -43,13 +35,7 @@ __all__ = [
     "RBAC_HINT",
     "SERVICE_ACCOUNT_DIR",
     "SYNC",
-    "EvictionBlocked",
-    "KubeApiError",
     "KubeClient",
-    "KubeConflict",
-    "KubeError",
-    "KubeNotFound",
-    "KubeUnreachable",
     "NodeCondition",
     "ObjectRef",
     "PodInfo",

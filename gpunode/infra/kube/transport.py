@@ -11,8 +11,9 @@ refused or reset connection KubeUnreachable. Nothing is retried here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Iterator, Mapping
 from typing import Any, TypeVar
 from urllib.parse import quote
 
@@ -90,18 +91,15 @@ class Transport:
             content = msgspec.json.encode(body)
             headers["Content-Type"] = content_type
         try:
-            async with asyncio.timeout(self.request_timeout_s):
-                resp = await self._pool.request(
-                    method, path, params=dict(params or {}), content=content, headers=headers
-                )
+            with self._translated(what):
+                async with asyncio.timeout(self.request_timeout_s):
+                    resp = await self._pool.request(
+                        method, path, params=dict(params or {}), content=content, headers=headers
+                    )
         except (TimeoutError, httpx2.TimeoutException):
             raise KubeUnreachable(
                 f"{what}: the API server at {self.host} did not answer within {self.request_timeout_s:g} s"
             ) from None
-        except (httpx2.TransportError, OSError) as exc:
-            raise self._unreachable(what, exc) from None
-        except LightkubeConfigError as exc:  # the token file went away, an exec plugin failed
-            raise KubeError(f"{what}: no usable credentials: {exc}", hint=CREDENTIALS_HINT) from None
         if resp.is_success:
             return resp.content
         raise _api_error(what, resp.status_code, resp.content, resp.headers, eviction=eviction)
@@ -115,28 +113,36 @@ class Transport:
         """
         timeout = httpx2.Timeout(self.request_timeout_s, read=idle_timeout_s)
         try:
-            async with self._pool.stream(
-                "GET", path, params=dict(params), headers={"Accept": JSON}, timeout=timeout
-            ) as resp:
-                if not resp.is_success:
-                    raw = await resp.aread()
-                    raise _api_error(what, resp.status_code, raw, resp.headers, eviction=False)
-                async for line in resp.aiter_lines():
-                    if line.strip():
-                        yield line.encode()
+            with self._translated(what):
+                async with self._pool.stream(
+                    "GET", path, params=dict(params), headers={"Accept": JSON}, timeout=timeout
+                ) as resp:
+                    if not resp.is_success:
+                        raw = await resp.aread()
+                        raise _api_error(what, resp.status_code, raw, resp.headers, eviction=False)
+                    async for line in resp.aiter_lines():
+                        if line.strip():
+                            yield line.encode()
         except httpx2.TimeoutException:
             raise KubeUnreachable(
                 f"{what}: the API server at {self.host} sent nothing for {idle_timeout_s:g} s"
             ) from None
-        except (httpx2.TransportError, OSError) as exc:
-            raise self._unreachable(what, exc) from None
-        except LightkubeConfigError as exc:
-            raise KubeError(f"{what}: no usable credentials: {exc}", hint=CREDENTIALS_HINT) from None
 
-    def _unreachable(self, what: str, exc: BaseException) -> KubeUnreachable:
-        return KubeUnreachable(
-            f"{what}: the API server at {self.host} did not answer ({type(exc).__name__}: {_root_cause(exc)})"
-        )
+    @contextlib.contextmanager
+    def _translated(self, what: str) -> Iterator[None]:
+        """Connection failures become KubeUnreachable, credential failures KubeError; timeouts pass
+        through (TimeoutError is an OSError), for the caller to word."""
+        try:
+            yield
+        except (TimeoutError, httpx2.TimeoutException):
+            raise
+        except (httpx2.TransportError, OSError) as exc:
+            raise KubeUnreachable(
+                f"{what}: the API server at {self.host} did not answer "
+                f"({type(exc).__name__}: {_root_cause(exc)})"
+            ) from None
+        except LightkubeConfigError as exc:  # the token file went away, an exec plugin failed
+            raise KubeError(f"{what}: no usable credentials: {exc}", hint=CREDENTIALS_HINT) from None
 
 
 def decode(raw: bytes, model: type[R], what: str) -> R:

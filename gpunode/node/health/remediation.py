@@ -31,16 +31,8 @@ from typing import Any, TypeVar
 
 from gpunode.config.health import RemediationConfig
 from gpunode.contract.names import UNHEALTHY_GPUS_ANNOTATION
-from gpunode.errors import KubeError
-from gpunode.infra.kube import (
-    EvictionBlocked,
-    KubeClient,
-    KubeConflict,
-    KubeNotFound,
-    ObjectRef,
-    PodInfo,
-    is_retryable,
-)
+from gpunode.errors import EvictionBlocked, KubeConflict, KubeError, KubeNotFound
+from gpunode.infra.kube import KubeClient, ObjectRef, PodInfo, is_retryable
 from gpunode.node.devices.base import Backend
 from gpunode.node.health.actions import ActionRecord, Backoff, Journal, Memory, RateLimiter, fault_fields
 from gpunode.node.health.baremetal import BareMetalRemediator
@@ -49,7 +41,6 @@ from gpunode.node.kubelet.podresources import list_container_devices
 
 log = logging.getLogger("gpunode.node.health")
 
-ANNOTATION = UNHEALTHY_GPUS_ANNOTATION
 POD_RESOURCES_TIMEOUT_S = 5.0
 EVENT_DEADLINE_S = 120.0  # an Event is worth retrying this long, no longer
 
@@ -202,7 +193,7 @@ class KubeRemediator:
             if desired == applied or not self.config.mark_node or not self.node_name:
                 continue
             value = json.dumps(desired, sort_keys=True) if desired else None
-            what = f"{ANNOTATION}={value or '(removed)'}"
+            what = f"{UNHEALTHY_GPUS_ANNOTATION}={value or '(removed)'}"
             if self.config.dry_run:
                 self.journal.add(ActionRecord("annotate-node", "dry-run", detail=what, dry_run=True))
                 applied = desired
@@ -222,7 +213,7 @@ class KubeRemediator:
             self.journal.add(ActionRecord("annotate-node", "done", attempts=attempts, detail=what))
 
     async def _annotate(self, value: str | None, client: KubeClient) -> None:
-        await client.patch_node_annotations(self.node_name, {ANNOTATION: value})
+        await client.patch_node_annotations(self.node_name, {UNHEALTHY_GPUS_ANNOTATION: value})
 
     async def _post_event(
         self, about: ObjectRef, reason: str, message: str, event_type: str = "Warning"

@@ -6,8 +6,7 @@ and adds what dcgm-exporter cannot give: per-container memory used and cap on
 shared GPUs (from the interposer's regions), XID counts by code, device health,
 device allocation by pod, and the agent's own collection metrics.
 
-Parts, each in its own module:
-  config     the `gpunode.metrics` section (MetricsConfig, parse_metrics_config)
+Parts, each in its own module (the `gpunode.metrics` section is parsed by gpunode.config.metrics):
   fields     the DCGM field table and unit conversions
   snapshot   one collection, frozen, with dcgm-exporter's labels
   render     snapshot -> Prometheus text
@@ -17,7 +16,6 @@ Parts, each in its own module:
 Nothing here talks to NVML directly: values come from a devices.Backend.
 """
 
-from gpunode.config.metrics import MetricsConfig, parse_listen, parse_metrics_config
 from gpunode.node.metrics.collector import HealthProvider, InventoryProvider, MetricsCollector
 from gpunode.node.metrics.fields import FIELDS, DcgmField
 from gpunode.node.metrics.server import MetricsServer, MetricsServerError, serve_metrics
@@ -28,10 +26,7 @@ __all__ = [
     "HealthProvider",
     "InventoryProvider",
     "MetricsCollector",
-    "MetricsConfig",
     "MetricsServer",
     "MetricsServerError",
-    "parse_listen",
-    "parse_metrics_config",
     "serve_metrics",
 ]

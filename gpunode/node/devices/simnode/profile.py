@@ -51,8 +51,8 @@ from pathlib import Path
 
 import yaml
 
-from gpunode.config.reader import SectionReader
 from gpunode.contract.deviceids import normalize_pci_bus_id
+from gpunode.contract.reader import SectionReader
 from gpunode.errors import ConfigError, ProfileError
 from gpunode.node.devices.simnode.mig import MIG_TABLES, MigPlacement, place_mig_layout
 
