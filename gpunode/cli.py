@@ -16,16 +16,19 @@ import argparse
 import asyncio
 import json
 import logging
+import os
+import select
+import signal
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeAlias
 
 from gpunode import __version__
 from gpunode.config import agent as config_mod
 from gpunode.contract.names import GIB
-from gpunode.errors import GpunodeError
+from gpunode.errors import GpunodeError, MissingExtra
 
 log = logging.getLogger("gpunode")
 
@@ -58,7 +61,18 @@ def _load_config(args: argparse.Namespace) -> config_mod.Config:
         "log_level": args.log_level,
         "sim_control_socket": getattr(args, "sim_control_socket", None),
     }
-    return config_mod.load(config_path=args.config, overrides=overrides)
+    cfg = config_mod.load(config_path=args.config, overrides=overrides)
+    web_config = getattr(args, "web_config_file", None)
+    if web_config is not None:  # the flag wins over gpunode.metrics.webConfigFile
+        cfg = replace(cfg, metrics=replace(cfg.metrics, web_config_file=str(web_config.absolute())))
+    if cfg.metrics.enabled and cfg.metrics.web_config_file:
+        from gpunode.config.webconfig import load_web_config
+        from gpunode.infra.webauth import WebGuard
+
+        WebGuard(
+            load_web_config(cfg.metrics.web_config_file)
+        )  # an unusable file stops us before anything starts
+    return cfg
 
 
 def _setup_logging(level: str) -> None:
@@ -76,15 +90,24 @@ def cmd_agent(args: argparse.Namespace) -> int:
     cfg = _load_config(args)
     _setup_logging(cfg.log_level)
     agent = Agent(cfg, config_loader=lambda: _load_config(args))
-    ready = asyncio.Event
+    from gpunode.node.supervise import ProcessControl
+
+    # SIGTERM/SIGINT always end the process within the grace period, even with a part stuck.
+    process = ProcessControl(
+        stop=agent.request_stop, reload=agent.request_reload, cleanup=agent.stuck_cleanup
+    )
+    process.install()
 
     async def main() -> None:
-        event = ready()
-        task = asyncio.create_task(agent.run(ready=event, handle_signals=True))
+        event = asyncio.Event()
+        task = asyncio.create_task(agent.run(ready=event, process=process))
         waiter = asyncio.create_task(event.wait())
         await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
         if event.is_set():
-            _print_ready(agent)
+            try:
+                _print_ready(agent)
+            except BrokenPipeError:  # nobody reads stdout any more: the agent keeps running
+                _discard_stdout()
         waiter.cancel()
         await task
 
@@ -102,10 +125,8 @@ def _print_ready(agent: Any) -> None:
     kubelet = agent.config.kubelet_socket
     if not kubelet.exists():
         lines.append(f"  waiting for the kubelet at {kubelet}; plugins register as soon as it appears")
-    if agent.metrics is not None:
-        listen = agent.metrics.config.listen
-        where = f"localhost{listen}" if listen.startswith(":") else listen
-        lines.append(f"  metrics: http://{where}/metrics (DCGM-compatible)")
+    if agent.metrics_endpoint is not None:
+        lines.append(f"  metrics: {agent.metrics_endpoint.url} (DCGM-compatible)")  # the bound port
     if agent.config.sim_control_socket:
         lines.append(
             f"  inject faults: gpunode sim xid --socket {agent.config.sim_control_socket} --gpu 0 --code 79"
@@ -186,6 +207,11 @@ def _register_agent(sub: Subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--sim-control-socket", type=Path, help="serve fault injection for the simulated node here"
     )
+    p.add_argument(
+        "--web-config-file",
+        type=Path,
+        help="TLS and basic auth for the metrics endpoint: an exporter-toolkit web configuration file",
+    )
     p.set_defaults(func=cmd_agent)
     return p
 
@@ -208,6 +234,12 @@ def _register_doctor(sub: Subparsers) -> argparse.ArgumentParser:
 
 def _register_sim(sub: Subparsers) -> argparse.ArgumentParser:
     from gpunode.node.devices.simnode.cli import register_cli
+
+    return register_cli(sub)
+
+
+def _register_health(sub: Subparsers) -> argparse.ArgumentParser:
+    from gpunode.node.health.cli import register_cli
 
     return register_cli(sub)
 
@@ -249,6 +281,7 @@ COMMANDS: dict[str, Command] = {
         "diagnose this node: driver, GPUs, configuration, kubelet, native parts", _register_doctor
     ),
     "sim": Command("inject faults into a running simulated node", _register_sim),
+    "health": Command("clear a GPU that a fatal XID holds unhealthy", _register_health),
     "extender": Command(
         "run the kube-scheduler extender (filter, prioritize, bind) for GPU placement", _register_extender
     ),
@@ -291,16 +324,62 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return build_parser(command_in(argv)).parse_args(argv)
 
 
+# Modules of the optional extras (pyproject.toml, [project.optional-dependencies]) -> the extra.
+EXTRA_MODULES = {"tqdm": "plot", "matplotlib": "plot", "systemd": "systemd"}
+
+# The status of a command whose output pipe was closed (`gpunode devices | head -1`): what a shell reports
+# for a process that SIGPIPE ended, 128 + 13.
+CLOSED_STDOUT_STATUS = 128 + signal.SIGPIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line (sys.argv by default) and return the exit status."""
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    """Run the command line (sys.argv by default) and return the exit status.
+
+    A closed stdout (the reader of a pipe went away) ends the command quietly with CLOSED_STDOUT_STATUS;
+    a missing package of an optional extra is one line naming the extra to install.
+    """
     try:
-        return int(args.func(args))
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        try:
+            status = int(args.func(args))
+        except ModuleNotFoundError as exc:
+            module = (exc.name or "").partition(".")[0]
+            if module not in EXTRA_MODULES:
+                raise
+            raise MissingExtra(module, EXTRA_MODULES[module], f"`gpunode {args.command}`") from None
+        sys.stdout.flush()  # a closed pipe shows here rather than as a warning at exit
+        return status
     except GpunodeError as exc:
         print(f"gpunode: {exc}\nHINT: {exc.hint}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise  # a pipe other than stdout: a real failure, shown as one
+        _discard_stdout()
+        return CLOSED_STDOUT_STATUS
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout's reader went away (poll reports an error on it); True when stdout has no descriptor."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's final flush of what is left cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

@@ -35,6 +35,23 @@ def one_line(text: str) -> str:
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
+class MissingExtra(GpunodeError):
+    """A command needs a package of an optional extra (pyproject's optional-dependencies) that is not installed."""
+
+    def __init__(self, module: str, extra: str, purpose: str) -> None:
+        super().__init__(
+            f"{purpose} needs the Python package {module!r}, which is not installed",
+            hint=f"install the '{extra}' extra: pip install 'gpunode[{extra}]'",
+        )
+        self.module, self.extra = module, extra
+
+
+class HealthStateError(GpunodeError):
+    """The health state directory (held faults, operator clears) cannot be read or written."""
+
+    default_hint = "check that --state-dir (gpunode.stateDir) exists and that this user may write it"
+
+
 class ConfigError(GpunodeError):
     """Invalid configuration: a file, an environment variable or a flag."""
 
@@ -101,6 +118,33 @@ class SimControlError(GpunodeError):
     )
 
 
+class AgentPartFailed(GpunodeError):
+    """A part of the running agent (device plugins, metrics, health, ...) failed in an unexpected way."""
+
+    default_hint = (
+        "the agent stopped so that its supervisor (systemd, the DaemonSet) restarts it; "
+        "the log lines above say more, and `gpunode doctor` checks the node"
+    )
+
+
+class KubeletDirError(ConfigError):
+    """The kubelet's device-plugins directory (--kubelet-dir, gpunode.kubeletDir) cannot be served from."""
+
+    default_hint = (
+        "point --kubelet-dir (gpunode.kubeletDir) at the kubelet's device-plugins directory, "
+        "usually /var/lib/kubelet/device-plugins, mounted read-write"
+    )
+
+
+class StateDirError(ConfigError):
+    """The agent's state directory (--state-dir, gpunode.stateDir) is not a writable directory."""
+
+    default_hint = (
+        "set --state-dir (gpunode.stateDir, GPUNODE_STATE_DIR) to a writable directory on the host, "
+        "e.g. /var/lib/gpunode mounted read-write"
+    )
+
+
 class AllocationError(GpunodeError):
     """A request the device plugin must refuse (unknown/unhealthy device, too many devices, ...)."""
 
@@ -113,7 +157,37 @@ class MemcapError(GpunodeError):
     default_hint = "reinstall gpunode so that the native library and the CFFI module are rebuilt"
 
 
+class RegionDamaged(MemcapError):
+    """One memory-cap region's files are unusable: a usage file that a container truncated, removed or
+    rewrote (the usage file is mounted read-write into it), or a limit file damaged on the host.
+
+    `key` names the region; `reason` says what is wrong, as a metric label: truncated, missing, corrupt,
+    limit or io.
+    """
+
+    default_hint = (
+        "only that container's cap is affected and the agent skips its region; restart the pod "
+        "(its next Allocate gets a fresh region) or delete it (the region is then garbage-collected)"
+    )
+
+    def __init__(self, message: str, *, key: str, reason: str, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.key = key
+        self.reason = reason
+
+
 # -- servers and Kubernetes ---------------------------------------------------------------------
+
+
+class BodyRefused(GpunodeError):
+    """The HTTP layer will not take a request body: `status` 413 (over the per-request limit) or 503
+    (the server's budget for bodies in flight is spent). Answered to the client, never raised to a user."""
+
+    default_hint = "send a smaller body; on 503, retry after a moment"
+
+    def __init__(self, message: str, *, status: int, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.status = status
 
 
 class ListenError(GpunodeError):
@@ -126,6 +200,23 @@ class MetricsServerError(ListenError):
     """The metrics endpoint could not listen."""
 
     default_hint = "choose another gpunode.metrics.listen address, or stop what already listens there"
+
+
+class TlsConfigError(ConfigError):
+    """A TLS certificate, key or CA file that cannot be read or does not fit (gpunode.infra.http)."""
+
+    default_hint = (
+        "give a readable PEM certificate chain and the private key that belongs to it "
+        "(openssl x509 -noout -pubkey -in CERT and openssl pkey -pubout -in KEY must print the same key)"
+    )
+
+
+class WebConfigError(ConfigError):
+    """An exporter-toolkit web configuration file (--web-config-file) that cannot be used."""
+
+    default_hint = (
+        "fix the named key; the format is that of prometheus/exporter-toolkit docs/web-configuration.md"
+    )
 
 
 class KubeError(GpunodeError):
@@ -165,6 +256,12 @@ class KubeUnreachable(KubeError):
     """No answer: connection refused, reset, or the request timed out."""
 
     default_hint = "check that the API server is reachable from the node (network policy, proxy, DNS)"
+
+
+class NotLeader(KubeError):
+    """This extender replica does not hold the leader Lease (long enough) to write to the API server."""
+
+    default_hint = "kube-scheduler retries the pod; the leader replica serves it (docs/scheduler.md, HA)"
 
 
 # -- the node-state contract and placement ------------------------------------------------------

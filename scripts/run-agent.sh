@@ -3,6 +3,8 @@
 # (dgx-h100 by default; GPUNODE_SIM_PROFILE=t4|a100-mig|h100-mig or a YAML file), with the
 # device-plugin sockets in ./run/device-plugins, metrics on :9400 and a fault-injection socket.
 # Extra arguments go to `gpunode agent` (e.g. --config gpunode/examples/config-timeslicing.yaml).
+# The agent runs in the foreground (Ctrl-C stops it). apt waits for another apt holding the dpkg lock, and
+# gpunode is reinstalled only when its packaging or native sources changed (see common.sh).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 ensure_apt_packages gcc libc6-dev pkg-config libsystemd-dev
 ensure_venv "[systemd]"
@@ -13,6 +15,7 @@ if [ "$BACKEND" = auto ] && ! "$VENV/bin/python" -c 'import pynvml; pynvml.nvmlI
   echo ">> no NVIDIA GPU here: running on the simulated node '${GPUNODE_SIM_PROFILE:-dgx-h100}'"
   BACKEND=sim
 fi
+echo ">> starting gpunode agent in the foreground (Ctrl-C stops it); use a second terminal for other commands"
 exec "$VENV/bin/gpunode" agent --backend "$BACKEND" --sim-profile "${GPUNODE_SIM_PROFILE:-dgx-h100}" \
   --kubelet-dir "$RUN/device-plugins" --state-dir "$RUN/state" \
   --sim-control-socket "$RUN/sim.sock" "$@"

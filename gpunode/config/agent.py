@@ -58,6 +58,14 @@ DEFAULT_POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock
 MIG_STRATEGIES = ("none", "single", "mixed")
 BACKENDS = ("auto", "nvml", "sim")
 
+# Bounds (README, configuration table); sharing bounds are in config.sharing.
+MAX_CONFIG_BYTES = 1024 * 1024  # a configuration file is a few KiB
+REDISCOVER_INTERVAL_S = (1.0, 3600.0)  # gpunode.rediscoverInterval: 1s..1h
+PUBLISH_INTERVAL_S = (1.0, 3600.0)  # gpunode.nodeState.interval: 1s..1h
+MAX_PATH_CHARS = 4096  # kubeletDir, stateDir, podResourcesSocket, simProfile (PATH_MAX)
+MAX_SOCKET_PATH_CHARS = 107  # simControlSocket: a Unix socket path (sun_path)
+MAX_NODE_NAME_CHARS = 253  # nodeName: a Kubernetes object name
+
 
 @dataclass(frozen=True)
 class Config:
@@ -113,7 +121,10 @@ def parse_config(data: object, source: str) -> Config:
     top = SectionReader(data, f"{source}: ")
     version = top.raw("version", "v1")
     if version != "v1":
-        raise ConfigError(f"{source}: version: only v1 is supported, got {version!r}")
+        raise ConfigError(
+            f"{source}: version: only v1 is supported, got {version!r:.40}",
+            hint="write `version: v1` (the NVIDIA device-plugin configuration version gpunode reads)",
+        )
     cfg = Config(source=source)
     cfg = _parse_flags(top.section("flags"), cfg)
     cfg = replace(cfg, time_slicing=parse_sharing(top.section("sharing")))
@@ -169,19 +180,25 @@ def _parse_gpunode(own: SectionReader, cfg: Config) -> Config:
     cfg = replace(
         cfg,
         backend=own.choice("backend", BACKENDS, "auto"),
-        sim_profile=own.get("simProfile", str, "dgx-h100"),
-        sim_control_socket=_opt_path(own.get("simControlSocket", str, None)),
-        kubelet_dir=Path(own.get("kubeletDir", str, str(DEFAULT_KUBELET_DIR))),
-        state_dir=Path(own.get("stateDir", str, str(DEFAULT_STATE_DIR))),
-        pod_resources_socket=Path(own.get("podResourcesSocket", str, str(DEFAULT_POD_RESOURCES_SOCKET))),
-        node_name=own.get("nodeName", str, ""),
+        sim_profile=_text(own, "simProfile", "dgx-h100", MAX_PATH_CHARS),
+        sim_control_socket=_opt_path(_text(own, "simControlSocket", None, MAX_SOCKET_PATH_CHARS)),
+        kubelet_dir=Path(_text(own, "kubeletDir", str(DEFAULT_KUBELET_DIR), MAX_PATH_CHARS)),
+        state_dir=Path(_text(own, "stateDir", str(DEFAULT_STATE_DIR), MAX_PATH_CHARS)),
+        pod_resources_socket=Path(
+            _text(own, "podResourcesSocket", str(DEFAULT_POD_RESOURCES_SOCKET), MAX_PATH_CHARS)
+        ),
+        node_name=_text(own, "nodeName", "", MAX_NODE_NAME_CHARS),
         log_level=own.choice("logLevel", ("debug", "info", "warning", "error"), "info"),
         replica_placement=own.choice("replicaPlacement", ("spread", "pack"), "spread"),
         replica_memory_cap=own.parse("replicaMemoryCap", parse_replica_cap, None),
         fractional=parse_fractional(own.section("fractional")),
-        rediscover_interval_s=own.duration("rediscoverInterval", 30.0),
+        rediscover_interval_s=own.duration(
+            "rediscoverInterval", 30.0, minimum=REDISCOVER_INTERVAL_S[0], maximum=REDISCOVER_INTERVAL_S[1]
+        ),
         publish_node_state=node_state.get("enabled", bool, True),
-        publish_interval_s=node_state.duration("interval", 60.0),
+        publish_interval_s=node_state.duration(
+            "interval", 60.0, minimum=PUBLISH_INTERVAL_S[0], maximum=PUBLISH_INTERVAL_S[1]
+        ),
     )
     node_state.finish()
     _check_resource_names(cfg)
@@ -226,10 +243,29 @@ def _opt_path(value: str | None) -> Path | None:
     return Path(value) if value else None
 
 
+def _text(r: SectionReader, key: str, default: str | None, max_chars: int) -> Any:
+    """A string setting of at most max_chars characters, without NUL bytes."""
+    value = r.get(key, str, default)
+    if value is not None and (len(value) > max_chars or "\0" in value):
+        raise r.fail(
+            key,
+            f"expected 0..{max_chars} characters without NUL bytes, got {len(value)} characters",
+            hint="check the value for a runaway or binary string",
+        )
+    return value
+
+
 def read_config_file(path: Path, *, named_by: str = "--config") -> Config:
     """Read and validate a configuration file (YAML or JSON). `named_by` says who named the file."""
     try:
-        text = path.read_text()
+        with path.open("rb") as f:
+            data_bytes = f.read(MAX_CONFIG_BYTES + 1)
+        if len(data_bytes) > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"{path}: the configuration file is larger than {MAX_CONFIG_BYTES // 1024} KiB",
+                hint="a gpunode configuration is a few KiB; point --config at the right file",
+            )
+        text = data_bytes.decode()
     except FileNotFoundError:
         raise ConfigError(
             f"{path}: configuration file not found (named by {named_by})",
@@ -240,7 +276,12 @@ def read_config_file(path: Path, *, named_by: str = "--config") -> Config:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not a text file (byte {exc.start} is not UTF-8)") from None
     data = load_yaml(text, where=str(path))
-    return parse_config(data if data is not None else {}, str(path))
+    if data is None:  # nothing but blanks and comments: a truncated or wrongly mounted file, most likely
+        raise ConfigError(
+            f"{path}: the configuration file is empty (no settings, not even `version: v1`)",
+            hint=f"write `version: v1` in it to run with the defaults, or point {named_by} at the right file",
+        )
+    return parse_config(data, str(path))
 
 
 # --- environment and command line ---------------------------------------------------------------
@@ -252,7 +293,10 @@ def _env_bool(value: str, where: str) -> bool:
         return True
     if v in ("0", "false", "no", "off"):
         return False
-    raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    raise ConfigError(
+        f"{where}: expected true or false, got {value[:40]!r}",
+        hint=f"set {where.removeprefix('environment variable ')} to true or false (or 1/0), or unset it",
+    )
 
 
 # setting -> (environment variables, most specific first; converter)
@@ -286,8 +330,35 @@ CONFIG_ENV = ("GPUNODE_CONFIG", "CONFIG_FILE")
 
 def _choice(value: str, choices: tuple[str, ...], where: str) -> str:
     if value not in choices:
-        raise ConfigError(f"{where}: expected one of {', '.join(choices)}, got {value!r}")
+        raise ConfigError(
+            f"{where}: expected one of {', '.join(choices)}, got {value[:40]!r}",
+            hint=f"set {where.removeprefix('environment variable ')} to one of {', '.join(choices)}, "
+            "or unset it",
+        )
     return value
+
+
+# Settings given as text by a variable or a flag, with their bounds (the file's are checked by _text).
+_TEXT_BOUNDS = {
+    "sim_profile": MAX_PATH_CHARS,
+    "sim_control_socket": MAX_SOCKET_PATH_CHARS,
+    "kubelet_dir": MAX_PATH_CHARS,
+    "state_dir": MAX_PATH_CHARS,
+    "pod_resources_socket": MAX_PATH_CHARS,
+    "node_name": MAX_NODE_NAME_CHARS,
+    "nvidia_driver_root": MAX_PATH_CHARS,
+}
+
+
+def _check_text(setting: str, value: object, origin: str) -> None:
+    """A path or name from a variable or a flag: as bounded as the same key in the file."""
+    limit = _TEXT_BOUNDS.get(setting)
+    text = str(value)
+    if limit is not None and (len(text) > limit or "\0" in text):
+        raise ConfigError(
+            f"{origin}: expected 0..{limit} characters without NUL bytes, got {len(text)} characters",
+            hint=f"check the value given to {origin.removeprefix('environment variable ')}",
+        )
 
 
 def environment_variables() -> dict[str, tuple[str, ...]]:
@@ -330,9 +401,14 @@ def load(
         if value is None:
             continue
         if setting not in _ENV:
-            raise ConfigError(f"unknown setting {setting!r} given on the command line")
+            raise ConfigError(
+                f"unknown setting {setting!r} given on the command line",
+                hint=f"the settings a command line may give are: {', '.join(sorted(_ENV))}",
+            )
         changes[setting] = value
         origins[setting] = f"command line --{setting.removeprefix('plugin.').replace('_', '-')}"
+    for setting, value in changes.items():
+        _check_text(setting, value, origins[setting])
     plugin = {k.removeprefix("plugin."): v for k, v in changes.items() if k.startswith("plugin.")}
     top = {k: v for k, v in changes.items() if not k.startswith("plugin.")}
     return replace(cfg, **top, plugin=replace(cfg.plugin, **plugin), origins={**cfg.origins, **origins})

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gpunode.contract.reader import SectionReader
+from gpunode.contract.reader import SectionReader, excerpt, format_seconds
 from gpunode.contract.xids import (
     COUNTED,
     DEFAULT_FATAL,
@@ -23,6 +23,30 @@ from gpunode.contract.xids import (
 from gpunode.errors import ConfigError
 
 REMEDIATION_MODES = ("kubernetes", "baremetal", "off")
+
+# Bounds on every count, duration and list (docs/health.md, Configuration): (lowest, highest), seconds
+# for durations. Far beyond any sensible setting, and low enough that no timer, counter or list built
+# from them runs away. The lower bounds leave room for the short windows tests and benchmarks use.
+PROBE_INTERVAL_S = (0.01, 3600.0)
+PROBE_TIMEOUT_S = (0.01, 300.0)
+RECOVERY_WINDOW_S = (0.0, 86400.0)
+XID_COUNT_THRESHOLD = (0, 10_000)
+XID_COUNT_WINDOW_S = (0.1, 86400.0)
+MAX_XID_CODE = 999  # NVIDIA's XID catalog stops well below this
+MAX_XID_CODES = 256  # entries in each of xid.ignored, xid.fatal, xid.instanceFatal
+SBE_THRESHOLD = (0, 1_000_000)
+SBE_WINDOW_S = (0.1, 7 * 86400.0)
+REQUEST_TIMEOUT_S = (0.1, 300.0)
+EVICTION_DEADLINE_S = (0.0, 86400.0)
+POD_GRACE_PERIOD_S = (0.0, 86400.0)
+RETRY_INITIAL_S = (0.01, 300.0)
+RETRY_MAX_S = (0.01, 3600.0)
+MAX_EVICTIONS = (1, 1_000_000)
+EVICTION_INTERVAL_S = (1.0, 86400.0)
+TERM_GRACE_S = (0.0, 3600.0)
+HOOK_TIMEOUT_S = (0.1, 3600.0)
+MAX_HOOK_ARGS = 64
+MAX_TEXT_CHARS = 4096  # kubeconfig and each hook argument (PATH_MAX)
 
 
 @dataclass(frozen=True)
@@ -90,24 +114,58 @@ class RemediationConfig:
     baremetal: BareMetalConfig = field(default_factory=BareMetalConfig)
 
 
-def _positive(r: SectionReader, key: str, value: float) -> float:
-    if value <= 0:
-        raise ConfigError(f"{r.key_path(key)}: must be greater than zero, got {value:g}")
+def _seconds(value: float) -> str:
+    return format_seconds(value) if value else "0"
+
+
+def _duration(r: SectionReader, key: str, default: float | None, bounds: tuple[float, float]) -> float:
+    """A duration within bounds (default None: the caller has seen the key); one line naming the key and
+    the range otherwise."""
+    low, high = bounds
+    allowed = f"{_seconds(low)}..{_seconds(high)}"
+    hint = f"set {key} within {allowed}" + ("" if default is None else f" (default {_seconds(default)})")
+    try:
+        value = r.duration(key, 0.0 if default is None else default)  # None: the caller saw the key
+    except ConfigError as exc:  # not a duration, or beyond any duration's ceiling
+        raise ConfigError(f"{exc} (allowed {allowed})", hint=hint) from None
+    if not low <= value <= high:
+        problem = f"must be greater than zero ({allowed})" if value <= 0 else f"expected {allowed}"
+        raise r.fail(key, f"{problem}, got {_seconds(value)}", hint=hint)
     return value
 
 
-def _non_negative_int(r: SectionReader, key: str, default: int) -> int:
+def _count(r: SectionReader, key: str, default: int, bounds: tuple[int, int]) -> int:
+    """An integer within bounds; one line naming the key and the range otherwise."""
+    low, high = bounds
     value = r.get(key, int, default)
-    if value < 0:
-        raise ConfigError(f"{r.key_path(key)}: cannot be negative, got {value}")
+    if not low <= value <= high:
+        if value < 0:
+            problem = f"cannot be negative ({low}..{high})"
+        elif value < low:
+            problem = f"must be at least {low} ({low}..{high})"
+        else:
+            problem = f"expected {low}..{high}"
+        raise r.fail(
+            key, f"{problem}, got {value!s:.40}", hint=f"set {key} within {low}..{high} (default {default})"
+        )
     return value
 
 
 def _codes(r: SectionReader, key: str, default: tuple[int, ...]) -> frozenset[int]:
     codes = r.int_list(key, default)
-    bad = [c for c in codes if c <= 0]
+    if len(codes) > MAX_XID_CODES:
+        raise r.fail(
+            key,
+            f"at most {MAX_XID_CODES} XID codes, got {len(codes)}",
+            hint="list each code once; codes in no list are counted",
+        )
+    bad = [c for c in codes if not 0 < c <= MAX_XID_CODE]
     if bad:
-        raise ConfigError(f"{r.key_path(key)}: XID codes are positive integers, got {bad}")
+        raise r.fail(
+            key,
+            f"XID codes are positive integers up to {MAX_XID_CODE} (1..{MAX_XID_CODE}), got {bad[0]!s:.40}",
+            hint="copy the codes from the XID table in docs/health.md or NVIDIA's XID catalog",
+        )
     return frozenset(codes)
 
 
@@ -131,8 +189,8 @@ def parse_xid_policy(r: SectionReader) -> XidPolicy:
         ignored=ignored,
         fatal=fatal,
         instance_fatal=instance,
-        count_threshold=_non_negative_int(r, "countThreshold", 3),
-        count_window_s=_positive(r, "countWindow", r.duration("countWindow", 600.0)),
+        count_threshold=_count(r, "countThreshold", 3, XID_COUNT_THRESHOLD),
+        count_window_s=_duration(r, "countWindow", 600.0, XID_COUNT_WINDOW_S),
     )
     r.finish()
     return policy
@@ -144,13 +202,13 @@ def parse_health_config(data: object, where: str) -> HealthConfig:
     ecc = r.section("ecc")
     cfg = HealthConfig(
         enabled=r.get("enabled", bool, True),
-        probe_interval_s=_positive(r, "probeInterval", r.duration("probeInterval", 10.0)),
-        probe_timeout_s=_positive(r, "probeTimeout", r.duration("probeTimeout", 5.0)),
-        recovery_window_s=r.duration("recoveryWindow", 300.0),
+        probe_interval_s=_duration(r, "probeInterval", 10.0, PROBE_INTERVAL_S),
+        probe_timeout_s=_duration(r, "probeTimeout", 5.0, PROBE_TIMEOUT_S),
+        recovery_window_s=_duration(r, "recoveryWindow", 300.0, RECOVERY_WINDOW_S),
         xid=parse_xid_policy(r.section("xid")),
         dbe_fatal=ecc.get("doubleBitFatal", bool, True),
-        sbe_threshold=_non_negative_int(ecc, "singleBitThreshold", 100),
-        sbe_window_s=_positive(ecc, "singleBitWindow", ecc.duration("singleBitWindow", 3600.0)),
+        sbe_threshold=_count(ecc, "singleBitThreshold", 100, SBE_THRESHOLD),
+        sbe_window_s=_duration(ecc, "singleBitWindow", 3600.0, SBE_WINDOW_S),
         pending_repair_unhealthy=r.get("pendingRepairUnhealthy", bool, True),
     )
     ecc.finish()
@@ -161,12 +219,29 @@ def parse_health_config(data: object, where: str) -> HealthConfig:
 def _parse_hook(value: object, where: str) -> tuple[str, ...]:
     if isinstance(value, str):
         raise ConfigError(
-            f"{where}: expected the command as a list of arguments, got the string {value!r}",
+            f"{where}: expected the command as a list of arguments, got the string {excerpt(value)}",
             hint='write it as a list, e.g. ["/usr/local/bin/drain-gpu", "--reason", "gpu-fault"]',
         )
     if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
-        raise ConfigError(f"{where}: expected a non-empty list of strings, got {value!r}")
+        raise ConfigError(f"{where}: expected a non-empty list of strings, got {excerpt(value)}")
+    if len(value) > MAX_HOOK_ARGS or any(len(v) > MAX_TEXT_CHARS or "\0" in v for v in value):
+        raise ConfigError(
+            f"{where}: expected 1..{MAX_HOOK_ARGS} arguments of at most {MAX_TEXT_CHARS} characters without "
+            f"NUL bytes, got {len(value)} argument(s) of up to {max(map(len, value))} characters",
+            hint="a hook is a program and a few arguments; pass anything long in a file",
+        )
     return tuple(value)
+
+
+def _kubeconfig(r: SectionReader) -> str | None:
+    path = r.get("kubeconfig", str, None)
+    if path is not None and (not path or len(path) > MAX_TEXT_CHARS or "\0" in path):
+        raise r.fail(
+            "kubeconfig",
+            f"expected a path of 1..{MAX_TEXT_CHARS} characters without NUL bytes, got {len(path)} characters",
+            hint="name the kubeconfig file, or leave the key out to use the in-cluster service account",
+        )
+    return path
 
 
 def parse_remediation_config(data: object, where: str) -> RemediationConfig:
@@ -174,35 +249,33 @@ def parse_remediation_config(data: object, where: str) -> RemediationConfig:
     r = SectionReader(data, where)
     bm = r.section("baremetal")
     baremetal = BareMetalConfig(
-        term_grace_s=bm.duration("termGracePeriod", 10.0),
+        term_grace_s=_duration(bm, "termGracePeriod", 10.0, TERM_GRACE_S),
         hook=bm.parse("hook", _parse_hook, None),
-        hook_timeout_s=_positive(bm, "hookTimeout", bm.duration("hookTimeout", 60.0)),
+        hook_timeout_s=_duration(bm, "hookTimeout", 60.0, HOOK_TIMEOUT_S),
     )
     bm.finish()
-    grace_s = r.duration("podGracePeriod", None)
-    grace = None if grace_s is None else round(grace_s)
-    retry_initial = _positive(r, "retryInitial", r.duration("retryInitial", 1.0))
-    retry_max = _positive(r, "retryMax", r.duration("retryMax", 60.0))
+    has_grace = r.raw("podGracePeriod", None) is not None  # absent: the pod's own grace period
+    grace = round(_duration(r, "podGracePeriod", None, POD_GRACE_PERIOD_S)) if has_grace else None
+    retry_initial = _duration(r, "retryInitial", 1.0, RETRY_INITIAL_S)
+    retry_max = _duration(r, "retryMax", 60.0, RETRY_MAX_S)
     if retry_max < retry_initial:
         raise ConfigError(
             f"{r.key_path('retryMax')}: must not be shorter than retryInitial ({retry_initial:g} s), "
             f"got {retry_max:g} s"
         )
-    max_evictions = r.get("maxEvictions", int, 10)
-    if max_evictions < 1:
-        raise ConfigError(f"{r.key_path('maxEvictions')}: must be at least 1, got {max_evictions}")
+    max_evictions = _count(r, "maxEvictions", 10, MAX_EVICTIONS)
     cfg = RemediationConfig(
         mode=r.choice("mode", REMEDIATION_MODES, "kubernetes"),
         dry_run=r.get("dryRun", bool, False),
-        kubeconfig=r.get("kubeconfig", str, None),
-        request_timeout_s=_positive(r, "requestTimeout", r.duration("requestTimeout", 10.0)),
-        eviction_deadline_s=r.duration("evictionDeadline", 600.0),
+        kubeconfig=_kubeconfig(r),
+        request_timeout_s=_duration(r, "requestTimeout", 10.0, REQUEST_TIMEOUT_S),
+        eviction_deadline_s=_duration(r, "evictionDeadline", 600.0, EVICTION_DEADLINE_S),
         delete_after_deadline=r.get("deleteAfterDeadline", bool, False),
         pod_grace_period_s=grace,
         retry_initial_s=retry_initial,
         retry_max_s=retry_max,
         max_evictions=max_evictions,
-        eviction_interval_s=_positive(r, "evictionInterval", r.duration("evictionInterval", 60.0)),
+        eviction_interval_s=_duration(r, "evictionInterval", 60.0, EVICTION_INTERVAL_S),
         mark_node=r.get("markNode", bool, True),
         post_events=r.get("postEvents", bool, True),
         baremetal=baremetal,

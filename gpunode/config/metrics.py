@@ -51,6 +51,7 @@ class MetricsConfig:
     pod_resources_socket: str | None = None  # None = the agent's gpunode.podResourcesSocket
     attribution_ttl_s: float = DEFAULT_ATTRIBUTION_TTL_S
     pod_labels: bool = True  # attach namespace/pod/container to devices a pod holds
+    web_config_file: str | None = None  # exporter-toolkit web configuration; None: plain HTTP
 
     @property
     def listen_address(self) -> ListenAddress:
@@ -96,6 +97,12 @@ def parse_metrics_config(data: object, where: str) -> MetricsConfig:
     hostname = r.get("hostname", str, None)
     if hostname is not None and not hostname.strip():
         raise ConfigError(f"{r.key_path('hostname')}: must not be empty (leave it out to use the node name)")
+    web_config_file = r.get("webConfigFile", str, None)
+    if web_config_file is not None and not web_config_file.startswith("/"):
+        raise ConfigError(
+            f"{r.key_path('webConfigFile')}: expected an absolute path, got {web_config_file!r}",
+            hint="name the exporter-toolkit web configuration file by its absolute path",
+        )
     cfg = MetricsConfig(
         enabled=r.get("enabled", bool, True),
         listen=listen,
@@ -105,6 +112,7 @@ def parse_metrics_config(data: object, where: str) -> MetricsConfig:
         pod_resources_socket=socket,
         attribution_ttl_s=ttl_s,
         pod_labels=r.get("podLabels", bool, True),
+        web_config_file=web_config_file,
     )
     r.finish()
     return cfg

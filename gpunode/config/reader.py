@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from gpunode.contract.names import NVIDIA_DOMAIN
+from gpunode.contract.reader import excerpt
 from gpunode.errors import ConfigError
 
 
@@ -29,7 +30,7 @@ def parse_resource_name(name: str, where: str, *, default_domain: str = NVIDIA_D
         or len(short) > 63
     ):
         raise ConfigError(
-            f"{where}: {name!r} is not a valid extended resource name",
+            f"{where}: {excerpt(name)} is not a valid extended resource name",
             hint="use domain/name (e.g. nvidia.com/gpu.shared): a DNS domain, then at most 63 letters, "
             "digits, '-', '_' or '.', starting and ending with a letter or digit",
         )
@@ -83,6 +84,11 @@ _StrictLoader.add_implicit_resolver(
 )
 
 
+def excerpt_text(text: str, limit: int = 120) -> str:
+    """`text` cut to `limit` characters: a parser's own message may quote the file; ours quote a little."""
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
 def load_yaml(text: str, *, where: str) -> Any:
     """Parse YAML (or JSON) text safely; errors name `where` with the line and column."""
     try:
@@ -90,5 +96,24 @@ def load_yaml(text: str, *, where: str) -> Any:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"{where}: not valid YAML{at}: {problem}") from None
+        problem = excerpt_text(getattr(exc, "problem", None) or str(exc))
+        if "given twice" in problem:
+            hint = "give each key once: plain YAML would silently keep only the last one"
+        elif isinstance(exc, yaml.constructor.ConstructorError):
+            hint = "write plain YAML values: tags such as !!python/object are not read"
+        else:
+            hint = (
+                "fix the YAML syntax at that line: an unclosed quote or bracket, a tab, or indentation; "
+                "`gpunode devices --config FILE` checks a file without starting anything"
+            )
+        raise ConfigError(f"{where}: not valid YAML{at}: {problem}", hint=hint) from None
+    except RecursionError:
+        raise ConfigError(
+            f"{where}: not valid configuration: lists or mappings nested too deeply",
+            hint="a configuration file nests a few levels deep; check the brackets",
+        ) from None
+    except ValueError as exc:  # e.g. an integer of thousands of digits
+        raise ConfigError(
+            f"{where}: not valid configuration: {str(exc).split(';')[0]}",
+            hint="numbers in a configuration file are small; check for a runaway value",
+        ) from None

@@ -7,12 +7,24 @@ import re
 from dataclasses import dataclass
 
 from gpunode.config.reader import parse_resource_name
-from gpunode.contract.names import GIB, GPU_MEMORY_RESOURCE, GPU_RESOURCE, MIB, mig_profile_of
-from gpunode.contract.reader import SectionReader, parse_bytes
+from gpunode.contract.names import GIB, GPU_MEMORY_RESOURCE, GPU_RESOURCE, MIB, TIB, mig_profile_of
+from gpunode.contract.reader import SectionReader, format_bytes, parse_bytes
 from gpunode.errors import ConfigError
 
 DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")
 DEVICE_ID_STRATEGIES = ("uuid", "index")
+
+# Bounds on what a configuration may ask for (README, configuration table). Every advertised device
+# is one entry in a kubelet ListAndWatch message and one ID in the kubelet's checkpoint, so counts are
+# bounded where they are read, and the per-GPU and per-node totals again by node.inventory.
+MIN_REPLICAS, MAX_REPLICAS = 2, 48  # GKE's limit on clients sharing a GPU is 48, too
+MAX_SHARED_RESOURCES = 32  # sharing.timeSlicing.resources: nvidia.com/gpu plus every MIG profile fits
+MAX_SELECTOR_ITEMS = 128  # a device list: 16 GPUs with 7 MIG devices each
+MAX_DEVICE_INDEX = 255  # GPU and MIG indexes
+MAX_UUID_CHARS = 128
+MIN_UNIT_BYTES, MAX_UNIT_BYTES = MIB, TIB  # gpunode.fractional.unit (and replicaMemoryCap)
+GC_INTERVAL_S = (0.1, 3600.0)  # gpunode.fractional.gcInterval: 100ms..1h
+GC_GRACE_S = (0.0, 86400.0)  # gpunode.fractional.gcGrace: 0..1d
 
 
 @dataclass(frozen=True)
@@ -60,24 +72,36 @@ def parse_device_selector(value: object, where: str) -> DeviceSelector:
         value = [v.strip() for v in value.split(",") if v.strip()]
     if not isinstance(value, list) or not value:
         raise ConfigError(
-            f"{where}: expected `all` or a non-empty list of GPU indexes or UUIDs, got {value!r}"
+            f"{where}: expected `all` or a non-empty list of GPU indexes or UUIDs, got {value!r:.80}"
+        )
+    if len(value) > MAX_SELECTOR_ITEMS:
+        raise ConfigError(
+            f"{where}: a device list has 1..{MAX_SELECTOR_ITEMS} entries, got {len(value)}",
+            hint="list each GPU or MIG device once, or use `all`",
         )
     indexes: list[int] = []
     mig_indexes: list[tuple[int, int]] = []
     uuids: list[str] = []
     for item in value:
+        if isinstance(item, str) and len(item) > MAX_UUID_CHARS:
+            raise ConfigError(
+                f"{where}: {item[:40]!r}... is {len(item)} characters; a GPU or MIG UUID has at most "
+                f"{MAX_UUID_CHARS}",
+                hint="copy the UUIDs from `gpunode devices` or nvidia-smi -L",
+            )
         if isinstance(item, int) and not isinstance(item, bool) and item >= 0:
-            indexes.append(item)
+            indexes.append(_index(item, where))
         elif isinstance(item, str) and item.isdigit():
-            indexes.append(int(item))
+            indexes.append(_index(int(item), where))
         elif isinstance(item, str) and re.fullmatch(r"\d+:\d+", item):
             gpu, mig = item.split(":")
-            mig_indexes.append((int(gpu), int(mig)))
+            mig_indexes.append((_index(int(gpu), where), _index(int(mig), where)))
         elif isinstance(item, str) and re.fullmatch(r"(GPU|MIG)-[0-9A-Za-z][-0-9A-Za-z/]*", item):
             uuids.append(item)
         else:
             raise ConfigError(
-                f"{where}: {item!r} is not a GPU index (0), a MIG index (0:1) or a GPU/MIG UUID (GPU-..., MIG-...)"
+                f"{where}: {item!r:.80} is not a GPU index (0), a MIG index (0:1) or a GPU/MIG UUID "
+                "(GPU-..., MIG-...)"
             )
     return DeviceSelector(
         all=False,
@@ -86,6 +110,15 @@ def parse_device_selector(value: object, where: str) -> DeviceSelector:
         where=where,
         mig_indexes=tuple(dict.fromkeys(mig_indexes)),
     )
+
+
+def _index(value: int, where: str) -> int:
+    if value > MAX_DEVICE_INDEX:
+        raise ConfigError(
+            f"{where}: a GPU or MIG index is 0..{MAX_DEVICE_INDEX}, got {value}",
+            hint="list the node's GPUs and their indexes with `gpunode devices`",
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -135,13 +168,17 @@ def parse_plugin_flags(r: SectionReader) -> PluginFlags:
     """Validate `flags.plugin`."""
     strategies_raw = r.raw("deviceListStrategy", "envvar")
     strategies = [strategies_raw] if isinstance(strategies_raw, str) else strategies_raw
-    if not isinstance(strategies, list) or not strategies:
-        raise ConfigError(f"{r.key_path('deviceListStrategy')}: expected a strategy or a list of them")
+    if not isinstance(strategies, list) or not strategies or len(strategies) > MAX_SELECTOR_ITEMS:
+        raise ConfigError(
+            f"{r.key_path('deviceListStrategy')}: expected a strategy or a list of them "
+            f"(1..{MAX_SELECTOR_ITEMS} entries)",
+            hint=f"the strategies are {', '.join(DEVICE_LIST_STRATEGIES)}",
+        )
     for s in strategies:
         if s not in DEVICE_LIST_STRATEGIES:
             raise ConfigError(
                 f"{r.key_path('deviceListStrategy')}: expected one of {', '.join(DEVICE_LIST_STRATEGIES)}, "
-                f"got {s!r}"
+                f"got {s!r:.40}"
             )
     flags = PluginFlags(
         pass_device_specs=r.get("passDeviceSpecs", bool, False),
@@ -162,6 +199,12 @@ def parse_time_slicing(r: SectionReader) -> TimeSlicing:
     items = r.raw("resources", [])
     if not isinstance(items, list):
         raise ConfigError(f"{r.key_path('resources')}: expected a list")
+    if len(items) > MAX_SHARED_RESOURCES:
+        raise ConfigError(
+            f"{r.key_path('resources')}: at most {MAX_SHARED_RESOURCES} resources can be time-sliced, "
+            f"got {len(items)}",
+            hint="list nvidia.com/gpu and each MIG profile once",
+        )
     resources: list[SharedResource] = []
     for i, item in enumerate(items):
         ir = SectionReader(item, f"{r.key_path('resources')}[{i}]")
@@ -172,8 +215,19 @@ def parse_time_slicing(r: SectionReader) -> TimeSlicing:
                 f"time-sliced, got {name!r}"
             )
         replicas = ir.get("replicas", int)
-        if replicas < 2:
-            raise ConfigError(f"{ir.key_path('replicas')}: must be at least 2 to share a GPU, got {replicas}")
+        if replicas < MIN_REPLICAS:
+            raise ConfigError(
+                f"{ir.key_path('replicas')}: must be at least {MIN_REPLICAS} to share a GPU "
+                f"(allowed {MIN_REPLICAS}..{MAX_REPLICAS}), got {replicas}",
+                hint="leave the resource out of timeSlicing to advertise each GPU once",
+            )
+        if replicas > MAX_REPLICAS:
+            raise ConfigError(
+                f"{ir.key_path('replicas')}: at most {MAX_REPLICAS} replicas per GPU "
+                f"(allowed {MIN_REPLICAS}..{MAX_REPLICAS}), got {replicas!s:.40}",
+                hint="each replica is one device ID the kubelet tracks; more sharers than 48 per GPU "
+                "only slice its time thinner",
+            )
         rename = ir.get("rename", str, None)
         if rename is not None:
             rename = parse_resource_name(rename, ir.key_path("rename"))
@@ -195,9 +249,21 @@ def parse_replica_cap(value: object, where: str) -> str | int | None:
     try:
         cap = parse_bytes(value, where=where)
     except ConfigError:
-        raise ConfigError(f"{where}: expected equal, none or a size such as 10Gi, got {value!r}") from None
+        raise ConfigError(
+            f"{where}: expected equal, none or a size such as 10Gi, got {value!r:.80}",
+            hint=f"a replica memory cap is {format_bytes(MIN_UNIT_BYTES)}..{format_bytes(MAX_UNIT_BYTES)}",
+        ) from None
     if cap == 0:
-        raise ConfigError(f"{where}: a replica memory cap must be more than 0 bytes (or `none`)")
+        raise ConfigError(
+            f"{where}: a replica memory cap must be more than 0 bytes (or `none`)",
+            hint=f"use equal, none or a size in {format_bytes(MIN_UNIT_BYTES)}..{format_bytes(MAX_UNIT_BYTES)}",
+        )
+    if not MIN_UNIT_BYTES <= cap <= MAX_UNIT_BYTES:
+        raise ConfigError(
+            f"{where}: a replica memory cap is {format_bytes(MIN_UNIT_BYTES)}..{format_bytes(MAX_UNIT_BYTES)}, "
+            f"got {format_bytes(cap)}",
+            hint="use equal, none or a size such as 10Gi",
+        )
     return cap
 
 
@@ -215,20 +281,49 @@ def parse_fractional(r: SectionReader) -> Fractional:
             f"{r.key_path('resourceName')}: {name} is already advertised for whole GPUs or MIG devices",
             hint="give fractional GPUs a resource of their own, e.g. gpunode.io/gpu-memory",
         )
+    _refuse_decimal_unit(r)
     unit = r.size("unit", GIB)
-    if unit < MIB:
-        raise ConfigError(f"{r.key_path('unit')}: the unit must be at least 1Mi, got {unit} bytes")
+    if unit < MIN_UNIT_BYTES:
+        raise ConfigError(
+            f"{r.key_path('unit')}: the unit must be at least 1Mi, got {unit} bytes",
+            hint=f"use a unit in {format_bytes(MIN_UNIT_BYTES)}..{format_bytes(MAX_UNIT_BYTES)}, such as 1Gi",
+        )
+    if unit > MAX_UNIT_BYTES:
+        raise ConfigError(
+            f"{r.key_path('unit')}: the unit must be at most {format_bytes(MAX_UNIT_BYTES)}, "
+            f"got {format_bytes(unit)}",
+            hint="use a unit smaller than one GPU's memory, such as 1Gi",
+        )
     frac = Fractional(
         devices=devices,
         resource_name=name,
         unit_bytes=unit,
         fail_open=r.get("failOpen", bool, False),
         ld_so_preload=r.get("ldSoPreload", bool, False),
-        gc_interval_s=r.duration("gcInterval", 60.0),
-        gc_grace_s=r.duration("gcGrace", 600.0),
+        gc_interval_s=r.duration("gcInterval", 60.0, minimum=GC_INTERVAL_S[0], maximum=GC_INTERVAL_S[1]),
+        gc_grace_s=r.duration("gcGrace", 600.0, minimum=GC_GRACE_S[0], maximum=GC_GRACE_S[1]),
     )
     r.finish()
     return frac
+
+
+def _refuse_decimal_unit(r: SectionReader) -> None:
+    """A memory unit in decimal units (1G, 1GB = 10^9 bytes) is refused: GPU memory comes in binary units,
+    and 1GB would quietly make an 80 GiB GPU 85 units of 0.93 GiB. A plain number of bytes is taken as is."""
+    value = r.raw("unit", None)
+    if not isinstance(value, str):
+        return
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt])b?\s*", value, re.IGNORECASE)
+    if m is None:
+        return
+    size = parse_bytes(value, where=r.key_path("unit"))
+    raise r.fail(
+        "unit",
+        f"{value.strip()} is a decimal size ({size} bytes, so GPU memory would be counted in units of "
+        f"{size / GIB:.3g} GiB); write the unit as a binary size",
+        hint=f"write {m.group(1)}{m.group(2).upper()}i (Ki, Mi, Gi, Ti are powers of 1024), or a plain "
+        "number of bytes if the decimal size is really meant",
+    )
 
 
 def parse_sharing(sharing: SectionReader) -> TimeSlicing:

@@ -31,8 +31,14 @@ GPU_MEMORY_RESOURCE = "gpunode.io/gpu-memory"  # fractional GPUs, in units of me
 NODE_STATE_ANNOTATION = "gpunode.io/gpu-state"  # Node: the agent's GPU state (gpunode.contract.nodestate)
 UNHEALTHY_GPUS_ANNOTATION = "gpunode.io/unhealthy-gpus"  # Node: UUID -> reason, set by remediation
 ASSIGNMENT_ANNOTATION = "gpunode.io/gpu-assigned"  # Pod: the GPUs the extender bound it to
+ALLOCATED_ANNOTATION = "gpunode.io/gpu-allocated"  # Pod: the GPUs the node gave it (assignment carried out)
 GPU_MILLI_ANNOTATION = "gpunode.io/gpu-milli"  # Pod: the compute share it asks for
 GPU_MODEL_ANNOTATION = "gpunode.io/gpu-model"  # Pod: the GPU models it accepts, `|`-separated
+
+# -- labels -------------------------------------------------------------------------------------
+
+# Pod: set to "leader" on the extender replica that holds the leader Lease (its Service selects it)
+EXTENDER_ROLE_LABEL = "gpunode.io/extender-role"
 
 
 def mig_resource_name(profile: str) -> str:

@@ -5,7 +5,7 @@ Key `gpunode.io/gpu-state` on the Node object. Version v1 (JSON, camelCase):
     {
       "version": "v1",
       "node": "gpu-node-7",              # must equal the Node's name
-      "updated": 1732252800.25,          # unix seconds of the last change or refresh
+      "updated": 1732252800.25,          # unix seconds when the agent published this value
       "generation": 42,                  # increases by one on every change the agent publishes
       "cpuMilliFree": 60000,             # optional: CPU the node can still give pods (milli-cores)
       "memoryFreeBytes": 274877906944,   # optional: memory the node can still give pods
@@ -23,6 +23,11 @@ Key `gpunode.io/gpu-state` on the Node object. Version v1 (JSON, camelCase):
         "pods": ["team-a/train-0"]       # optional: namespace/name of the pods holding it
       }]
     }
+
+`updated` is the publication time: the agent sets it on every publish, on a
+change and on its periodic refresh (nodeState.interval, 60 s by default) even
+when nothing changed, so readers can tell a node whose agent stopped publishing
+(the extender's --node-state-max-age). It is written with the agent's clock.
 
 decode() checks every field (types, ranges, that assigned never exceeds
 capacity, that UUIDs are unique and peers exist) and raises NodeStateError (a

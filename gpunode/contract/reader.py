@@ -36,6 +36,35 @@ _BYTE_UNITS = {
     "kib": KIB, "mib": MIB, "gib": GIB, "tib": TIB,
 }  # fmt: skip
 _DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+# Ceilings for any size or duration read anywhere: far above every real value, low enough that no
+# arithmetic on them overflows or loops for ever. Sections bound their own keys more tightly.
+MAX_BYTES = 2**50  # 1 PiB
+MAX_DURATION_S = 7 * 86400.0  # one week
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration for messages: 0.1s, 30s, 10m, 2h, 7d."""
+    for unit, size in (("d", 86400.0), ("h", 3600.0), ("m", 60.0)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
+
+
+def format_bytes(size: int) -> str:
+    """A size for messages: 1Mi, 1Ti, 1536 bytes."""
+    for unit, factor in (("Pi", 2**50), ("Ti", TIB), ("Gi", GIB), ("Mi", MIB), ("Ki", KIB)):
+        if size >= factor and size % factor == 0:
+            return f"{size // factor}{unit}"
+    return f"{size} bytes"
+
+
+MAX_EXCERPT_CHARS = 60
+
+
+def excerpt(value: object, limit: int = MAX_EXCERPT_CHARS) -> str:
+    """repr(value) cut to `limit` characters, ending in "..." when cut: a message quotes a value, never a file."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def parse_bytes(value: object, *, where: str, error: type[GpunodeError] = ConfigError) -> int:
@@ -45,12 +74,18 @@ def parse_bytes(value: object, *, where: str, error: type[GpunodeError] = Config
     if isinstance(value, int):
         if value < 0:
             raise error(f"{where}: a size cannot be negative, got {value}")
-        return value
-    if isinstance(value, str):
+        size = value
+    elif isinstance(value, str) and len(value) <= 64:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", value)
-        if m and m.group(2).lower() in _BYTE_UNITS:
-            return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
-    raise error(f"{where}: expected a size such as 10Gi, 512MiB or a number of bytes, got {value!r}")
+        if not m or m.group(2).lower() not in _BYTE_UNITS:
+            raise error(f"{where}: expected a size such as 10Gi, 512MiB or a number of bytes, got {value!r}")
+        number = float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
+        size = int(number) if math.isfinite(number) else MAX_BYTES + 1
+    else:
+        raise error(f"{where}: expected a size such as 10Gi, 512MiB or a number of bytes, got {value!r:.80}")
+    if size > MAX_BYTES:
+        raise error(f"{where}: a size must be at most {format_bytes(MAX_BYTES)}, got {value!s:.40}")
+    return size
 
 
 def parse_duration(value: object, *, where: str, error: type[GpunodeError] = ConfigError) -> float:
@@ -60,12 +95,19 @@ def parse_duration(value: object, *, where: str, error: type[GpunodeError] = Con
     if isinstance(value, int | float):
         if value < 0:
             raise error(f"{where}: a duration cannot be negative, got {value}")
-        return float(value)
-    if isinstance(value, str):
+        seconds = float(value) if isinstance(value, float) or value <= MAX_DURATION_S else math.inf
+    elif isinstance(value, str) and len(value) <= 64:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*", value)
-        if m:
-            return float(m.group(1)) * _DURATION_UNITS[m.group(2) or "s"]
-    raise error(f"{where}: expected a duration such as 500ms, 30s or 5m, got {value!r}")
+        if not m:
+            raise error(f"{where}: expected a duration such as 500ms, 30s or 5m, got {value!r}")
+        seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2) or "s"]
+    else:
+        raise error(f"{where}: expected a duration such as 500ms, 30s or 5m, got {value!r:.80}")
+    if not seconds <= MAX_DURATION_S:  # also refuses NaN and infinity
+        raise error(
+            f"{where}: a duration must be at most {format_seconds(MAX_DURATION_S)}, got {value!s:.40}"
+        )
+    return seconds
 
 
 class SectionReader:
@@ -92,7 +134,7 @@ class SectionReader:
             label = where.removesuffix(": ")
             if json_object:
                 raise error(f"{label}: expected an object, got {type(data).__name__}")
-            raise error(f"{label}: expected a mapping, got {type(data).__name__} {data!r}")
+            raise error(f"{label}: expected a mapping, got {type(data).__name__} {excerpt(data)}")
         self._data = data
         self._where = where
         self._seen: set[str] = set()
@@ -135,14 +177,14 @@ class SectionReader:
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value, ok = float(value), True
         if not ok:
-            raise self.fail(key, f"expected {kind.__name__}, got {type(value).__name__} {value!r}")
+            raise self.fail(key, f"expected {kind.__name__}, got {type(value).__name__} {excerpt(value)}")
         return value
 
     def choice(self, key: str, choices: tuple[str, ...], default: Any = _MISSING) -> str:
         """The key's string value, checked to be one of choices, or default."""
         value = self.get(key, str, default)
         if value not in choices:
-            raise self.fail(key, f"expected one of {', '.join(choices)}, got {value!r}")
+            raise self.fail(key, f"expected one of {', '.join(choices)}, got {excerpt(value)}")
         return value
 
     def integer(
@@ -153,7 +195,7 @@ class SectionReader:
         if value is default and default is not _MISSING:
             return value
         if isinstance(value, bool) or not isinstance(value, int):
-            raise self.fail(key, f"expected an integer, got {value!r}")
+            raise self.fail(key, f"expected an integer, got {excerpt(value)}")
         if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
             if minimum is not None and maximum is not None:
                 bound = f"{minimum}..{maximum}"
@@ -162,8 +204,15 @@ class SectionReader:
             raise self.fail(key, f"expected {bound}, got {value}")
         return value
 
-    def number(self, key: str, default: Any = _MISSING, *, minimum: float | None = None) -> float:
-        """A finite number (int or float, never a bool), at least `minimum` when given."""
+    def number(
+        self,
+        key: str,
+        default: Any = _MISSING,
+        *,
+        minimum: float | None = None,
+        maximum: float | None = None,
+    ) -> float:
+        """A finite number (int or float, never a bool), within minimum..maximum when those are given."""
         value = self.raw(key, default)
         if value is default and default is not _MISSING:
             return value
@@ -174,7 +223,12 @@ class SectionReader:
             or (minimum is not None and value < minimum)
         ):
             bound = "" if minimum is None else "non-negative " if minimum == 0 else f"(>= {minimum}) "
-            raise self.fail(key, f"expected a {bound}number, got {value!r}")
+            if maximum is not None:
+                bound = f"{minimum if minimum is not None else '-inf'}..{maximum:g} "
+            raise self.fail(key, f"expected a {bound}number, got {value!r:.40}")
+        if maximum is not None and value > maximum:
+            low = "" if minimum is None else f"{minimum:g}.."
+            raise self.fail(key, f"expected a {low}{maximum:g} number, got {value!r:.40}")
         return float(value)
 
     def flag(self, key: str, default: Any = _MISSING) -> bool:
@@ -183,22 +237,48 @@ class SectionReader:
         if value is default and default is not _MISSING:
             return value
         if not isinstance(value, bool):
-            raise self.fail(key, f"expected true or false, got {value!r}")
+            raise self.fail(key, f"expected true or false, got {excerpt(value)}")
         return value
 
-    def size(self, key: str, default: Any = _MISSING) -> int:
-        """The key's size value parsed to bytes, or default."""
+    def size(
+        self, key: str, default: Any = _MISSING, *, minimum: int = 0, maximum: int = MAX_BYTES, hint: str = ""
+    ) -> int:
+        """The key's size value parsed to bytes, or default; outside minimum..maximum is refused (with hint)."""
         value = self.raw(key, default)
         if value is default:
             return value
-        return parse_bytes(value, where=self.key_path(key), error=self._error)
+        size = parse_bytes(value, where=self.key_path(key), error=self._error)
+        if not minimum <= size <= maximum:
+            raise self.fail(
+                key,
+                f"expected {format_bytes(minimum) if minimum else 0}..{format_bytes(maximum)}, "
+                f"got {format_bytes(size) if size else 0}",
+                hint=hint or None,
+            )
+        return size
 
-    def duration(self, key: str, default: Any = _MISSING) -> float:
-        """The key's duration value parsed to seconds, or default."""
+    def duration(
+        self,
+        key: str,
+        default: Any = _MISSING,
+        *,
+        minimum: float = 0.0,
+        maximum: float = MAX_DURATION_S,
+        hint: str = "",
+    ) -> float:
+        """The key's duration value parsed to seconds, or default; outside minimum..maximum is refused."""
         value = self.raw(key, default)
         if value is default:
             return value
-        return parse_duration(value, where=self.key_path(key), error=self._error)
+        seconds = parse_duration(value, where=self.key_path(key), error=self._error)
+        if not minimum <= seconds <= maximum:
+            raise self.fail(
+                key,
+                f"expected {format_seconds(minimum) if minimum else 0}..{format_seconds(maximum)}, "
+                f"got {format_seconds(seconds) if seconds else 0}",
+                hint=hint or None,
+            )
+        return seconds
 
     def items(self, key: str, default: Any = _MISSING) -> list[Any]:
         """A list, its items unread (read each with a SectionReader of its own)."""
@@ -217,7 +297,7 @@ class SectionReader:
         if not isinstance(value, list) or not all(
             isinstance(v, int) and not isinstance(v, bool) for v in value
         ):
-            raise self.fail(key, f"expected a list of integers, got {value!r}")
+            raise self.fail(key, f"expected a list of integers, got {excerpt(value)}")
         return tuple(value)
 
     def text_list(self, key: str, default: Any = _MISSING) -> tuple[str, ...]:
@@ -226,7 +306,7 @@ class SectionReader:
         if value is default and default is not _MISSING:
             return value
         if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-            raise self.fail(key, f"expected a list of non-empty strings, got {value!r}")
+            raise self.fail(key, f"expected a list of non-empty strings, got {excerpt(value)}")
         return tuple(value)
 
     def section(self, key: str) -> SectionReader:

@@ -1,19 +1,21 @@
-"""The node agent's composition root: builds the parts and runs them in one asyncio TaskGroup.
+"""The node agent's composition root: builds the parts and runs them under one supervisor.
 
 Start-up order matters: the backend is opened and the inventory built (and the
-whole configuration validated) before any socket is created, so a bad config
-or a missing driver stops the agent with one clear message and nothing
+whole configuration validated), then the state and kubelet directories are
+checked, before any socket is created, so a bad config, a missing driver or an
+unusable directory stops the agent with one clear message and nothing
 half-started. Then the device plugins, the topology watch (hot-plug), the event
-pump, and the optional parts run side by side until SIGTERM/SIGINT; SIGHUP
-reloads the configuration and re-advertises. This module wires; it holds no
-policy of its own.
+pump, and the optional parts run side by side (supervise.py) until
+SIGTERM/SIGINT or until one of them fails, which ends the agent with that
+part's one-line error; the agent is ready (and says so) only once every
+endpoint listens. SIGHUP reloads the configuration and re-advertises. This
+module wires; it holds no policy of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gpunode.config.agent import Config
-from gpunode.errors import BackendUnavailable, ConfigError, GpunodeError
+from gpunode.errors import BackendUnavailable, ConfigError, GpunodeError, ProfileError
 from gpunode.infra import sdnotify
 from gpunode.node.allocation.allocator import Allocator
 from gpunode.node.devices.base import Backend, DeviceEvent, EventKind
@@ -29,13 +31,21 @@ from gpunode.node.inventory import Inventory, build_inventory
 from gpunode.node.kubelet.deviceplugin import PluginManager, socket_name
 from gpunode.node.memcap.checkpoint import Checkpoint
 from gpunode.node.parts import (
+    MetricsEndpoint,
+    StateDirWatch,
+    add_gauge,
+    build_assignments,
     build_health,
     build_metrics,
     build_publisher,
     build_region_keeper,
+    check_kubelet_dir,
+    check_state_dir,
     serve_sim_control,
+    watch_kubelet,
 )
 from gpunode.node.state import DeviceState
+from gpunode.node.supervise import ProcessControl, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +93,12 @@ class Agent:
         self.health: Any = None  # gpunode.node.health.HealthMonitor once running
         self.remediator: Any = None
         self.metrics: Any = None  # gpunode.node.metrics.MetricsCollector once running
-        self.metrics_ready: asyncio.Event | None = None
+        self.metrics_endpoint: MetricsEndpoint | None = None  # its HTTP endpoint (url: the bound port)
+        self.supervisor: Supervisor | None = None
+        self.state_dir_watch: StateDirWatch | None = None
+        self.kubelet_present = [False]  # whether kubelet.sock exists, as last seen (for the metric)
         self.publisher: Any = None  # gpunode.node.publish.NodeStatePublisher when publishing
+        self.assignments: Any = None  # gpunode.node.assignments.AssignmentBook, with the publisher
         self.region_keeper: Any = None  # gpunode.node.memcap.gc.RegionKeeper when memory caps are in use
         self.checkpoint = Checkpoint(config.state_dir)
 
@@ -129,14 +143,23 @@ class Agent:
             from gpunode.node.devices.select import detect_backend
 
             sim_profile = self.config.sim_profile if self.config.backend == "sim" else None
-            self._backend = detect_backend(self.config.backend, sim_profile)
+            try:
+                self._backend = detect_backend(self.config.backend, sim_profile)
+            except ProfileError as exc:  # name the flag, variable or file key that chose the profile
+                where = self.config.origin("sim_profile", "gpunode.simProfile")
+                raise ProfileError(f"{where}: {exc}", hint=exc.hint) from None
         inventory = build_inventory(self.backend.gpus(), self.config)
         for warning in inventory.warnings:
             log.warning("%s", warning)
         return inventory
 
-    async def run(self, *, ready: asyncio.Event | None = None, handle_signals: bool = False) -> None:
-        """Open the backend and run plugins, health, metrics and publishing until stopped; sets ready when serving."""
+    async def run(self, *, ready: asyncio.Event | None = None, process: ProcessControl | None = None) -> None:
+        """Open the backend and run plugins, health, metrics and publishing until stopped.
+
+        Sets `ready` once everything listens. The first part that fails ends the run with that part's
+        one-line error (a GpunodeError); the others get STOP_GRACE_S to stop. `process`: the signals and
+        exit deadline of `gpunode agent` (armed as soon as the agent begins to stop).
+        """
         self._loop = asyncio.get_running_loop()
         self._stop_async = asyncio.Event()
         self._reload_async = asyncio.Event()
@@ -152,59 +175,78 @@ class Agent:
             log.error("failOnInitError is false: the agent stays up and advertises nothing")
             await self._stop_async.wait()
             return
-        if handle_signals:
-            self._install_signal_handlers()
+        # Nothing is created or served before the directories are known to be usable.
+        await asyncio.to_thread(check_state_dir, self.config)
+        await asyncio.to_thread(check_kubelet_dir, self.config, inventory.resources())
         self.state = DeviceState(inventory)
         self._restore_caps(inventory)
         allocator = Allocator(config=self.config, checkpoint=self.checkpoint)
         allocator.preload_lib = self._stage_preload(inventory)
         self.plugins = PluginManager(config=self.config, state=self.state, allocator=allocator)
         self._announce(inventory)
-        plugins_ready = asyncio.Event()
+        sup = self.supervisor = Supervisor()
+        stopper = asyncio.ensure_future(self._stop_async.wait())
+        stopper.add_done_callback(lambda _: sup.stop())
         try:
-            async with asyncio.TaskGroup() as tg:
-                tg.create_task(self.plugins.run(ready=plugins_ready), name="device-plugins")
-                tg.create_task(self._pump_events(), name="event-pump")
-                tg.create_task(self._watch_topology(), name="topology-watch")
-                tg.create_task(self._reloader(), name="reloader")
-                tg.create_task(self._rediscoverer(), name="rediscoverer")
-                tg.create_task(self._sim_control(), name="sim-control")
-                self._start_health(tg)
-                self._start_metrics(tg)
-                self._start_publisher(tg)
-                self._start_region_keeper(tg)
-                await plugins_ready.wait()
+            if await self._start_parts(sup):
                 sdnotify.notify("READY=1")
-                interval = sdnotify.watchdog_interval_s()
-                if interval is not None:
-                    tg.create_task(sdnotify.run_watchdog(interval_s=interval), name="watchdog")
                 if ready is not None:
                     ready.set()
-                await self._stop_async.wait()
-                raise _Stop
-        except* _Stop:
-            pass
+                await sup.wait()
         finally:
+            stopper.cancel()
+            error = sup.error()
+            if process is not None:
+                process.error = error
+                process.arm()
             sdnotify.notify("STOPPING=1")
-            if handle_signals:
-                self._remove_signal_handlers()
+            stuck = await sup.shutdown()
+            if stuck:
+                log.warning("%s did not stop within %g s; leaving it behind", ", ".join(stuck), sup.grace_s)
             log.info("agent stopped; sockets removed")
+        if error is not None:
+            raise error
+
+    async def _start_parts(self, sup: Supervisor) -> bool:
+        """Start every part; True once all of them listen, False if the agent ended first."""
+        assert self.state is not None and self.plugins is not None
+        gates = {"device plugins": asyncio.Event(), "sim control": asyncio.Event()}
+        sup.start("device plugins", self.plugins.run(ready=gates["device plugins"]))
+        sup.start("event pump", self._pump_events())
+        sup.start("topology watch", self._watch_topology())
+        sup.start("reloader", self._reloader())
+        sup.start("rediscovery", self._rediscoverer())
+        sup.start("sim control", serve_sim_control(self.config, self.backend, gates["sim control"]))
+        sup.start("kubelet watch", watch_kubelet(self.config, self.kubelet_present))
+        self.state_dir_watch = StateDirWatch(self.config, self.state)
+        sup.start("state directory watch", self.state_dir_watch.run())
+        self._start_health(sup)
+        if self._start_metrics(sup):
+            gates["metrics endpoint"] = asyncio.Event()
+            assert self.metrics_endpoint is not None
+            sup.start("metrics endpoint", self.metrics_endpoint.run(gates["metrics endpoint"]))
+        self._start_publisher(sup)
+        self._start_region_keeper(sup)
+        interval = sdnotify.watchdog_interval_s()
+        if interval is not None:
+            sup.start("watchdog", sdnotify.run_watchdog(interval_s=interval))
+        for event in gates.values():
+            if not await sup.until(event):
+                return False
+        return True
+
+    def stuck_cleanup(self) -> None:
+        """Remove this agent's plugin sockets (from any thread), when the process must exit at once."""
+        if self.plugins is None:
+            return
+        for srv in list(self.plugins.servers.values()):
+            if srv.inode is not None and srv.socket_intact():
+                srv.socket_path.unlink(missing_ok=True)
 
     def _announce(self, inventory: Inventory) -> None:
         log.info("backend %s: %d GPU(s)", self.backend.name, len(inventory.gpus))
         for s in summarize(inventory, self.config):
             log.info("advertising %d x %s on %s", s.count, s.resource, s.socket)
-
-    def _install_signal_handlers(self) -> None:
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, self.request_stop)
-        loop.add_signal_handler(signal.SIGINT, self.request_stop)
-        loop.add_signal_handler(signal.SIGHUP, self.request_reload)
-
-    def _remove_signal_handlers(self) -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.remove_signal_handler(sig)
 
     # -- the long-running parts ----------------------------------------------------------------
 
@@ -257,8 +299,9 @@ class Agent:
                 log.warning("SIGHUP: no configuration source to reload from")
                 continue
             try:
-                config = self._config_loader()
-                inventory = build_inventory(await asyncio.to_thread(self.backend.gpus), config)
+                # Read, validate and build off to the side (in a thread, bounded by the configuration's
+                # limits); the running configuration and inventory are replaced only if all of it succeeds.
+                config, inventory = await asyncio.to_thread(self._load_for_reload, self._config_loader)
             except GpunodeError as exc:
                 log.error("reload refused, keeping the running configuration: %s (hint: %s)", exc, exc.hint)
                 continue
@@ -268,6 +311,9 @@ class Agent:
                     log.warning(
                         "SIGHUP: gpunode.%s changed; it takes effect when the agent restarts", section
                     )
+            if config.log_level != self.config.log_level:
+                logging.getLogger().setLevel(config.log_level.upper())
+                log.warning("SIGHUP: log level is now %s", config.log_level)
             self.config = config
             assert self.plugins is not None
             self.plugins.config = config
@@ -279,6 +325,11 @@ class Agent:
             sdnotify.notify("READY=1")
             log.info("configuration reloaded from %s", config.source)
             self._announce(inventory)
+
+    def _load_for_reload(self, loader: Callable[[], Config]) -> tuple[Config, Inventory]:
+        """The new configuration and the inventory it gives on the current GPUs; touches nothing running."""
+        config = loader()
+        return config, build_inventory(self.backend.gpus(), config)
 
     async def _pump_events(self) -> None:
         """Carry backend events (from a blocking wait in a thread) to rediscovery and listeners."""
@@ -311,31 +362,42 @@ class Agent:
                     out[st.device.id] = st.reason
         return out
 
-    def _start_health(self, tg: asyncio.TaskGroup) -> None:
+    def _start_health(self, sup: Supervisor) -> None:
         assert self.state is not None
         self.health, remediator = build_health(self.config, self.backend, self.state)
         self.remediator = remediator
         self.event_listeners.append(self.health.handle_event)
-        tg.create_task(self.health.run(), name="health")
+        sup.start("health monitor", self.health.run())
         if remediator is not None:
-            tg.create_task(remediator.run(), name="remediation")
+            sup.start("remediation", remediator.run())
 
-    def _start_metrics(self, tg: asyncio.TaskGroup) -> None:
-        from gpunode.node.metrics import serve_metrics
-
+    def _start_metrics(self, sup: Supervisor) -> bool:
+        """Start the collector; True when there is an endpoint to serve (metrics enabled)."""
         assert self.state is not None
         collector = build_metrics(self.config, self.backend, self.state, self.unhealthy_devices)
         if collector is None:
-            return
-        cfg = self.config.metrics
+            return False
         self.metrics = collector
         self.event_listeners.append(self.metrics.record_event)
-        tg.create_task(self.metrics.run(), name="metrics-collector")
-        self.metrics_ready = asyncio.Event()
-        tg.create_task(
-            serve_metrics(collector=self.metrics, listen=cfg.listen, ready=self.metrics_ready),
-            name="metrics-server",
+        add_gauge(
+            collector,
+            "gpunode_kubelet_socket_present",
+            "1 while the kubelet's registration socket (kubelet.sock) exists in the kubelet directory, else 0.",
+            lambda: float(self.kubelet_present[0]),
         )
+        add_gauge(
+            collector,
+            "gpunode_state_dir_writable",
+            "1 while the state directory can be written, else 0 (memory-capped devices are then Unhealthy).",
+            lambda: float(self.state_dir_watch is None or self.state_dir_watch.problem is None),
+        )
+        sup.start("metrics collector", self.metrics.run())
+        self.metrics_endpoint = MetricsEndpoint(collector, self.config, self._problems)
+        return True
+
+    def _problems(self) -> list[str]:
+        """What the agent itself knows is wrong now, for /health."""
+        return self.state_dir_watch.problems() if self.state_dir_watch is not None else []
 
     def _uses_caps(self, inventory: Inventory) -> bool:
         return any(d.memory_cap_bytes is not None for d in inventory.devices) or bool(
@@ -365,25 +427,21 @@ class Agent:
         except ImportError as exc:
             log.error("memory caps unavailable (%s): capped devices cannot be allocated", exc)
 
-    def _start_region_keeper(self, tg: asyncio.TaskGroup) -> None:
+    def _start_region_keeper(self, sup: Supervisor) -> None:
         assert self.state is not None
         if not self._uses_caps(self.state.snapshot().inventory):
             return
         self.region_keeper = build_region_keeper(self.config, self.checkpoint)
-        tg.create_task(self.region_keeper.run(), name="memcap-regions")
+        sup.start("memcap regions", self.region_keeper.run())
 
-    def _start_publisher(self, tg: asyncio.TaskGroup) -> None:
+    def _start_publisher(self, sup: Supervisor) -> None:
         """Annotate this node's Node object with its GPU state, for the scheduler extender."""
         assert self.state is not None
         publisher = build_publisher(self.config, self.state)
         if publisher is None:
             return
         self.publisher = publisher
-        tg.create_task(self.publisher.run(), name="node-state-publisher")
-
-    async def _sim_control(self) -> None:
-        await serve_sim_control(self.config, self.backend)
-
-
-class _Stop(Exception):
-    """Raised inside the TaskGroup to end it cleanly."""
+        sup.start("node-state publisher", self.publisher.run())
+        self.assignments = build_assignments(self.config, self.state, self.plugins, publisher, self.metrics)
+        if self.assignments is not None:
+            sup.start("assignment watch", self.assignments.run())

@@ -1,12 +1,15 @@
 """`gpunode doctor`: diagnose a node, one check at a time, each with a hint when it fails.
 
 checks() returns Check records; nothing here changes the node (it opens the
-backend and builds the inventory read-only, and only looks at sockets and
-directories). A failed check never stops the others.
+backend once and builds the inventory read-only, looks at sockets and
+directories, and asks a running agent's metrics endpoint for /health). A failed
+check never stops the others, and a backend that cannot be opened is reported
+once: the checks that need it say they were skipped.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import socket
@@ -14,9 +17,10 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from gpunode.config.agent import Config
-from gpunode.errors import GpunodeError
+from gpunode.errors import GpunodeError, ProfileError
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 
@@ -43,11 +47,22 @@ def _check_python() -> Check:
     return Check("python", OK, f"Python {v.major}.{v.minor}.{v.micro} at {sys.executable}")
 
 
-def _check_backend(cfg: Config) -> Check:
+class _Node:
+    """What several checks share: the GPUs, read once (None when the backend failed), and the inventory."""
+
+    def __init__(self) -> None:
+        self.gpus: list[Any] | None = None
+        self.inventory: Any = None
+
+
+def _check_backend(cfg: Config, node: _Node) -> Check:
     from gpunode.node.devices.select import detect_backend
 
     try:
-        backend = detect_backend(cfg.backend, cfg.sim_profile)
+        backend = detect_backend(cfg.backend, cfg.sim_profile if cfg.backend == "sim" else None)
+    except ProfileError as exc:
+        where = cfg.origin("sim_profile", "gpunode.simProfile")
+        return Check("gpu backend", FAIL, f"{where}: {exc}", exc.hint)
     except GpunodeError as exc:
         return Check("gpu backend", FAIL, str(exc), exc.hint)
     try:
@@ -58,6 +73,7 @@ def _check_backend(cfg: Config) -> Check:
         detail = f"{backend.name}: {len(gpus)} GPU(s) {', '.join(models)}; driver {driver}"
         if mig:
             detail += f"; {mig} with MIG enabled"
+        node.gpus = list(gpus)
         return Check("gpu backend", OK, detail)
     except GpunodeError as exc:
         return Check("gpu backend", FAIL, str(exc), exc.hint)
@@ -65,11 +81,16 @@ def _check_backend(cfg: Config) -> Check:
         backend.close()
 
 
-def _check_inventory(cfg: Config) -> Check:
-    from gpunode.node.agent import Agent
+SKIPPED = "not checked: the gpu backend failed (above)"
 
+
+def _check_inventory(cfg: Config, node: _Node) -> Check:
+    from gpunode.node.inventory import build_inventory
+
+    if node.gpus is None:
+        return Check("advertised devices", WARN, SKIPPED, "fix the gpu backend first")
     try:
-        inventory = Agent(cfg).open()
+        inventory = node.inventory = build_inventory(node.gpus, cfg)
     except GpunodeError as exc:
         return Check("advertised devices", FAIL, str(exc), exc.hint)
     parts = [f"{len(inventory.by_resource(r))} x {r}" for r in inventory.resources()]
@@ -110,9 +131,114 @@ def _check_kubelet(cfg: Config) -> Check:
         return Check("kubelet", WARN, f"no {sock}", "the agent registers as soon as the kubelet creates it")
     if not _socket_answers(sock):
         return Check("kubelet", FAIL, f"{sock} does not accept connections", "is the kubelet running?")
-    ours = sorted(p.name for p in cfg.kubelet_dir.glob("gpunode-*.sock"))
+    return Check("kubelet", OK, f"{sock} answers")
+
+
+def _check_plugins(cfg: Config, node: _Node) -> Check:
+    """The agent's device-plugin sockets in the kubelet's directory: one per advertised resource, each
+    accepting connections (the kubelet reaches the plugins through them)."""
+    from gpunode.node.kubelet.deviceplugin import socket_name
+
+    name = "device plugins"
+    if node.inventory is None:
+        return Check(name, WARN, "not checked: the advertised devices are not known (above)")
+    expected = {socket_name(r): r for r in node.inventory.resources()}
+    if not expected:
+        return Check(name, OK, "nothing to advertise, so no plugin sockets")
+    present = {p.name for p in cfg.kubelet_dir.glob("gpunode-*.sock")} if cfg.kubelet_dir.is_dir() else set()
+    missing = sorted(n for n in expected if n not in present)
+    dead = sorted(n for n in expected if n in present and not _socket_answers(cfg.kubelet_dir / n))
+    stale = sorted(present - set(expected))
+    if len(missing) == len(expected):
+        return Check(
+            name,
+            WARN,
+            f"no agent plugin socket in {cfg.kubelet_dir} (expected {', '.join(sorted(expected))})",
+            "start the agent (`gpunode agent`, or its DaemonSet pod on this node)",
+        )
+    problems = [f"{n} missing" for n in missing] + [f"{n} does not accept connections" for n in dead]
+    if problems:
+        return Check(
+            name,
+            FAIL,
+            f"{len(expected) - len(missing) - len(dead)} of {len(expected)} plugin sockets answer; "
+            + "; ".join(problems),
+            "the agent serves one socket per resource; restart it and read its log",
+        )
+    detail = f"{len(expected)} plugin socket(s) answer in {cfg.kubelet_dir}: {', '.join(sorted(expected))}"
+    if stale:
+        return Check(
+            name,
+            WARN,
+            f"{detail}; also {', '.join(stale)}, for resources this configuration does not advertise",
+            "an agent with another configuration left them, or runs beside this one",
+        )
+    return Check(name, OK, detail)
+
+
+# How long the agent's metrics endpoint has to answer /health.
+AGENT_TIMEOUT_S = 3.0
+
+
+def _check_agent(cfg: Config) -> Check:
+    """Whether an agent runs here: its metrics endpoint (from the configuration) answers /health."""
+    name = "agent"
+    metrics = cfg.metrics
+    if not metrics.enabled:
+        return Check(
+            name, WARN, "not checked: gpunode.metrics.enabled is false, so the agent serves no /health"
+        )
+    address = metrics.listen_address
+    if address.port == 0:
+        return Check(
+            name, WARN, f"not checked: the metrics endpoint listens on a random port ({metrics.listen})"
+        )
+    host = address.host if address.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
+    url = f"http://{f'[{host}]' if ':' in host else host}:{address.port}/health"
+    if metrics.web_config_file:
+        return Check(
+            name,
+            WARN,
+            f"not checked: the metrics endpoint needs the TLS and basic-auth settings of "
+            f"{metrics.web_config_file}, and doctor has no credentials",
+            f"check it with the credentials: curl -k -u USER https://{url.removeprefix('http://')}",
+        )
+    conn = http.client.HTTPConnection(host, address.port, timeout=AGENT_TIMEOUT_S)
+    try:
+        conn.request("GET", "/health")
+        response = conn.getresponse()
+        body = response.read(200).decode("utf-8", "replace").strip()
+    except (ConnectionRefusedError, FileNotFoundError):
+        return Check(
+            name,
+            WARN,
+            f"no agent answers at {url} (connection refused)",
+            "start the agent (`gpunode agent`, or its DaemonSet pod on this node); gpunode.metrics.listen "
+            "says where it listens",
+        )
+    except (OSError, http.client.HTTPException) as exc:
+        return Check(name, FAIL, f"{url} did not answer /health: {exc}", "is something else listening there?")
+    finally:
+        conn.close()
+    said = body.splitlines()[0] if body else "(empty)"
+    if response.status == 200:
+        return Check(name, OK, f"running: {url} answers {said}")
+    if response.status in (401, 403):
+        return Check(
+            name,
+            WARN,
+            f"not checked: {url} asks for credentials ({response.status})",
+            "the endpoint is protected (--web-config-file); check it with curl and the credentials",
+        )
+    if response.status == 503:
+        return Check(
+            name,
+            FAIL,
+            f"{url} answers 503: {said}",
+            "the agent's collector is stuck; read its log, and restart it if it stays so",
+        )
     return Check(
-        "kubelet", OK, f"{sock} answers; gpunode sockets: {', '.join(ours) or 'none (agent not running?)'}"
+        name, WARN, f"{url} answers {response.status}: {said}", "is it a gpunode agent listening there?"
     )
 
 
@@ -131,8 +257,24 @@ def _check_pod_resources(cfg: Config) -> Check:
 
 def _check_state_dir(cfg: Config) -> Check:
     d = cfg.state_dir
-    probe = d if d.exists() else d.parent
-    if not os.access(probe, os.W_OK):
+    if not d.exists():
+        parent = next((p for p in d.parents if p.exists()), Path("/"))
+        if not os.access(parent, os.W_OK):
+            return Check(
+                "state directory",
+                FAIL,
+                f"{d} does not exist, and {parent} is not writable to create it",
+                "set --state-dir or GPUNODE_STATE_DIR to a writable path, or create it",
+            )
+        return Check(
+            "state directory",
+            WARN,
+            f"{d} does not exist (the agent creates it when it starts; no agent has run with it yet)",
+            "start the agent, or check --state-dir (gpunode.stateDir) if one is already running",
+        )
+    if not d.is_dir():
+        return Check("state directory", FAIL, f"{d} is not a directory", "point --state-dir at a directory")
+    if not os.access(d, os.W_OK):
         return Check(
             "state directory",
             FAIL,
@@ -157,18 +299,62 @@ def _check_memcap() -> Check:
     return Check("memory caps", OK, f"interposer {lib}")
 
 
+def _not_root_only(path: Path) -> bool:
+    try:
+        return bool(path.lstat().st_mode & 0o077)
+    except OSError:
+        return False
+
+
+def _check_memcap_regions(cfg: Config) -> Check:
+    """The regions under state_dir/memcap: root-only on the host, and each one usable."""
+    name = "memory-cap regions"
+    root = cfg.state_dir / "memcap"
+    if not root.is_dir():
+        return Check(name, OK, f"none yet ({root} does not exist)")
+    try:
+        from gpunode.node import memcap  # type: ignore[attr-defined,unused-ignore]
+
+        regions, problems = memcap.scan_regions(root)
+    except (ImportError, GpunodeError) as exc:
+        return Check(name, FAIL, f"cannot read {root}: {exc}", getattr(exc, "hint", ""))
+    open_dirs = [
+        p for p in (root, *(r.path for r in regions), *(q.path for q in problems)) if _not_root_only(p)
+    ]
+    details, hints = [], []
+    if problems:
+        listed = "; ".join(f"{q.key}: {q.message}" for q in problems)
+        details.append(
+            f"{len(problems)} of {len(regions) + len(problems)} region(s) unusable and skipped: {listed}"
+        )
+        hints.append(problems[0].hint)
+    if open_dirs:
+        details.append(f"{', '.join(str(p) for p in open_dirs)} may be reached by users other than root")
+        hints.append(
+            f"start the agent (it makes them root-only) or run chmod 700 on them; {root} must stay 0700"
+        )
+    if details:
+        return Check(name, WARN, "; ".join(details), "; ".join(hints))
+    return Check(name, OK, f"{len(regions)} region(s) in {root}, all usable, root-only")
+
+
 def checks(cfg: Config) -> list[Check]:
-    """Run every check: Python, backend, advertised devices, memory caps, state dir, kubelet, pod-resources.
+    """Run every check: Python, backend, advertised devices, memory caps and their regions, state dir,
+    kubelet, the agent's plugin sockets, the agent's /health, pod-resources.
 
     A check that raises becomes a failed Check; it does not stop the others.
     """
+    node = _Node()
     steps: list[Callable[[], Check]] = [
         _check_python,
-        lambda: _check_backend(cfg),
-        lambda: _check_inventory(cfg),
+        lambda: _check_backend(cfg, node),
+        lambda: _check_inventory(cfg, node),
         _check_memcap,
+        lambda: _check_memcap_regions(cfg),
         lambda: _check_state_dir(cfg),
         lambda: _check_kubelet(cfg),
+        lambda: _check_plugins(cfg, node),
+        lambda: _check_agent(cfg),
         lambda: _check_pod_resources(cfg),
     ]
     out: list[Check] = []

@@ -20,9 +20,16 @@ from dataclasses import dataclass, field
 from gpunode.config.agent import Config, shared_resource_name
 from gpunode.config.sharing import DeviceSelector, SharedResource
 from gpunode.contract.deviceids import memory_unit_id, replica_id
-from gpunode.contract.names import GIB, GPU_RESOURCE, Sharing, mig_resource_name
+from gpunode.contract.names import GIB, GPU_RESOURCE, MIB, Sharing, mig_resource_name
+from gpunode.contract.reader import format_bytes
 from gpunode.errors import ConfigError
 from gpunode.node.devices.base import Gpu, MigDevice
+
+# What one node may advertise. A device is about 70 bytes of a kubelet ListAndWatch message (ID,
+# health, NUMA node), so 16384 devices stay far below gRPC's default 4 MiB message limit (a test
+# checks it), and the kubelet's checkpoint stays small. Counts are checked before devices are built.
+MAX_UNITS_PER_GPU = 1024  # gpunode.fractional memory units of one GPU
+MAX_DEVICES_PER_NODE = 16384  # every advertised device ID of the node, all resources together
 
 
 @dataclass(frozen=True)
@@ -250,6 +257,8 @@ def build_inventory(gpus: Sequence[Gpu], cfg: Config, *, strict: bool = True) ->
         matched[selector.where] = matched.get(selector.where, 0) + 1
 
     for gpu in gpus:
+        if len(devices) > MAX_DEVICES_PER_NODE:
+            _too_many_devices(cfg, len(devices), gpu)
         mode = _sharing_mode(cfg, gpu, count, problem)
         modes.append((gpu.uuid, mode))
         if mode == Sharing.MIG:
@@ -262,6 +271,8 @@ def build_inventory(gpus: Sequence[Gpu], cfg: Config, *, strict: bool = True) ->
                 devices, cfg, resource=GPU_RESOURCE, gpu=gpu, mig=None, reason=f"whole GPU {gpu.index}{note}"
             )
 
+    if len(devices) > MAX_DEVICES_PER_NODE:
+        _too_many_devices(cfg, len(devices), None)
     for sel in selectors:
         if not sel.all and not matched.get(sel.where):
             problem(f"{sel.where}: the selector ({sel.describe()}) matches no GPU that can use it")
@@ -271,6 +282,16 @@ def build_inventory(gpus: Sequence[Gpu], cfg: Config, *, strict: bool = True) ->
             "sharing.timeSlicing.renameByDefault or rename to tell them apart"
         )
     return Inventory(devices=tuple(devices), gpus=tuple(gpus), modes=tuple(modes), warnings=tuple(warnings))
+
+
+def _too_many_devices(cfg: Config, count: int, at: Gpu | None) -> None:
+    """Refuse a configuration that would advertise more than MAX_DEVICES_PER_NODE devices."""
+    where = f" before GPU {at.index}" if at is not None else ""
+    raise ConfigError(
+        f"{cfg.source}: the configuration would advertise {count} devices{where}; a node advertises at "
+        f"most {MAX_DEVICES_PER_NODE}",
+        hint="lower sharing.timeSlicing replicas or raise gpunode.fractional.unit",
+    )
 
 
 def _selectors(cfg: Config) -> list[DeviceSelector]:
@@ -332,6 +353,15 @@ def _memory_units(cfg: Config, gpu: Gpu, problem: _Problems) -> list[AdvertisedD
     """The memory units of a fractional GPU, each capped at one unit by the interposer."""
     frac = cfg.fractional
     units = gpu.memory_total_bytes // frac.unit_bytes
+    if units > MAX_UNITS_PER_GPU:
+        # Refused even while rediscovering (never built): the smallest unit that fits is named.
+        smallest = -(-gpu.memory_total_bytes // MAX_UNITS_PER_GPU // MIB) * MIB
+        raise ConfigError(
+            f"{cfg.source}: gpunode.fractional.unit: {format_bytes(frac.unit_bytes)} gives {units} units on "
+            f"GPU {gpu.index} ({gpu.memory_total_bytes // MIB} MiB); at most {MAX_UNITS_PER_GPU} units per "
+            f"GPU are allowed",
+            hint=f"use a unit of at least {format_bytes(smallest)} for this GPU (1Gi suits most)",
+        )
     if units == 0:
         problem(
             f"{cfg.source}: gpunode.fractional.unit: {frac.unit_bytes} bytes is more than the "

@@ -1,10 +1,16 @@
-"""The node agent's optional parts, each built from the configuration.
+"""The agent's optional parts, each built from the configuration, and the checks of its directories.
 
-Health checks and remediation, the metrics collector, the memory-cap region
-keeper, the node-state publisher and the simulated node's control socket. Each
-part's modules are imported only when it is built, so a node that does not use
-it never loads them. The Agent (agent.py) starts what these return in its
-TaskGroup and keeps them; this module only builds.
+Health checks and remediation, the metrics collector and its endpoint, the
+memory-cap region keeper, the node-state publisher, the book of the extender's
+GPU assignments and the simulated node's control socket. Each part's modules are imported only when it is built, so a
+node that does not use it never loads them. The Agent (agent.py) starts what
+these return under its supervisor (supervise.py) and keeps them.
+
+The directories are checked before anything is served (check_kubelet_dir,
+check_state_dir: one line naming the path and what is wrong) and watched while
+the agent runs: watch_kubelet says plainly, every KUBELET_WARN_INTERVAL_S, that
+no kubelet is there; watch_state_dir marks the memory-capped devices unhealthy
+while the state directory cannot be written (their Allocate would fail).
 """
 
 from __future__ import annotations
@@ -12,12 +18,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+import os
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from gpunode.config.agent import Config
+from gpunode.errors import KubeletDirError, StateDirError
 from gpunode.node.devices.base import Backend
+from gpunode.node.kubelet.deviceplugin import socket_name
 from gpunode.node.memcap.checkpoint import Checkpoint
 from gpunode.node.state import DeviceState
 
@@ -27,6 +37,7 @@ log = logging.getLogger("gpunode.node.agent")  # the parts report as the agent
 def build_health(config: Config, backend: Backend, state: DeviceState) -> tuple[Any, Any]:
     """The health monitor and the remediator the configuration asks for (None for mode: off)."""
     from gpunode.node.health import HealthMonitor
+    from gpunode.node.health.holds import HoldStore
     from gpunode.node.health.remediation import build_remediator
 
     health_cfg = config.health
@@ -43,7 +54,10 @@ def build_health(config: Config, backend: Backend, state: DeviceState) -> tuple[
         node_name=config.node_name,
         pod_resources_socket=str(config.pod_resources_socket),
     )
-    monitor = HealthMonitor(backend=backend, state=state, config=health_cfg, remediator=remediator)
+    store = HoldStore(config.state_dir / "health")  # fatal XIDs held across restarts; operators' clears
+    monitor = HealthMonitor(
+        backend=backend, state=state, config=health_cfg, remediator=remediator, store=store
+    )
     return monitor, remediator
 
 
@@ -128,18 +142,272 @@ def build_publisher(config: Config, state: DeviceState) -> Any:
     )
 
 
-async def serve_sim_control(config: Config, backend: Backend) -> None:
-    """Serve the simulated node's control socket until cancelled; nothing without a SimBackend and a socket path."""
+def build_assignments(config: Config, state: DeviceState, plugins: Any, publisher: Any, metrics: Any) -> Any:
+    """The book of the scheduler extender's GPU assignments to carry out (gpunode.node.assignments), wired
+    into the device plugins' hooks and the metrics, with every Allocate told to the publisher; None
+    without API access (no publisher), where the node decides alone as before."""
+    from gpunode.infra.kube import KubeClient
+    from gpunode.node.assignments import AssignmentBook
+
+    if publisher is None:
+        return None
+    rem_cfg = config.remediation
+    book = AssignmentBook(
+        node_name=config.node_name,
+        state_dir=config.state_dir,
+        client_factory=lambda: KubeClient.from_environment(
+            kubeconfig=rem_cfg.kubeconfig, request_timeout_s=rem_cfg.request_timeout_s
+        ),
+        served=lambda: state.snapshot().resources(),
+    )
+    plugins.hooks.assignments = book
+    plugins.hooks.allocated.append(publisher.note_allocation)
+    if metrics is not None:
+        metrics.registry.register(book.collector())
+    return book
+
+
+async def serve_sim_control(config: Config, backend: Backend, ready: asyncio.Event | None = None) -> None:
+    """Serve the simulated node's control socket until cancelled; nothing without a SimBackend and a socket path.
+
+    Sets `ready` once the socket is served (at once when there is nothing to serve).
+    """
     from gpunode.node.devices.simnode.backend import SimBackend
     from gpunode.node.devices.simnode.control import serve_control
 
     path = config.sim_control_socket
     if path is None or not isinstance(backend, SimBackend):
+        if ready is not None:
+            ready.set()
         return
     handle = await asyncio.to_thread(serve_control, backend, path)
     log.info("simulated node control socket: %s (try `gpunode sim list --socket %s`)", path, path)
     try:
+        if ready is not None:
+            ready.set()
         await asyncio.Event().wait()
     finally:
         with contextlib.suppress(Exception):
             handle.close()
+
+
+# -- the metrics endpoint ----------------------------------------------------------------------
+
+
+class _AgentHealth:
+    """The collector as the endpoint sees it, with the agent's own problems added to /health."""
+
+    def __init__(self, collector: Any, problems: Callable[[], list[str]]) -> None:
+        self._collector = collector
+        self._problems = problems
+
+    def render(self) -> bytes:
+        """The collector's exposition."""
+        return bytes(self._collector.render())
+
+    @property
+    def snapshot(self) -> object | None:
+        """The collector's last successful collection."""
+        return self._collector.snapshot
+
+    def health_status(self) -> tuple[bool, str]:
+        """The collector's verdict, made KO by any problem of the agent (named first)."""
+        ok, detail = self._collector.health_status()
+        problems = self._problems()
+        if not problems:
+            return ok, detail
+        return False, "; ".join([*problems, detail])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._collector, name)
+
+
+class MetricsEndpoint:
+    """The metrics endpoint as the agent runs it: run() binds, then sets ready; url names the bound port."""
+
+    def __init__(self, collector: Any, config: Config, problems: Callable[[], list[str]]) -> None:
+        self.collector = collector
+        self.config = config
+        self.source = _AgentHealth(collector, problems)
+        self.server: Any = None
+        self._tls = False
+
+    @property
+    def url(self) -> str:
+        """The /metrics URL on the bound address, e.g. http://localhost:9400/metrics."""
+        if self.server is None:
+            raise RuntimeError("the metrics endpoint is not listening")
+        host = self.server.address.host
+        host = "localhost" if host in ("", "0.0.0.0", "::") else host
+        host = f"[{host}]" if ":" in host else host
+        return f"{'https' if self._tls else 'http'}://{host}:{self.server.port}/metrics"
+
+    async def run(self, ready: asyncio.Event) -> None:
+        """Listen (MetricsServerError, one line, when the address cannot be bound), set ready, serve."""
+        from gpunode.config.metrics import parse_listen
+        from gpunode.config.webconfig import load_web_config
+        from gpunode.node.metrics import MetricsServer
+
+        cfg = self.config.metrics
+        web_config = load_web_config(cfg.web_config_file) if cfg.web_config_file else None
+        self._tls = web_config is not None and web_config.tls is not None
+        server = MetricsServer(
+            self.source, parse_listen(cfg.listen, "gpunode.metrics.listen"), web_config=web_config
+        )
+        await server.start()
+        self.server = server
+        ready.set()
+        try:
+            await asyncio.get_running_loop().create_future()  # until cancelled
+        finally:
+            await server.stop()
+
+
+def add_gauge(collector: Any, name: str, documentation: str, value: Callable[[], float]) -> None:
+    """An agent-level gauge (read at each scrape) in the collector's registry."""
+    from prometheus_client import Gauge
+
+    Gauge(name, documentation, registry=collector.registry).set_function(value)
+
+
+# -- the directories -----------------------------------------------------------------------------
+
+MAX_SOCKET_PATH_BYTES = 107  # sun_path holds 108 bytes with the terminating NUL
+KUBELET_WARN_INTERVAL_S = 60.0  # how often "no kubelet" is said again while it stays absent
+KUBELET_POLL_S = 1.0
+STATE_DIR_CHECK_S = 5.0
+STATE_DIR_SOURCE = "state-dir"  # the DeviceState health source of watch_state_dir
+
+
+def writable_problem(path: Path) -> str | None:
+    """None when a file can be created (and removed) in directory `path`, else why not."""
+    import tempfile
+
+    try:
+        fd, name = tempfile.mkstemp(prefix=".gpunode-probe-", dir=path)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(name)
+    return None
+
+
+def _ensure_dir(path: Path, what: str, error: type[KubeletDirError] | type[StateDirError]) -> bool:
+    """Make sure `path` is a directory; True when it had to be created."""
+    try:
+        if path.is_dir():
+            return False
+        if path.exists() or path.is_symlink():
+            raise error(f"{what} {path} is not a directory")
+        path.mkdir(parents=True)
+        return True
+    except FileExistsError:
+        return _ensure_dir(path, what, error)
+    except OSError as exc:
+        raise error(f"{what} {path} does not exist and cannot be created: {exc.strerror or exc}") from None
+
+
+def check_kubelet_dir(config: Config, resources: Iterable[str]) -> None:
+    """Socket paths that fit a Unix socket, a writable directory (created, and said, when missing)."""
+    d = config.kubelet_dir
+    for resource in resources:
+        path = d / socket_name(resource)
+        size = len(os.fsencode(path))
+        if size > MAX_SOCKET_PATH_BYTES:
+            raise KubeletDirError(
+                f"the device-plugin socket path {path} is {size} bytes; a Unix socket path may have "
+                f"at most {MAX_SOCKET_PATH_BYTES}",
+                hint="choose a shorter --kubelet-dir (gpunode.kubeletDir); the kubelet's own is "
+                "/var/lib/kubelet/device-plugins",
+            )
+    if _ensure_dir(d, "the kubelet directory", KubeletDirError):
+        log.warning(
+            "the kubelet directory %s did not exist: no kubelet runs there (or --kubelet-dir points "
+            "elsewhere); created it, and the device plugins register when %s appears",
+            d,
+            config.kubelet_socket.name,
+        )
+    why = writable_problem(d)
+    if why is not None:
+        raise KubeletDirError(f"the kubelet directory {d} is not writable: {why}")
+
+
+def check_state_dir(config: Config) -> None:
+    """A writable state directory (created when missing); StateDirError, one line, otherwise."""
+    d = config.state_dir
+    _ensure_dir(d, "the state directory", StateDirError)
+    why = writable_problem(d)
+    if why is not None:
+        raise StateDirError(f"the state directory {d} is not writable: {why}")
+
+
+async def watch_kubelet(config: Config, present: list[bool]) -> None:
+    """Say plainly, now and every KUBELET_WARN_INTERVAL_S, while no kubelet socket is there.
+
+    `present[0]` follows the kubelet socket's existence (for the metric).
+    """
+    loop = asyncio.get_running_loop()
+    said_at: float | None = None
+    sock = config.kubelet_socket
+    while True:
+        there = await asyncio.to_thread(sock.exists)
+        present[0] = there
+        now = loop.time()
+        if not there and (said_at is None or now - said_at >= KUBELET_WARN_INTERVAL_S):
+            log.warning(
+                "no kubelet at %s: nothing is registered and pods cannot get these GPUs until the kubelet "
+                "creates it (check --kubelet-dir; `gpunode doctor` diagnoses)",
+                sock,
+            )
+            said_at = now
+        elif there and said_at is not None:
+            log.info("the kubelet socket %s is there now", sock)
+            said_at = None
+        await asyncio.sleep(KUBELET_POLL_S)
+
+
+class StateDirWatch:
+    """Marks the memory-capped devices unhealthy while the state directory cannot be written."""
+
+    def __init__(self, config: Config, state: DeviceState) -> None:
+        self.config = config
+        self.state = state
+        self.problem: str | None = None  # why the directory cannot be written, while it cannot
+
+    def problems(self) -> list[str]:
+        """The problem as /health names it, when capped devices suffer from it."""
+        if self.problem is None or not self._capped():
+            return []
+        return [f"memory-capped devices unhealthy: {self.problem}"]
+
+    def _capped(self) -> dict[str, str]:
+        return {
+            d.target_uuid: f"the state directory cannot be written: {self.problem}"
+            for d in self.state.snapshot().inventory.devices
+            if d.memory_cap_bytes is not None
+        }
+
+    def check(self) -> None:
+        """Probe the directory once and publish the verdict (from a thread)."""
+        d = self.config.state_dir
+        why = writable_problem(d)
+        problem = None if why is None else f"{d} is not writable ({why})"
+        if problem != self.problem:
+            if problem is not None:
+                log.error(
+                    "the state directory %s is not writable (%s): memory caps cannot be set up, so the "
+                    "capped devices are advertised Unhealthy until it is writable again",
+                    d,
+                    why,
+                )
+            else:
+                log.info("the state directory %s is writable again", d)
+        self.problem = problem
+        self.state.set_unhealthy(STATE_DIR_SOURCE, self._capped() if problem else {})
+
+    async def run(self) -> None:
+        """Check every STATE_DIR_CHECK_S until cancelled."""
+        while True:
+            await asyncio.to_thread(self.check)
+            await asyncio.sleep(STATE_DIR_CHECK_S)

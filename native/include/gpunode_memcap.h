@@ -57,7 +57,8 @@ enum gpunode_memcap_status {
     GPUNODE_MEMCAP_ERR_NO_SLOT = 10,    /* every process slot is held by a live process */
     GPUNODE_MEMCAP_ERR_OVER_LIMIT = 11, /* the reservation would pass the cap */
     GPUNODE_MEMCAP_ERR_ARGUMENT = 12,
-    GPUNODE_MEMCAP_ERR_FLAGS = 13       /* unknown flag bits in the limit file */
+    GPUNODE_MEMCAP_ERR_FLAGS = 13,      /* unknown flag bits in the limit file */
+    GPUNODE_MEMCAP_ERR_FAULT = 14       /* the usage file shrank under a guarded call (guard.h) */
 };
 
 struct gpunode_memcap_limit_device {
@@ -141,7 +142,6 @@ int gpunode_memcap_report(const struct gpunode_memcap_region *region, struct gpu
 
 #define GPUNODE_MEMCAP_ENV_REGION "GPUNODE_MEMCAP_REGION"
 #define GPUNODE_MEMCAP_ENV_LOG_LEVEL "GPUNODE_MEMCAP_LOG_LEVEL"
-#define GPUNODE_MEMCAP_ENV_FAIL_OPEN "GPUNODE_MEMCAP_FAIL_OPEN"
 #define GPUNODE_MEMCAP_DEFAULT_DIR "/var/run/gpunode/memcap"
 #define GPUNODE_MEMCAP_LIMIT_FILE "limit"
 #define GPUNODE_MEMCAP_USAGE_FILE "usage"

@@ -13,6 +13,8 @@
 #include "cuda_types.h"
 #include "gpunode_memcap.h"
 
+#include <dlfcn.h>
+#include <link.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -103,6 +105,11 @@ struct gn_hot {
 };
 
 extern struct gn_hot gn_hot;
+
+/* Where the region is (locate.c): the fixed, mounted path unless nothing is
+ * there; *fixed says which. The fixed path's limit file must be read-only. */
+const char *gn_region_dir(int *fixed);
+int gn_read_only_limit(const char *dir, struct gpunode_memcap_limit *copy, char *why, size_t len);
 
 int gn_enter_slow(void);
 int gn_device_index(int ordinal, unsigned *dev, CUresult *err);
@@ -342,10 +349,17 @@ static inline CUresult gn_free_end(CUresult r, uint64_t key, uint64_t val)
     return r;
 }
 
-/* ---- dlsym ---- */
+/* ---- the dynamic loader (dlhooks.c, relink.c) ---- */
 
-typedef void *(*gn_dlsym_fn)(void *, const char *);
-gn_dlsym_fn gn_real_dlsym(void);
+/* glibc's own functions, called from here (this library is the caller). */
+void *gn_real_dlsym(void *handle, const char *name);
+void *gn_real_dlopen(const char *file, int flags);
+void *gn_real_dlmopen(Lmid_t lmid, const char *file, int flags);
+int gn_is_dl_hook(const void *p);
+uintptr_t gn_dyn_ptr(const struct link_map *lm, ElfW(Addr) p);
+/* dlopen/dlmopen done here on the caller's behalf (RTLD_DEEPBIND, or a
+ * namespace other than the base one). */
+void *gn_load_on_behalf(Lmid_t lmid, int explicit_ns, const char *file, int flags, void *caller);
 
 /* ---- arrays ---- */
 

@@ -34,6 +34,7 @@ static const char *const status_text[] = {
     [GPUNODE_MEMCAP_ERR_OVER_LIMIT] = "over the limit",
     [GPUNODE_MEMCAP_ERR_ARGUMENT] = "invalid argument",
     [GPUNODE_MEMCAP_ERR_FLAGS] = "unknown flags in the limit file",
+    [GPUNODE_MEMCAP_ERR_FAULT] = "the usage file shrank while it was being read",
 };
 
 const char *gpunode_memcap_strerror(int status)

@@ -43,12 +43,6 @@ static int64_t gn_now_ns(void)
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-static int gn_env_true(const char *name)
-{
-    const char *v = getenv(name);
-    return v && (strcmp(v, "1") == 0 || strcasecmp(v, "true") == 0 || strcasecmp(v, "yes") == 0);
-}
-
 /* Start time in clock ticks since boot (field 22 of /proc/self/stat). */
 static uint64_t gn_start_ticks(void)
 {
@@ -131,12 +125,27 @@ static void gn_describe_region(const char *dir)
     }
 }
 
+/* The region at the fixed path must be the agent's: its limit file on a
+ * read-only mount, and the bytes loaded the bytes of that file. */
+static int gn_refuse_untrusted(const char *dir, const char *why)
+{
+    gn_log(GN_LOG_ERROR, "memory-cap region %s is refused: %s; refusing every GPU allocation (fail-closed)", dir,
+           why);
+    gpunode_memcap_region_close(&gn_region);
+    return GN_PHASE_CLOSED;
+}
+
 static int gn_load_region_locked(void)
 {
-    const char *dir = getenv(GPUNODE_MEMCAP_ENV_REGION);
-    if (!dir || !*dir)
-        dir = GPUNODE_MEMCAP_DEFAULT_DIR;
+    int fixed = 0;
+    const char *dir = gn_region_dir(&fixed);
+    static struct gpunode_memcap_limit mounted;
+    char reason[PATH_MAX + 128];
+    if (fixed && !gn_read_only_limit(dir, &mounted, reason, sizeof(reason)))
+        return gn_refuse_untrusted(dir, reason);
     int rc = gpunode_memcap_region_open(&gn_region, dir, 1);
+    if (fixed && gn_region.limit_valid && memcmp(&mounted, &gn_region.limit, sizeof(mounted)) != 0)
+        return gn_refuse_untrusted(dir, "the limit file changed while it was read");
     if (rc == GPUNODE_MEMCAP_OK) {
         gn_fail_open_flag = (gn_region.limit.flags & GPUNODE_MEMCAP_FLAG_FAIL_OPEN) != 0;
         gn_hot.device_count = gn_region.limit.device_count;
@@ -151,11 +160,6 @@ static int gn_load_region_locked(void)
     int err = gpunode_memcap_region_errno(&gn_region);
     const char *why = gpunode_memcap_strerror(rc);
     if (rc == GPUNODE_MEMCAP_ERR_NO_REGION) {
-        if (gn_env_true(GPUNODE_MEMCAP_ENV_FAIL_OPEN)) {
-            gn_log(GN_LOG_WARN, "no memory-cap region at %s; %s is set, so allocations pass through uncapped", dir,
-                   GPUNODE_MEMCAP_ENV_FAIL_OPEN);
-            return GN_PHASE_OPEN;
-        }
         gn_log(GN_LOG_ERROR, "no memory-cap region at %s (set %s); refusing every GPU allocation (fail-closed)", dir,
                GPUNODE_MEMCAP_ENV_REGION);
         return GN_PHASE_CLOSED;

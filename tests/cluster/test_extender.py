@@ -215,6 +215,7 @@ class FakeApiServer:
 
     def __init__(self, *, fail_binding: bool = False) -> None:
         self.calls: list[tuple[str, str, Any]] = []
+        self.pods: dict[str, dict[str, Any]] = {}  # path -> the pod a GET of it answers
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -254,6 +255,10 @@ class FakeApiServer:
 
             def do_GET(self) -> None:
                 outer.calls.append(("GET", self.path, None))
+                if "/pods/" in self.path:
+                    pod = outer.pods.get(self.path)
+                    self._answer(200 if pod else 404, pod or {"kind": "Status", "reason": "NotFound"})
+                    return
                 self._answer(200, node_list(v1_node("n1", gpu_state("n1", [1000, 1000]))))
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -262,6 +267,11 @@ class FakeApiServer:
         )
         self.thread.start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def add_pod(self, pod: dict[str, Any]) -> None:
+        """Let GETs of this pod answer it (v1_pod: pending, for default-scheduler)."""
+        meta = pod["metadata"]
+        self.pods[f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"] = pod
 
     def close(self) -> None:
         self.server.shutdown()
@@ -415,11 +425,13 @@ def test_bind_annotates_the_pod_binds_it_and_reserves_its_gpu(
     _, client, api = served
     nodes = node_list(v1_node("n1", gpu_state("n1", [1000, 0])))
     pod = v1_pod()
+    api.add_pod(pod)
     assert client.post("filter", {"Pod": pod, "Nodes": nodes})[1]["Nodes"]["items"]
     args = {"PodName": "train-0", "PodNamespace": "team-a", "PodUID": pod["metadata"]["uid"], "Node": "n1"}
     status, result = client.post("bind", args)
     assert (status, result) == (200, {"Error": ""})
-    (patch_method, patch_path, patch), (post_method, post_path, binding) = api.calls
+    read, (patch_method, patch_path, patch), (post_method, post_path, binding) = api.calls
+    assert read == ("GET", "/api/v1/namespaces/team-a/pods/train-0", None)  # checked before binding
     assert (patch_method, patch_path) == ("PATCH", "/api/v1/namespaces/team-a/pods/train-0")
     assert patch == {"metadata": {"annotations": {"gpunode.io/gpu-assigned": "GPU-n1-0"}}}
     assert (post_method, post_path) == ("POST", "/api/v1/namespaces/team-a/pods/train-0/binding")
@@ -437,6 +449,7 @@ def test_bind_failure_is_reported_and_releases_the_reservation() -> None:
     server, client = start(extender)
     try:
         pod = v1_pod()
+        api.add_pod(pod)
         client.post("filter", {"Pod": pod, "Nodes": node_list(v1_node("n1", gpu_state("n1", [1000])))})
         _, result = client.post(
             "bind",
@@ -593,9 +606,15 @@ def test_healthz_answers_while_a_filter_runs_in_a_worker_thread() -> None:
 def test_a_binder_runs_its_coroutines_on_the_server_loop() -> None:
     """Extender.bind calls the binder in a worker thread; an asyncio binder submits to `server.loop`."""
 
+    pod = v1_pod("p", uid="u")
+    pod["metadata"]["namespace"] = "ns"
+
     class LoopBinder:
         server: ExtenderServer
         ran_on: list[asyncio.AbstractEventLoop] = []
+
+        def read_pod(self, *, namespace: str, name: str) -> dict[str, Any] | None:
+            return pod if (namespace, name) == ("ns", "p") else None
 
         def bind(self, *, namespace: str, name: str, uid: str, node: str, gpu_uuids: tuple[str, ...]) -> None:
             async def call() -> None:
@@ -607,6 +626,8 @@ def test_a_binder_runs_its_coroutines_on_the_server_loop() -> None:
     server, client = start(Extender(binder=binder))
     binder.server = server
     try:
+        nodes = node_list(v1_node("n1", gpu_state("n1", [1000])))
+        assert client.post("filter", {"Pod": pod, "Nodes": nodes})[1]["Nodes"]["items"]
         args = {"PodName": "p", "PodNamespace": "ns", "PodUID": "u", "Node": "n1"}
         assert client.post("bind", args) == (200, {"Error": ""})
         assert binder.ran_on == [server.loop]
@@ -714,6 +735,9 @@ def test_example_scheduler_configuration_wires_the_extender() -> None:
     assert {"nvidia.com/gpu", "gpunode.io/gpu-memory", "nvidia.com/mig-1g.10gb"} <= managed
     assert all(not r["ignoredByScheduler"] for r in extender["managedResources"])
     assert extender["nodeCacheCapable"] is True and 1 <= extender["weight"] <= 100
+    # HTTPS, and kube-scheduler presents a client certificate (the extender binds only for such a client).
+    assert extender["urlPrefix"].startswith("https://") and extender["enableHTTPS"] is True
+    assert set(extender["tlsConfig"]) == {"certFile", "keyFile", "caFile"}
 
 
 def test_extender_process_prints_its_bound_address_and_stops_on_sigterm() -> None:

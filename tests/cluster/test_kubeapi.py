@@ -154,6 +154,13 @@ def test_bind_through_the_extender_server(api: ApiServerStandIn) -> None:
     kube.attach(server.loop)
     try:
         uid = api.pod("team", "train-0")["metadata"]["uid"]
+        # kube-scheduler filters before it binds; the extender binds only what its filter passed.
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        conn.request(
+            "POST", "/filter", body=json.dumps({"Pod": api.pod("team", "train-0"), "NodeNames": ["n1"]})
+        )
+        assert json.loads(conn.getresponse().read())["NodeNames"] == ["n1"]
+        conn.close()
         body = {"PodName": "train-0", "PodNamespace": "team", "PodUID": uid, "Node": "n1"}
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
         conn.request("POST", "/bind", body=json.dumps(body), headers={"Content-Type": "application/json"})

@@ -147,8 +147,16 @@ TYPED = {
     ("apps/v1", "Deployment"): "V1Deployment",
     ("rbac.authorization.k8s.io/v1", "ClusterRole"): "V1ClusterRole",
     ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"): "V1ClusterRoleBinding",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "V1NetworkPolicy",
+    ("rbac.authorization.k8s.io/v1", "Role"): "V1Role",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "V1RoleBinding",
+    ("policy/v1", "PodDisruptionBudget"): "V1PodDisruptionBudget",
 }
-STRUCTURAL = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+STRUCTURAL = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("cert-manager.io/v1", "Certificate"),
+    ("cert-manager.io/v1", "Issuer"),
+}
 
 
 def through_typed_model(doc: Mapping[str, Any]) -> Any:
@@ -276,9 +284,9 @@ def test_daemonset_contract() -> None:
     assert env["GPUNODE_CONFIG"]["value"] == "/etc/gpunode/config.yaml"
     assert container["ports"] == [{"name": "metrics", "containerPort": 9400, "protocol": "TCP"}]
     probes = {p: container[p]["httpGet"] for p in ("startupProbe", "livenessProbe", "readinessProbe")}
-    assert probes == {"startupProbe": {"path": "/metrics", "port": "metrics"},
-                      "livenessProbe": {"path": "/health", "port": "metrics"},
-                      "readinessProbe": {"path": "/metrics", "port": "metrics"}}  # fmt: skip
+    assert probes == {"startupProbe": {"path": "/ready", "port": "metrics", "scheme": "HTTP"},
+                      "livenessProbe": {"path": "/health", "port": "metrics", "scheme": "HTTP"},
+                      "readinessProbe": {"path": "/ready", "port": "metrics", "scheme": "HTTP"}}  # fmt: skip
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["name"]: m for m in container["volumeMounts"]}
     for name, host, read_only in (
@@ -356,7 +364,13 @@ SERVICE_MONITOR_SCHEMA = {
                     "relabelings": {"type": "array", "items": {"type": "object", "properties": {
                         "action": {"enum": ["replace", "keep", "drop", "labeldrop", "labelkeep", "labelmap", "hashmod"]},
                         "regex": {"type": "string"}}}},
-                    "metricRelabelings": {"type": "array"}}}}}}},
+                    "metricRelabelings": {"type": "array"},
+                    "tlsConfig": {"type": "object", "additionalProperties": False, "properties": {
+                        "ca": {"type": "object"}, "cert": {"type": "object"}, "keySecret": {"type": "object"},
+                        "serverName": {"type": "string"}, "insecureSkipVerify": {"type": "boolean"}}},
+                    "basicAuth": {"type": "object", "additionalProperties": False, "properties": {
+                        "username": {"type": "object", "required": ["name", "key"]},
+                        "password": {"type": "object", "required": ["name", "key"]}}}}}}}}},
 }  # fmt: skip
 
 
@@ -374,6 +388,92 @@ def test_service_monitor_scrapes_the_metrics_service() -> None:
     assert sm["metadata"]["labels"]["release"] == "kps"
     assert {"action": "labeldrop", "regex": "(pod|namespace|container)"} in endpoint["relabelings"]
     assert not render({}).kinds("ServiceMonitor")
+
+
+WEB_CONFIG_ON = {
+    "agent": {"webConfig": {"secretName": "gpunode-web", "tls": True}},
+    "serviceMonitor": {
+        "enabled": True,
+        "tlsConfig": {"ca": {"secret": {"name": "gpunode-web", "key": "ca.crt"}}, "serverName": "gpunode"},
+        "basicAuth": {
+            "username": {"name": "prom", "key": "user"},
+            "password": {"name": "prom", "key": "pass"},
+        },
+    },
+}
+
+
+@needs_helm
+@pytest.mark.parametrize("on", [False, True], ids=["web-config-off", "web-config-on"])
+def test_web_config_mounts_the_secret_and_switches_probes_and_scrapes_to_https(on: bool) -> None:
+    values = WEB_CONFIG_ON if on else {"serviceMonitor": {"enabled": True}}
+    out = render(values)
+    pod = out.daemonset()["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = parse_args(container["args"])
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    schemes = {container[p]["httpGet"]["scheme"] for p in ("startupProbe", "livenessProbe", "readinessProbe")}
+    (sm,) = out.kinds("ServiceMonitor")
+    jsonschema.validate(sm, SERVICE_MONITOR_SCHEMA)
+    (endpoint,) = sm["spec"]["endpoints"]
+    annotations = out.named("Service", f"{FULLNAME}-metrics")["metadata"]["annotations"]
+    if not on:
+        assert args.web_config_file is None and "web-config" not in volumes and "web-config" not in mounts
+        assert schemes == {"HTTP"} and endpoint["scheme"] == "http"
+        assert "tlsConfig" not in endpoint and "basicAuth" not in endpoint
+        assert "prometheus.io/scheme" not in annotations
+        return
+    assert str(args.web_config_file) == "/etc/gpunode-web/web-config.yml"
+    assert volumes["web-config"]["secret"] == {"secretName": "gpunode-web", "defaultMode": 0o400}
+    assert mounts["web-config"] == {"name": "web-config", "mountPath": "/etc/gpunode-web", "readOnly": True}
+    assert schemes == {"HTTPS"} and endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"] == WEB_CONFIG_ON["serviceMonitor"]["tlsConfig"]
+    assert endpoint["basicAuth"] == WEB_CONFIG_ON["serviceMonitor"]["basicAuth"]
+    assert annotations["prometheus.io/scheme"] == "https"
+
+
+def test_the_probes_pass_on_an_endpoint_with_tls_auth_and_excluded_probe_paths(tmp_path: Path) -> None:
+    """The configuration values.yaml recommends: the kubelet's HTTPS probes (no client certificate,
+    no password, no server verification) reach /health and /ready; /metrics needs credentials."""
+    import ssl
+
+    import bcrypt
+
+    from gpunode.config.webconfig import load_web_config
+    from tests.shared.tls_files import make_tls_files
+
+    tls = make_tls_files(tmp_path)
+    hashed = bcrypt.hashpw(b"pw", bcrypt.gensalt(4)).decode()
+    (tmp_path / "web-config.yml").write_text(yaml.safe_dump({
+        "tls_server_config": {"cert_file": "tls.crt", "key_file": "tls.key"},
+        "basic_auth_users": {"prometheus": hashed}, "auth_excluded_paths": ["/health", "/ready"]}))  # fmt: skip
+    kubelet = ssl.create_default_context()
+    kubelet.check_hostname, kubelet.verify_mode = False, ssl.CERT_NONE  # as kubelet HTTPS probes do
+
+    def status(port: int, path: str) -> int:
+        try:
+            with urllib.request.urlopen(f"https://127.0.0.1:{port}{path}", timeout=10, context=kubelet) as r:
+                return int(r.status)
+        except urllib.error.HTTPError as err:
+            return err.code
+
+    async def main() -> dict[str, int]:
+        collector = MetricsCollector(backend=SimBackend.from_profile("t4"), hostname="n")
+        await collector.collect_once()
+        server = MetricsServer(
+            collector, "127.0.0.1:0", web_config=load_web_config(tmp_path / "web-config.yml")
+        )
+        await server.start()
+        try:
+            return {
+                p: await asyncio.to_thread(status, server.port, p) for p in ("/health", "/ready", "/metrics")
+            }
+        finally:
+            await server.stop()
+
+    assert asyncio.run(main()) == {"/health": 200, "/ready": 200, "/metrics": 401}
+    assert tls.ca.exists()
 
 
 # -- RBAC ------------------------------------------------------------------------------------------
@@ -417,17 +517,18 @@ def granted(out: Rendered, role: str) -> dict[str, set[str]] | None:
 
 ALWAYS, WITH_DELETE = documented_agent_rules()
 EVICT = {"pods": {"get"}, "pods/eviction": {"create"}, "events": {"create"}}
+ASSIGNMENTS = {"list", "watch", "patch"}  # this node's pods, to carry out the extender's assignments
 
 RBAC_CASES = {
     "documented-default": ({}, ALWAYS),
     "delete-after-deadline": ({"remediation": {"deleteAfterDeadline": True}},
                               merged(ALWAYS, {"pods": ALWAYS["pods"] | WITH_DELETE["pods"]})),
     "dry-run": ({"remediation": {"dryRun": True, "deleteAfterDeadline": True}},
-                {"pods": {"get"}, "events": {"create"}, "nodes": {"patch"}}),
+                {"pods": {"get"} | ASSIGNMENTS, "events": {"create"}, "nodes": {"patch"}}),
     "no-events-no-annotation-no-publishing": ({"remediation": {"postEvents": False, "markNode": False},
                                                "nodeState": {"enabled": False}},
                                               {"pods": {"get"}, "pods/eviction": {"create"}}),
-    "remediation-off": ({"remediation": {"mode": "off"}}, {"nodes": {"patch"}}),
+    "remediation-off": ({"remediation": {"mode": "off"}}, {"nodes": {"patch"}, "pods": ASSIGNMENTS}),
     "nothing-to-ask": ({"remediation": {"mode": "off"}, "nodeState": {"enabled": False}}, None),
 }  # fmt: skip
 
@@ -437,7 +538,8 @@ RBAC_CASES = {
 def test_agent_cluster_role_grants_exactly_what_the_configuration_needs(
     own: dict[str, Any], expected: dict[str, set[str]] | None
 ) -> None:
-    assert EVICT.items() <= ALWAYS.items()  # the page says what we think
+    assert all(verbs <= ALWAYS.get(res, set()) for res, verbs in EVICT.items())  # the page says what we think
+    assert ALWAYS["pods"] == {"get"} | ASSIGNMENTS
     assert WITH_DELETE["pods"] == {"delete"} and len(WITH_DELETE) == 1
     out = render({"config": {"gpunode": own}})
     assert granted(out, f"{FULLNAME}-agent") == expected
@@ -473,7 +575,9 @@ def extender_parser() -> argparse.ArgumentParser:
         pytest.param(VALUE_SETS["extender-on"], None, id="no-api-access"),
         pytest.param(VALUE_SETS["extender-defaults"], {"nodes": {"list"}}, id="defaults-list-nodes"),
         pytest.param(VALUE_SETS["extender-bind-node-cache"],
-                     {"pods": {"patch"}, "pods/binding": {"create"}, "nodes": {"list"}}, id="bind-and-node-cache"),
+                     {"pods": {"get", "patch"}, "pods/binding": {"create"}, "nodes": {"list"}}, id="bind-and-node-cache"),
+        pytest.param(VALUE_SETS["extender-cert-manager"],
+                     {"pods": {"get", "patch"}, "pods/binding": {"create"}, "nodes": {"list"}}, id="cert-manager"),
     ],
 )  # fmt: skip
 def test_extender_deployment_service_and_scheduler_configuration(
@@ -493,20 +597,26 @@ def test_extender_deployment_service_and_scheduler_configuration(
     extender, api = build_extender(parsed)
     assert (api is not None) == (api_rules is not None) == pod["automountServiceAccountToken"]
     assert granted(out, name) == api_rules
+    tls = ext["tls"]["enabled"]
+    scheme = "https" if tls else "http"
+    assert (extender.binder is not None) == ext["bind"]
     svc = out.named("Service", name)
-    assert svc["spec"]["ports"] == [{"name": "http", "port": 8888, "targetPort": "http", "protocol": "TCP"}]
-    assert container["ports"][0]["name"] == "http"
+    assert svc["spec"]["ports"] == [{"name": scheme, "port": 8888, "targetPort": scheme, "protocol": "TCP"}]
+    assert container["ports"][0]["name"] == scheme
     assert (
         svc["spec"]["selector"].items()
         <= out.named("Deployment", name)["spec"]["template"]["metadata"]["labels"].items()
     )
-    # The probes answer on the real extender server.
-    server = ExtenderServer(extender, host="127.0.0.1", port=0)
+    # The probes answer on the real extender server's plain-HTTP health port.
+    assert container["ports"][1] == {"name": "health", "containerPort": 8889, "protocol": "TCP"}
+    assert args[args.index("--health-listen") + 1] == "0.0.0.0:8889"
+    server = ExtenderServer(extender, host="127.0.0.1", port=0, health_host="127.0.0.1", health_port=0)
     server.start()
     try:
         for probe in ("livenessProbe", "readinessProbe"):
             path = container[probe]["httpGet"]["path"]
-            with urllib.request.urlopen(f"http://127.0.0.1:{server.port}{path}", timeout=10) as resp:
+            assert container[probe]["httpGet"]["port"] == "health"
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.health_port}{path}", timeout=10) as resp:
                 assert resp.status == 200, probe
     finally:
         server.stop()
@@ -518,14 +628,207 @@ def test_extender_deployment_service_and_scheduler_configuration(
         "KubeSchedulerConfiguration",
     )
     (entry,) = sched["extenders"]
-    assert entry["urlPrefix"] == f"http://{name}.{NAMESPACE}.svc:8888"
-    assert (entry["filterVerb"], entry["prioritizeVerb"], entry["weight"]) == ("filter", "prioritize", 5)
+    assert entry["urlPrefix"] == f"{scheme}://{name}.{NAMESPACE}.svc:8888"
+    assert entry["enableHTTPS"] is tls
+    assert sched["profiles"] == [{"schedulerName": n} for n in ext["schedulerNames"]]
+    if tls:  # kube-scheduler presents the client certificate the extender asks for
+        d = ext["tls"]["schedulerCertDir"]
+        assert entry["tlsConfig"] == {
+            "certFile": f"{d}/tls.crt",
+            "keyFile": f"{d}/tls.key",
+            "caFile": f"{d}/ca.crt",
+        }
+        assert parsed.client_ca_file is not None and parsed.tls_cert_file is not None
+    else:
+        assert "tlsConfig" not in entry and parsed.tls_cert_file is None
+    assert (entry["filterVerb"], entry["prioritizeVerb"], entry["weight"]) == ("filter", "prioritize", 10)
     assert entry.get("bindVerb") == ("bind" if ext["bind"] else None)
     assert entry["nodeCacheCapable"] is ext["nodeCacheCapable"] and entry["ignorable"] is False
     assert entry["managedResources"] == [
         {"name": r, "ignoredByScheduler": False}
         for r in ["nvidia.com/gpu", "gpunode.io/gpu-memory", *ext["extraManagedResources"]]
     ]
+
+
+@needs_helm
+@pytest.mark.parametrize(
+    "values",
+    [
+        VALUE_SETS["extender-defaults"],
+        VALUE_SETS["extender-bind-node-cache"],
+        VALUE_SETS["extender-cert-manager"],
+    ],
+    ids=["plain-http", "tls-own-secret", "tls-cert-manager"],
+)
+def test_extender_network_policy_and_tls_certificates(values: dict[str, Any]) -> None:
+    ext = merged(DEFAULTS, values)["extender"]
+    out = render(values)
+    name = f"{FULLNAME}-extender"
+    deployment = out.named("Deployment", name)
+    policy = out.named("NetworkPolicy", name)["spec"]
+    assert (
+        policy["podSelector"]["matchLabels"].items()
+        <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    )
+    assert policy["policyTypes"] == ["Ingress"]
+    scheduler_rule, health_rule = policy["ingress"]
+    np = ext["networkPolicy"]
+    assert scheduler_rule["ports"] == [{"port": 8888, "protocol": "TCP"}]
+    assert scheduler_rule["from"][0] == {
+        "namespaceSelector": np["schedulerNamespaceSelector"],
+        "podSelector": np["schedulerPodSelector"],
+    }
+    assert [f["ipBlock"]["cidr"] for f in scheduler_rule["from"][1:]] == np["schedulerIPBlocks"]
+    assert health_rule == {"ports": [{"port": 8889, "protocol": "TCP"}]}  # probes: the health port only
+    pod = deployment["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    certificates = {c["metadata"]["name"]: c["spec"] for c in out.kinds("Certificate")}
+    if not ext["tls"]["enabled"]:
+        assert "volumes" not in pod and "--tls-cert-file" not in args and not certificates
+        return
+    (volume,) = pod["volumes"]
+    secret = ext["tls"]["existingSecret"] or f"{FULLNAME}-extender-tls"
+    assert volume["secret"]["secretName"] == secret
+    (mount,) = pod["containers"][0]["volumeMounts"]
+    for flag, key in (
+        ("--tls-cert-file", "tls.crt"),
+        ("--tls-key-file", "tls.key"),
+        ("--client-ca-file", "ca.crt"),
+    ):
+        assert args[args.index(flag) + 1] == f"{mount['mountPath']}/{key}"
+    assert args[args.index("--allowed-client-names") + 1] == ",".join(ext["tls"]["clientNames"])
+    if not ext["tls"]["certManager"]["enabled"]:
+        assert not certificates
+        return
+    server, client = certificates[secret], certificates[f"{FULLNAME}-scheduler-client-tls"]
+    assert server["secretName"] == secret and f"{name}.{NAMESPACE}.svc" in server["dnsNames"]
+    assert "server auth" in server["usages"] and "client auth" in client["usages"]
+    assert client["commonName"] in ext["tls"]["clientNames"]
+    # One CA signs both, so the ca.crt the extender trusts is the one that signed the scheduler's certificate.
+    assert server["issuerRef"] == client["issuerRef"] == {"name": f"{FULLNAME}-extender-ca", "kind": "Issuer"}
+    ca_issuer = out.named("Issuer", f"{FULLNAME}-extender-ca")["spec"]
+    assert ca_issuer["ca"]["secretName"] == certificates[f"{FULLNAME}-extender-ca"]["secretName"]
+    assert certificates[f"{FULLNAME}-extender-ca"]["isCA"] is True
+
+
+@needs_helm
+def test_extender_without_network_policy_and_with_an_insecure_bind() -> None:
+    values = {"extender": {"enabled": True, "bind": True, "insecureBindWithoutTLS": True,
+                           "networkPolicy": {"enabled": False}}}  # fmt: skip
+    out = render(values)
+    assert out.kinds("NetworkPolicy") == []
+    args = out.named("Deployment", f"{FULLNAME}-extender")["spec"]["template"]["spec"]["containers"][0][
+        "args"
+    ]
+    assert "--bind" in args and "--insecure-bind-without-tls" in args
+    from gpunode.cluster.extender.cli import build_extender
+
+    assert build_extender(extender_parser().parse_args(args))[0].binder is not None
+
+
+@needs_helm
+def test_extender_ha_renders_a_leader_service_a_budget_and_the_rights_to_elect(tmp_path: Path) -> None:
+    from gpunode.cluster.extender.cli import build_extender, build_ha
+    from gpunode.cluster.extender.server import ExtenderServer
+    from gpunode.contract.names import EXTENDER_ROLE_LABEL
+
+    values = VALUE_SETS["extender-ha"]
+    out = render(values)
+    name = f"{FULLNAME}-extender"
+    deployment = out.named("Deployment", name)
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["replicas"] == 2
+    # The Service selects the replica that labels itself leader; the budget counts all replicas.
+    selector = out.named("Service", name)["spec"]["selector"]
+    assert selector[EXTENDER_ROLE_LABEL] == "leader" and EXTENDER_ROLE_LABEL not in pod_labels
+    assert {k: v for k, v in selector.items() if k != EXTENDER_ROLE_LABEL}.items() <= pod_labels.items()
+    pdb = out.named("PodDisruptionBudget", name)["spec"]
+    assert pdb["minAvailable"] == 1 and "maxUnavailable" not in pdb
+    assert pdb["selector"]["matchLabels"].items() <= pod_labels.items()
+    # Rights: the Lease (get/update only that one), pod labels in the namespace, pods and nodes to rebuild from.
+    role = out.named("Role", f"{name}-leader")
+    assert role["metadata"]["namespace"] == NAMESPACE
+    lease_rules = [r for r in role["rules"] if r["apiGroups"] == ["coordination.k8s.io"]]
+    assert {v for r in lease_rules for v in r["verbs"]} == {"create", "get", "update"}
+    assert all(r.get("resourceNames") == [name] for r in lease_rules if set(r["verbs"]) & {"get", "update"})
+    assert [r for r in role["rules"] if r["apiGroups"] == [""]] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]}
+    ]
+    binding = out.named("RoleBinding", f"{name}-leader")
+    assert binding["roleRef"]["name"] == f"{name}-leader" and binding["subjects"][0]["name"] == name
+    assert granted(out, name) == {
+        "pods": {"get", "list", "patch"},
+        "pods/binding": {"create"},
+        "nodes": {"list"},
+    }
+    # The extender's own CLI takes the arguments, with the pod's name and namespace from the environment.
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
+    assert env == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
+    args = container["args"]
+    assert args[args.index("--leader-elect-lease-name") + 1] == name
+    os.environ["POD_NAME"] = "gn-gpunode-extender-abc"
+    try:
+        parsed = extender_parser().parse_args(args)
+    finally:
+        del os.environ["POD_NAME"]
+    extender, api = build_extender(parsed)
+    ha = build_ha(parsed, extender, api)
+    assert ha is not None and ha.pod_name == "gn-gpunode-extender-abc"
+    assert (ha.config.namespace, ha.config.lease_duration_s, ha.config.renew_deadline_s) == (
+        NAMESPACE,
+        15,
+        10,
+    )
+    # Readiness is /readyz on the health port, and a standby answers it with 200: it counts as available.
+    probe = container["readinessProbe"]["httpGet"]
+    assert (probe["path"], probe["port"]) == ("/readyz", "health")
+    server = ExtenderServer(
+        extender, host="127.0.0.1", port=0, health_host="127.0.0.1", health_port=0, gate=ha.leadership
+    )
+    server.start()
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.health_port}/readyz", timeout=10) as resp:
+            assert resp.status == 200 and json.loads(resp.read())["role"] == "standby"
+    finally:
+        server.stop()
+    # One replica with HA: no budget (it could only block drains).
+    single = render(merged(values, {"extender": {"replicas": 1}}))
+    assert single.kinds("PodDisruptionBudget") == []
+
+
+@needs_helm
+def test_scheduler_configuration_agrees_with_the_example_and_selects_its_api_version() -> None:
+    example_config = yaml.safe_load(
+        (ROOT / "gpunode" / "examples" / "kube-scheduler-config.yaml").read_text()
+    )
+    (want,) = example_config["extenders"]
+
+    def entry(values: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        text = render(values).named("ConfigMap", f"{FULLNAME}-scheduler-config")["data"][
+            "scheduler-config.yaml"
+        ]
+        config = yaml.safe_load(text)
+        (got,) = config["extenders"]
+        return config["apiVersion"], got
+
+    version, got = entry(VALUE_SETS["extender-bind-node-cache"])
+    assert version == example_config["apiVersion"] == "kubescheduler.config.k8s.io/v1"
+    for key in (
+        "weight",
+        "httpTimeout",
+        "nodeCacheCapable",
+        "ignorable",
+        "filterVerb",
+        "prioritizeVerb",
+        "bindVerb",
+    ):
+        assert got[key] == want[key], key
+    for older in ("v1beta3", "v1beta2"):  # Kubernetes 1.23-1.24 and 1.22: the same entry
+        values = merged(
+            VALUE_SETS["extender-bind-node-cache"], {"extender": {"schedulerConfig": {"apiVersion": older}}}
+        )
+        assert entry(values) == (f"kubescheduler.config.k8s.io/{older}", got)
 
 
 # -- values that must be refused -------------------------------------------------------------------
@@ -541,6 +844,14 @@ INVALID = {
     "port-as-string": ({"agent": {"metricsPort": "9400"}}, "agent.metricsPort: Invalid type. Expected: integer"),
     "relative-host-path": ({"agent": {"hostPaths": {"state": "var/lib/gpunode"}}}, "agent.hostPaths.state: Does not match pattern"),
     "gds-enabled": ({"config": {"flags": {"gdsEnabled": True}}}, "config.flags.gdsEnabled"),
+    "ip-block-without-prefix": ({"extender": {"networkPolicy": {"schedulerIPBlocks": ["10.0.0.1"]}}},
+                                "extender.networkPolicy.schedulerIPBlocks.0: Does not match pattern"),
+    "unknown-issuer-kind": ({"extender": {"tls": {"certManager": {"issuerRef": {"name": "x", "kind": "Vault"}}}}},
+                            "extender.tls.certManager.issuerRef.kind must be one of the following"),
+    "ha-lease-as-number": ({"extender": {"ha": {"enabled": True, "leaseDuration": 15}}},
+                           "extender.ha.leaseDuration: Invalid type. Expected: string"),
+    "unknown-scheduler-config-version": ({"extender": {"schedulerConfig": {"apiVersion": "v1beta1"}}},
+                                         "extender.schedulerConfig.apiVersion must be one of the following"),
 }  # fmt: skip
 
 REFUSED_BY_TEMPLATE = {
@@ -553,6 +864,15 @@ REFUSED_BY_TEMPLATE = {
     "baremetal-without-hostpid": ({"config": {"gpunode": {"remediation": {"mode": "baremetal"}}}}, "agent.hostPID is false"),
     "extender-with-renamed-fraction": ({"extender": {"enabled": True}, "config": {"gpunode": {"fractional": {
         "resourceName": "example.com/vram"}}}}, "places fractional requests of gpunode.io/gpu-memory only"),
+    "extender-bind-without-tls": ({"extender": {"enabled": True, "bind": True}}, "extender.tls.enabled is false"),
+    "extender-tls-without-certificate": ({"extender": {"enabled": True, "tls": {"enabled": True}}},
+                                         "extender.tls.enabled needs a certificate"),
+    "extender-two-certificate-sources": ({"extender": {"enabled": True, "tls": {
+        "enabled": True, "existingSecret": "s", "certManager": {"enabled": True}}}}, "not both"),
+    "extender-replicas-without-ha": ({"extender": {"enabled": True, "replicas": 2}},
+                                     "extender.replicas is 2 but extender.ha.enabled is false"),
+    "extender-pdb-both-limits": ({"extender": {"enabled": True, "replicas": 2, "ha": {"enabled": True},
+                                  "podDisruptionBudget": {"maxUnavailable": 1}}}, "both minAvailable and maxUnavailable"),
 }  # fmt: skip
 
 

@@ -6,7 +6,9 @@ merge-PATCH a pod, POST a pod eviction (201, or 429 while a
 PodDisruptionBudget blocks it), POST a pod binding (409 when already bound),
 DELETE a pod (UID preconditions answered with 409), POST Events, GET and PATCH a
 node (JSON merge patch, strategic merge of conditions on the status subresource,
-JSON patch with `test`), and list and watch pods and nodes: lists carry the
+JSON patch with `test`), create, get and update coordination.k8s.io/v1 Leases
+(an update whose metadata.resourceVersion is not the stored one is a 409
+Conflict), and list and watch pods and nodes: lists carry the
 resourceVersion (and pages with limit/continue), a watch streams every change
 after its resourceVersion, BOOKMARKs when asked, until timeoutSeconds, and an
 ERROR 410 Expired when the version is older than the last compact(). Every
@@ -14,7 +16,9 @@ request is recorded with its decoded body. Tests can make it answer 429/500 a
 number of times, hang before answering, or stop listening altogether (and come
 back on the same port).
 
-It keeps no admission, no authentication, no selectors: it stands in for what
+It keeps no admission, no authentication and no label selectors (a fieldSelector on
+equality of fields, such as spec.nodeName=<node>, is honoured by lists and watches):
+it stands in for what
 gpunode can see of an API server, nothing more.
 """
 
@@ -42,6 +46,7 @@ from tests.fakes.apistore import (
     Hang,
     Recorded,
     collection_of,
+    selected,
     status_body,
 )
 
@@ -136,7 +141,11 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             with owner._cond:
                 if since == 0:  # "from now": the current objects as ADDED first
-                    lines = [{"type": "ADDED", "object": o} for o in owner._objects(kind, namespace)]
+                    lines = [
+                        {"type": "ADDED", "object": o}
+                        for o in owner._objects(kind, namespace)
+                        if selected(o, query)
+                    ]
                     since = owner._state.version
                     for line in lines:
                         self._chunk(json.dumps(line).encode() + b"\n")
@@ -156,6 +165,7 @@ class _Handler(BaseHTTPRequestHandler):
                         and k == kind
                         and (t != "BOOKMARK" or bookmarks)
                         and (namespace is None or o["metadata"].get("namespace") == namespace)
+                        and (t == "BOOKMARK" or selected(o, query))
                     ]
                     since = st.version
                     if not lines:
@@ -269,7 +279,20 @@ class ApiServerStandIn(ApiStore):
             self._record("ADDED", "pods", self._state.pods[(namespace, name)])
         return uid
 
-    def add_node(self, name: str, *, labels: dict[str, str] | None = None) -> None:
+    def put_pod(self, pod: dict[str, Any]) -> str:
+        """Store a whole v1 Pod as given (a pending one with its own spec, say); returns its UID."""
+        pod = json.loads(json.dumps(pod))
+        meta = pod.setdefault("metadata", {})
+        meta.setdefault("uid", str(uuid.uuid4()))
+        with self._cond:
+            meta["resourceVersion"] = self._bump()
+            self._state.pods[(meta.get("namespace") or "default", meta["name"])] = pod
+            self._record("ADDED", "pods", pod)
+        return str(meta["uid"])
+
+    def add_node(
+        self, name: str, *, labels: dict[str, str] | None = None, annotations: dict[str, str] | None = None
+    ) -> None:
         with self._cond:
             self._state.nodes[name] = {
                 "apiVersion": "v1",
@@ -278,7 +301,7 @@ class ApiServerStandIn(ApiStore):
                     "name": name,
                     "uid": str(uuid.uuid4()),
                     "labels": dict(labels or {}),
-                    "annotations": {},
+                    "annotations": dict(annotations or {}),
                     "resourceVersion": self._bump(),
                 },
                 "spec": {},
@@ -289,6 +312,12 @@ class ApiServerStandIn(ApiStore):
     def pod(self, namespace: str, name: str) -> dict[str, Any]:
         with self._cond:
             return json.loads(json.dumps(self._state.pods[(namespace, name)]))
+
+    def lease(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The stored Lease, or None when there is none."""
+        with self._cond:
+            found = self._state.leases.get((namespace, name))
+            return json.loads(json.dumps(found)) if found is not None else None
 
     def delete_node(self, name: str) -> None:
         with self._cond:

@@ -47,6 +47,7 @@ class Hang:
 class _State:
     pods: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    leases: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)  # coordination.k8s.io/v1
     events: list[dict[str, Any]] = field(default_factory=list)
     requests: list[Recorded] = field(default_factory=list)
     pdb_blocks: dict[tuple[str, str], int | None] = field(default_factory=dict)
@@ -130,6 +131,21 @@ EVICT = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)/eviction$")
 _EVENTS = re.compile(r"^/api/v1/namespaces/([^/]+)/events$")
 _NODE = re.compile(r"^/api/v1/nodes/([^/]+)$")
 _NODE_STATUS = re.compile(r"^/api/v1/nodes/([^/]+)/status$")
+_LEASES = re.compile(r"^/apis/coordination\.k8s\.io/v1/namespaces/([^/]+)/leases(?:/([^/]+))?$")
+
+
+def selected(obj: dict[str, Any], query: dict[str, str]) -> bool:
+    """Whether `obj` passes the query's fieldSelector: comma-separated `path=value` / `path!=value`
+    terms over dotted fields (spec.nodeName=node-a), as the API server reads them for pods."""
+    for term in filter(None, (query.get("fieldSelector") or "").split(",")):
+        negate = "!=" in term
+        path, _, want = term.partition("!=" if negate else "=")
+        value: Any = obj
+        for part in path.strip().split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if ((value if value is not None else "") == want.lstrip("=")) == negate:
+            return False
+    return True
 
 
 def collection_of(path: str) -> tuple[str, str | None]:
@@ -173,7 +189,7 @@ class ApiStore:
     def _list(
         self, kind: str, namespace: str | None, query: dict[str, str]
     ) -> tuple[int, Any, dict[str, str]]:
-        items = self._objects(kind, namespace)
+        items = [o for o in self._objects(kind, namespace) if selected(o, query)]
         start, limit = int(query.get("continue") or 0), int(query.get("limit") or 0)
         meta = {"resourceVersion": str(self._state.version)}
         if limit and start + limit < len(items):
@@ -260,6 +276,8 @@ class ApiStore:
                 )
             st.events.append(body)
             return 201, body, {}
+        if m := _LEASES.match(path):
+            return self._lease(m.group(1), m.group(2), method, body)
         if m := _NODE_STATUS.match(path):
             return self._patch_node(m.group(1), method, body, content_type, status=True)
         if m := _NODE.match(path):
@@ -294,6 +312,45 @@ class ApiStore:
         pod["metadata"]["resourceVersion"] = self._bump()
         self._record("MODIFIED", "pods", pod)
         return 201, status_body(201, "", ""), {}
+
+    def _lease(
+        self, namespace: str, name: str | None, method: str, body: Any
+    ) -> tuple[int, Any, dict[str, str]]:
+        """Leases as the API server keeps them: create (409 AlreadyExists), get, and update guarded by
+        metadata.resourceVersion (409 Conflict when it is not the stored one)."""
+        leases = self._state.leases
+        if name is None:
+            if method != "POST" or not isinstance(body, dict) or not (body.get("metadata") or {}).get("name"):
+                return 400, status_body(400, "BadRequest", "expected a Lease with metadata.name"), {}
+            key = (namespace, body["metadata"]["name"])
+            if key in leases:
+                message = f'leases.coordination.k8s.io "{key[1]}" already exists'
+                return 409, status_body(409, "AlreadyExists", message, name=key[1], kind="leases"), {}
+            lease = json.loads(json.dumps(body))
+            lease["metadata"].update(namespace=namespace, uid=f"lease-{key[1]}", resourceVersion=self._bump())
+            leases[key] = lease
+            return 201, lease, {}
+        key = (namespace, name)
+        if key not in leases:
+            message = f'leases.coordination.k8s.io "{name}" not found'
+            return 404, status_body(404, "NotFound", message, name=name, kind="leases"), {}
+        if method == "GET":
+            return 200, leases[key], {}
+        if method != "PUT" or not isinstance(body, dict):
+            return 405, status_body(405, "MethodNotAllowed", "method not allowed"), {}
+        want = (body.get("metadata") or {}).get("resourceVersion")
+        if want and want != leases[key]["metadata"]["resourceVersion"]:
+            message = (
+                f'Operation cannot be fulfilled on leases.coordination.k8s.io "{name}": the object has been '
+                "modified; please apply your changes to the latest version and try again"
+            )
+            return 409, status_body(409, "Conflict", message, name=name, kind="leases"), {}
+        lease = json.loads(json.dumps(body))
+        lease["metadata"].update(
+            namespace=namespace, uid=leases[key]["metadata"]["uid"], resourceVersion=self._bump()
+        )
+        leases[key] = lease
+        return 200, lease, {}
 
     def _evict(self, namespace: str, name: str, body: Any) -> tuple[int, Any, dict[str, str]]:
         st = self._state

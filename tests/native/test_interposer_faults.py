@@ -1,6 +1,6 @@
 """Bad regions never crash the application and never run it unbounded unless
 told to: a corrupt, wrong-version, mismatched or missing region fails closed
-(allocations refused, one log line), and fail-open works where configured."""
+(allocations refused, one log line), and fail-open works where the limit file says so."""
 
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ def test_fail_open_flag_of_a_corrupt_limit_file_is_not_trusted(
     ("env", "code", "message"),
     [
         pytest.param({}, OUT_OF_MEMORY, "fail-closed", id="closed-by-default"),
-        pytest.param({"GPUNODE_MEMCAP_FAIL_OPEN": "1"}, 0, "uncapped", id="open-by-env"),
+        pytest.param({"GPUNODE_MEMCAP_FAIL_OPEN": "1"}, OUT_OF_MEMORY, "fail-closed", id="env-cannot-open"),
         pytest.param({"GPUNODE_MEMCAP_FAIL_OPEN": "no"}, OUT_OF_MEMORY, "fail-closed", id="env-not-true"),
     ],
 )

@@ -148,7 +148,7 @@ def test_restart_keeps_every_cap(sockdir: Path, kubelet: KubeletStandIn) -> None
         kubelet.wait_for_resources([MEM])
         restored = memcap.load_region(region_dir)
         assert restored.devices[0].limit_bytes == 5 * GIB
-        again = kubelet.allocate(MEM, ids)  # the same container restarting gets the same region
+        again = kubelet.allocate(MEM, ids)  # the same units allocated again: a fresh region, the same cap
         assert memcap.load_region(region_dir).devices[0].limit_bytes == 5 * GIB
         assert again.envs["NVIDIA_VISIBLE_DEVICES"] == gpu.uuid
 

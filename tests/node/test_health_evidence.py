@@ -178,7 +178,7 @@ def test_sbe_counter_reset_starts_a_new_baseline() -> None:
 def test_recovery_needs_passing_probes_for_the_whole_window() -> None:
     t = tracker()
     t.record_probe(ok(G1), now=0.0)
-    t.record_event(xid(79), now=1.0)
+    t.record_event(xid(94), now=1.0)  # instance-fatal, on a GPU without MIG: the GPU, until the window
     t.record_probe(ok(G1), now=2.0)
     assert set(t.evaluate(now=10.9)) == {G1}  # probes pass, but the window counts from the fault
     t.record_probe(ok(G1), now=11.0)
@@ -188,7 +188,7 @@ def test_recovery_needs_passing_probes_for_the_whole_window() -> None:
 def test_no_recovery_without_a_probe_after_the_fault() -> None:
     t = tracker()
     t.record_probe(ok(G1), now=0.0)
-    t.record_event(xid(79), now=1.0)
+    t.record_event(xid(94), now=1.0)
     assert set(t.evaluate(now=100.0)) == {G1}
 
 

@@ -208,8 +208,8 @@ def reset(i: int) -> Callable[[Node], None]:
 CASES = {
     "xid-13-ignored": Case("dgx-h100", xid(1, 13), none, frozenset()),
     "xid-43-ignored": Case("dgx-h100", xid(1, 43), none, frozenset()),
-    "xid-79-fatal": Case("dgx-h100", xid(1, 79), g(1), frozenset({"g1"})),
-    "xid-119-fatal": Case("dgx-h100", xid(3, 119), g(3), frozenset({"g3"})),
+    "xid-79-fatal": Case("dgx-h100", xid(1, 79), g(1), frozenset({"g1"}), repair=reset(1)),
+    "xid-119-fatal": Case("dgx-h100", xid(3, 119), g(3), frozenset({"g3"}), repair=reset(3)),
     "xid-counted-below-threshold": Case("dgx-h100", xid(1, 150, times=2), none, frozenset()),
     "xid-counted-at-threshold": Case("dgx-h100", xid(1, 150, times=3), g(1), frozenset({"g1"})),
     "ecc-double-bit": Case("dgx-h100", lambda n: n.backend.inject_ecc(n.gpu(1).uuid, True), g(1), frozenset({"g1"}), repair=reset(1)),
@@ -221,10 +221,10 @@ CASES = {
     "retired-pages-pending": Case("t4", lambda n: n.backend.set_retired_pages_pending(n.gpu(3).uuid, True), g(3), frozenset({"g3"}), repair=reset(3)),
     "mig-instance-xid-94": Case("a100-mig", xid(2, 94, m=1), mig(2, 1), frozenset({"g2m1"}), MIXED),
     "mig-instance-counted": Case("a100-mig", xid(3, 150, times=3, m=0), mig(3, 0), frozenset({"g3m0"}), MIXED),
-    "mig-instance-xid-79-takes-the-gpu": Case("a100-mig", xid(2, 79, m=1), g(2), frozenset({"g2m0", "g2m1", "g2m2", "g2m3"}), MIXED),
+    "mig-instance-xid-79-takes-the-gpu": Case("a100-mig", xid(2, 79, m=1), g(2), frozenset({"g2m0", "g2m1", "g2m2", "g2m3"}), MIXED, repair=reset(2)),
     "mig-instance-ignored-xid": Case("a100-mig", xid(2, 31, m=0), none, frozenset(), MIXED),
-    "time-sliced-replicas": Case("dgx-h100", xid(1, 79), g(1), frozenset({"g1-0", "g1-1"}), SLICED),
-    "fractional-memory-units": Case("dgx-h100", xid(2, 48), g(2), frozenset({"g2-0", "g2-1"}), FRACTIONAL),
+    "time-sliced-replicas": Case("dgx-h100", xid(1, 79), g(1), frozenset({"g1-0", "g1-1"}), SLICED, repair=reset(1)),
+    "fractional-memory-units": Case("dgx-h100", xid(2, 48), g(2), frozenset({"g2-0", "g2-1"}), FRACTIONAL, repair=reset(2)),
 }  # fmt: skip
 
 
@@ -293,6 +293,7 @@ def test_missing_pod_resources_socket_is_reported_and_marking_goes_on(directory:
                 "the report",
             )
             assert "pod-resources socket" in node.remediator.journal.records("lookup")[0].detail
+            node.backend.reset_gpu(node.gpu(0).uuid)  # XID 74 is fatal: held until the GPU is reset
             await node.wait(lambda: node.unhealthy_seen() == set(), "the recovery")
             assert node.api.evictions() == []
 
@@ -357,6 +358,7 @@ def test_a_flapping_gpu_evicts_each_pod_once(directory: Path) -> None:
             for _ in range(3):
                 node.backend.inject_xid(gpu, 79)
                 await node.wait(lambda: node.unhealthy_seen() == node.devices_of(gpu), "the unhealthy GPU")
+                node.backend.reset_gpu(gpu)  # XID 79 is held until a reset
                 await node.wait(lambda: node.unhealthy_seen() == set(), "the recovery")
             await node.wait(
                 lambda: (

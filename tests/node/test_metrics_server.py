@@ -97,6 +97,8 @@ def test_health(collect: bool, status: int, starts: bytes) -> None:
     async def body(server: MetricsServer, collector: MetricsCollector) -> None:
         got, _, payload = await asyncio.to_thread(request, server.port, "GET", "/health")
         assert got == status and payload.startswith(starts)
+        ready, _, _ = await asyncio.to_thread(request, server.port, "GET", "/ready")
+        assert ready == status  # ready once a collection succeeded
 
     with_server(collect, body)
 
@@ -209,22 +211,46 @@ def test_serve_metrics_runs_until_cancelled() -> None:
     asyncio.run(scenario())
 
 
-def test_connections_beyond_the_limit_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_idle_connections_at_the_limit_make_room_for_a_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     import gpunode.node.metrics.server as server_module
 
     monkeypatch.setattr(server_module, "MAX_CONNECTIONS", 2)
 
     async def body(server: MetricsServer, collector: MetricsCollector) -> None:
-        def scenario() -> tuple[list[int], int]:
+        def scenario() -> tuple[list[int], int, bytes]:
             held = [http.client.HTTPConnection("127.0.0.1", server.port, timeout=10) for _ in range(2)]
-            statuses = [request(server.port, "GET", "/health", c)[0] for c in held]  # both stay open
-            refused = request(server.port, "GET", "/health")[0]
+            statuses = [request(server.port, "GET", "/health", c)[0] for c in held]  # both stay open, idle
+            probe = request(server.port, "GET", "/health")[0]
+            oldest = held[0].sock.recv(1)  # b"": closed to make room
             for c in held:
                 c.close()
-            return statuses, refused
+            return statuses, probe, oldest
 
-        statuses, refused = await asyncio.to_thread(scenario)
-        assert statuses == [200, 200] and refused == 503
+        statuses, probe, oldest = await asyncio.to_thread(scenario)
+        assert statuses == [200, 200] and probe == 200 and oldest == b""
+
+    with_server(True, body)
+
+
+@pytest.mark.parametrize("idle", [64, 1000])
+def test_idle_connections_cannot_make_health_or_metrics_fail(idle: int) -> None:
+    """The attack of an agent restart: fill the endpoint with idle connections, then probe it."""
+
+    async def body(server: MetricsServer, collector: MetricsCollector) -> None:
+        def scenario() -> list[int]:
+            socks = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(idle)]
+            for s in socks[: idle // 2]:
+                s.sendall(b"GET /metrics HTTP/1.1\r\n")  # half of them half-sent heads
+            try:
+                return [request(server.port, "GET", p)[0] for p in ("/health", "/metrics", "/ready") * 3]
+            finally:
+                for s in socks:
+                    s.close()
+
+        assert await asyncio.to_thread(scenario) == [200] * 9
+        assert server.connections <= server_module.MAX_CONNECTIONS
+
+    import gpunode.node.metrics.server as server_module
 
     with_server(True, body)
 

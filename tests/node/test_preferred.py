@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import yaml
 
@@ -76,8 +78,82 @@ def test_unknown_and_unhealthy_devices() -> None:
     sick = snapshot("t4", "", unhealthy={gpus[0].uuid: "XID 79", gpus[1].uuid: "XID 48"})
     with pytest.raises(AllocationError, match="3 devices asked for, only 2 healthy ones offered"):
         preferred_allocation(sick, GPU_RESOURCE, [g.uuid for g in gpus], [], 3)
-    assert preferred_allocation(sick, GPU_RESOURCE, [g.uuid for g in gpus], [], 0) == []
+    with pytest.raises(AllocationError, match="allocation_size must be at least 1, got 0"):
+        preferred_allocation(sick, GPU_RESOURCE, [g.uuid for g in gpus], [], 0)
     assert set(preferred_allocation(sick, GPU_RESOURCE, [g.uuid for g in gpus], [], 2)) == {
         gpus[2].uuid,
         gpus[3].uuid,
     }
+
+
+# -- hostile requests: refused the same way on every path -----------------------------------------
+
+PATHS = {
+    "whole": ("dgx-h100", "", GPU_RESOURCE),
+    "mig": ("a100-mig", "flags: {migStrategy: mixed}", mig_resource_name("1g.10gb")),
+    "replicas": ("t4", SLICED, SHARED),
+    "memory-units": ("t4", "gpunode: {fractional: {devices: all, unit: 1Gi}}", GPU_MEMORY_RESOURCE),
+}
+
+
+def offered(path: str) -> tuple[Snapshot, str, list[str]]:
+    profile, text, resource = PATHS[path]
+    snap = snapshot(profile, text)
+    return snap, resource, [d.id for d in snap.inventory.by_resource(resource)]
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_must_include_longer_than_the_size_is_refused(path: str) -> None:
+    """The reported case: 13 required IDs (17 on MIG) for a size-1 request gave them all back."""
+    snap, resource, ids = offered(path)
+    must = ids[:17] if path == "mig" else ids[:13]
+    assert len(must) >= 8  # all 8 GPUs of the DGX on the whole path
+    with pytest.raises(AllocationError, match=rf"names {len(must)} devices but allocation_size is 1"):
+        preferred_allocation(snap, resource, ids, must, 1)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize(
+    ("available", "must", "size", "message"),
+    [
+        pytest.param(
+            lambda ids: ids, lambda ids: [], 0, "allocation_size must be at least 1, got 0", id="zero"
+        ),
+        pytest.param(
+            lambda ids: ids, lambda ids: [], -1, "allocation_size must be at least 1, got -1", id="negative"
+        ),
+        pytest.param(
+            lambda ids: ids,
+            lambda ids: [],
+            10**6,
+            r"1000000 devices asked for, only \d+ healthy",
+            id="over-available",
+        ),
+        pytest.param(
+            lambda ids: [ids[0], *ids],
+            lambda ids: [],
+            1,
+            "available_deviceIDs lists .* more than once",
+            id="dup-available",
+        ),
+        pytest.param(
+            lambda ids: ids,
+            lambda ids: [ids[1], ids[1]],
+            2,
+            "must_include_deviceIDs lists .* more than once",
+            id="dup-must",
+        ),
+        pytest.param(
+            lambda ids: [*ids, "GPU-nope"], lambda ids: [], 1, "unknown device ID 'GPU-nope'", id="unknown"
+        ),
+        pytest.param(
+            lambda ids: ids, lambda ids: ["MIG-nope"], 1, "unknown device ID 'MIG-nope'", id="unknown-must"
+        ),
+    ],
+)
+def test_bad_requests_are_refused_on_every_path(
+    path: str, available: Any, must: Any, size: int, message: str
+) -> None:
+    snap, resource, ids = offered(path)
+    with pytest.raises(AllocationError, match=message):
+        preferred_allocation(snap, resource, available(ids), must(ids), size)

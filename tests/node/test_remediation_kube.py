@@ -334,3 +334,18 @@ def test_api_server_down_then_back(directory: Path) -> None:
         )
 
     run(directory, FAST, scenario)
+
+
+def test_a_cleared_device_gets_an_event_naming_who_cleared_it(directory: Path) -> None:
+    async def scenario(s: Setup) -> None:
+        s.remediator.notify({G0: "XID 79", G1: "XID 48"}, [])
+        await s.until(lambda: bool(s.records("annotate-node", "done")), "the annotation")
+        s.remediator.note_recovery(G0, "GpuHealthCleared", "cleared by alice: reseated the card")
+        s.remediator.notify({G1: "XID 48"}, [])
+        await s.until(lambda: any(e["reason"] == "GpuHealthCleared" for e in s.api.events()), "the Event")
+        (event,) = [e for e in s.api.events() if e["reason"] == "GpuHealthCleared"]
+        assert event["type"] == "Normal" and G0 in event["message"]
+        assert event["message"].endswith("cleared by alice: reseated the card")
+        assert not any(e["reason"] == "GpuHealthy" for e in s.api.events())
+
+    run(directory, FAST, scenario)

@@ -139,13 +139,28 @@ def test_valid_file(filename: str, expected: dict[Any, Any]) -> None:
         assert got == value, key
 
 
-def test_empty_file_and_missing_version_mean_v1_defaults(tmp_path: Path) -> None:
-    empty = tmp_path / "empty.yaml"
-    empty.write_text("# nothing but a comment\n")
-    cfg = read_config_file(empty)
-    assert cfg == Config(source=str(empty))
+def test_version_alone_and_missing_version_mean_v1_defaults(tmp_path: Path) -> None:
+    only_version = tmp_path / "defaults.yaml"
+    only_version.write_text("# the defaults, on purpose\nversion: v1\n")
+    cfg = read_config_file(only_version)
+    assert cfg == Config(source=str(only_version))
     assert cfg.kubelet_dir == DEFAULT_KUBELET_DIR
     assert cfg.backend == "auto" and cfg.mig_strategy == "none" and cfg.fail_on_init_error is True
+    no_version = tmp_path / "no-version.yaml"
+    no_version.write_text("flags: {}\n")
+    assert read_config_file(no_version) == Config(source=str(no_version))
+
+
+def test_an_empty_file_is_refused_not_read_as_the_defaults(tmp_path: Path) -> None:
+    """A file of nothing but comments is more likely truncated or mounted wrongly than meant as defaults."""
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing but a comment\n")
+    with pytest.raises(ConfigError) as info:
+        read_config_file(empty)
+    assert (
+        str(info.value) == f"{empty}: the configuration file is empty (no settings, not even `version: v1`)"
+    )
+    assert "version: v1" in info.value.hint
 
 
 # --- valid values, one key at a time ------------------------------------------------------------
@@ -651,3 +666,26 @@ def test_the_four_documented_examples_exist() -> None:
         "config-mig-mixed.yaml",
         "config-fractional.yaml",
     } <= names
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        pytest.param("gpunode:\n  logLevel: " + "x" * 5000 + "END\n", id="long-choice"),
+        pytest.param("gpunode:\n  backend: [" + ", ".join(["sim"] * 2000) + ", END]\n", id="long-list"),
+        pytest.param("K" * 3000 + "END: 1\n" + "K" * 3000 + "END: 2\n", id="long-duplicate-key"),
+        pytest.param("version: " + "v" * 5000 + "END\n", id="long-version"),
+        pytest.param(
+            "sharing:\n  timeSlicing:\n    resources:\n    - name: " + "n" * 5000 + "END\n", id="long-name"
+        ),
+    ],
+)
+def test_messages_quote_only_an_excerpt_of_the_file(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        read_config_file(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: ") and "END" not in message and len(message) < len(str(path)) + 250, (
+        message
+    )

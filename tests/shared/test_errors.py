@@ -43,7 +43,19 @@ CASES: dict[type[GpunodeError], tuple[Callable[[str], GpunodeError], int]] = {
     errors.Unsatisfiable: (errors.Unsatisfiable, 1),
     errors.BadRequest: (errors.BadRequest, 1),
     errors.TraceError: (errors.TraceError, 1),
+    errors.AgentPartFailed: (errors.AgentPartFailed, 1),
+    errors.HealthStateError: (errors.HealthStateError, 1),
+    errors.KubeletDirError: (errors.KubeletDirError, 2),
+    errors.StateDirError: (errors.StateDirError, 2),
+    errors.TlsConfigError: (errors.TlsConfigError, 2),
+    errors.WebConfigError: (errors.WebConfigError, 2),
+    errors.NotLeader: (errors.NotLeader, 1),
+    errors.RegionDamaged: (lambda m: errors.RegionDamaged(m, key="k", reason="truncated"), 1),
+    errors.BodyRefused: (lambda m: errors.BodyRefused(m, status=413), 1),
 }
+
+# classes whose message is built from their arguments (tested one by one below)
+SPECIAL: set[type[GpunodeError]] = {errors.MissingExtra}
 
 
 def defined_in_errors() -> set[type]:
@@ -55,7 +67,16 @@ def defined_in_errors() -> set[type]:
 
 
 def test_the_table_covers_every_class() -> None:
-    assert set(CASES) == defined_in_errors()
+    assert set(CASES) | SPECIAL == defined_in_errors()
+
+
+def test_a_missing_extra_names_the_extra_to_install() -> None:
+    exc = errors.MissingExtra("tqdm", "plot", "`gpunode simulate --progress on`")
+    assert (
+        str(exc) == "`gpunode simulate --progress on` needs the Python package 'tqdm', which is not installed"
+    )
+    assert exc.hint == "install the 'plot' extra: pip install 'gpunode[plot]'"
+    assert exc.exit_code == 1 and (exc.module, exc.extra) == ("tqdm", "plot")
 
 
 @pytest.mark.parametrize("cls", list(CASES), ids=lambda c: c.__name__)

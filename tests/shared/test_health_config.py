@@ -189,3 +189,102 @@ def test_docs_name_every_config_key() -> None:
     ]  # fmt: skip
     missing = [k for k in keys if not re.search(rf"`(\w+\.)?{k}`", text)]
     assert missing == []
+
+
+# -- bounds: every count, duration and list, one key at a time -------------------------------------
+
+HEALTH_BOUNDS = {
+    "probe-interval-low": ({"probeInterval": "5ms"}, "probeInterval: expected 0.01s..1h, got 0.005s"),
+    "probe-interval-high": ({"probeInterval": "2h"}, "probeInterval: expected 0.01s..1h, got 2h"),
+    "probe-timeout-high": ({"probeTimeout": "6m"}, "probeTimeout: expected 0.01s..5m, got 6m"),
+    "probe-timeout-zero": ({"probeTimeout": 0}, "probeTimeout: must be greater than zero (0.01s..5m), got 0"),
+    "recovery-window": ({"recoveryWindow": "25h"}, "recoveryWindow: expected 0..1d, got 25h"),
+    "count-threshold": ({"xid": {"countThreshold": 10**18}}, "xid.countThreshold: expected 0..10000, got 10"),
+    "count-window": ({"xid": {"countWindow": "48h"}}, "xid.countWindow: expected 0.1s..1d, got 2d"),
+    "xid-code-large": (
+        {"xid": {"fatal": [79, 2**63]}},
+        "xid.fatal: XID codes are positive integers up to 999",
+    ),
+    "xid-list-long": (
+        {"xid": {"ignored": list(range(1, 300))}},
+        "xid.ignored: at most 256 XID codes, got 299",
+    ),
+    "sbe-threshold": ({"ecc": {"singleBitThreshold": 2_000_000}}, "singleBitThreshold: expected 0..1000000"),
+    "sbe-window": ({"ecc": {"singleBitWindow": "192h"}}, "a duration must be at most 7d"),
+    "sbe-window-low": ({"ecc": {"singleBitWindow": "10ms"}}, "singleBitWindow: expected 0.1s..7d, got 0.01s"),
+}
+
+
+@pytest.mark.parametrize(("section", "fragment"), HEALTH_BOUNDS.values(), ids=HEALTH_BOUNDS.keys())
+def test_health_bounds_are_one_line_naming_the_key_and_the_range(
+    section: dict[str, object], fragment: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config({"gpunode": {"health": section}}, "f.yaml")
+    message = str(err.value)
+    assert message.startswith("f.yaml: gpunode.health.") and fragment in message, message
+    assert "\n" not in message and len(message) < 200 and err.value.hint != ConfigError.default_hint
+
+
+REMEDIATION_BOUNDS = {
+    "request-timeout": ({"requestTimeout": "10m"}, "requestTimeout: expected 0.1s..5m, got 10m"),
+    "eviction-deadline": ({"evictionDeadline": "48h"}, "evictionDeadline: expected 0..1d, got 2d"),
+    "pod-grace": ({"podGracePeriod": "72h"}, "podGracePeriod: expected 0..1d, got 3d"),
+    "retry-initial": ({"retryInitial": "1ms"}, "retryInitial: expected 0.01s..5m, got 0.001s"),
+    "retry-max": ({"retryMax": "2h"}, "retryMax: expected 0.01s..1h, got 2h"),
+    "max-evictions": ({"maxEvictions": 9223372036854775808}, "maxEvictions: expected 1..1000000, got 9223"),
+    "eviction-interval": ({"evictionInterval": "500ms"}, "evictionInterval: expected 1s..1d, got 0.5s"),
+    "term-grace": ({"baremetal": {"termGracePeriod": "2h"}}, "termGracePeriod: expected 0..1h, got 2h"),
+    "hook-timeout": ({"baremetal": {"hookTimeout": "0s"}}, "hookTimeout: must be greater than zero"),
+    "hook-args": ({"baremetal": {"hook": ["x"] * 65}}, "hook: expected 1..64 arguments of at most 4096"),
+    "hook-arg-long": ({"baremetal": {"hook": ["/bin/x", "a" * 5000]}}, "up to 5000 characters"),
+    "kubeconfig": ({"kubeconfig": "/" + "k" * 5000}, "kubeconfig: expected a path of 1..4096 characters"),
+}
+
+
+@pytest.mark.parametrize(("section", "fragment"), REMEDIATION_BOUNDS.values(), ids=REMEDIATION_BOUNDS.keys())
+def test_remediation_bounds_are_one_line_naming_the_key_and_the_range(
+    section: dict[str, object], fragment: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config({"gpunode": {"remediation": section}}, "f.yaml")
+    message = str(err.value)
+    assert message.startswith("f.yaml: gpunode.remediation.") and fragment in message, message
+    assert "\n" not in message and len(message) < 200 and err.value.hint
+
+
+def test_the_edges_of_the_health_ranges_are_accepted() -> None:
+    cfg = parse_config(
+        {
+            "gpunode": {
+                "health": {
+                    "probeInterval": "10ms",
+                    "probeTimeout": "5m",
+                    "recoveryWindow": 0,
+                    "xid": {"countThreshold": 10_000, "countWindow": "24h", "fatal": [999], "ignored": []},
+                    "ecc": {"singleBitThreshold": 0, "singleBitWindow": "168h"},
+                },
+                "remediation": {
+                    "podGracePeriod": 0,
+                    "maxEvictions": 1_000_000,
+                    "evictionInterval": "1s",
+                    "retryInitial": "10ms",
+                    "retryMax": "1h",
+                    "baremetal": {"termGracePeriod": 0, "hookTimeout": "1h", "hook": ["a"] * 64},
+                },
+            }
+        },
+        "f.yaml",
+    )
+    h, r = cfg.health, cfg.remediation
+    assert (h.probe_interval_s, h.probe_timeout_s, h.recovery_window_s) == (0.01, 300.0, 0.0)
+    assert (h.xid.count_threshold, h.xid.count_window_s, h.xid.fatal) == (10_000, 86400.0, frozenset({999}))
+    assert (h.sbe_threshold, h.sbe_window_s) == (0, 7 * 86400.0)
+    assert (r.pod_grace_period_s, r.max_evictions, r.eviction_interval_s) == (0, 1_000_000, 1.0)
+    assert (r.retry_initial_s, r.retry_max_s, r.baremetal.term_grace_s, r.baremetal.hook_timeout_s) == (
+        0.01,
+        3600.0,
+        0.0,
+        3600.0,
+    )
+    assert r.baremetal.hook is not None and len(r.baremetal.hook) == 64

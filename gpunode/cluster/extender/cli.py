@@ -5,20 +5,32 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
+import socket
+import uuid
 from pathlib import Path
+from typing import Any
 
+from gpunode.cluster.extender.binding import DEFAULT_SCHEDULER
 from gpunode.cluster.extender.core import Extender, ExtenderConfig
-from gpunode.cluster.extender.kubeapi import KubeApi, refresh_nodes_periodically
-from gpunode.cluster.extender.server import serve_extender
+from gpunode.cluster.extender.ha import HighAvailability
+from gpunode.cluster.extender.kubeapi import (
+    KubeApi,
+    check_reservations_periodically,
+    refresh_nodes_periodically,
+)
+from gpunode.cluster.extender.nodes import NodeCache
+from gpunode.cluster.extender.server import DEFAULT_MAX_BODY_BYTES, serve_extender
 from gpunode.cluster.extender.workload import WorkloadTracker
-from gpunode.contract.names import GIB
+from gpunode.contract.names import EXTENDER_ROLE_LABEL, GIB
 from gpunode.contract.reader import parse_bytes, parse_duration
 from gpunode.errors import ConfigError, GpunodeError, PlacementError
-from gpunode.infra.kube import SERVICE_ACCOUNT_DIR
+from gpunode.infra.kube import SERVICE_ACCOUNT_DIR, ElectionConfig
 from gpunode.placement import POLICIES
 
 log = logging.getLogger(__name__)
+DEFAULT_NODE_STATE_MAX_AGE = "3m"
 
 
 def register_extender_cli(
@@ -32,18 +44,100 @@ def register_extender_cli(
     p.add_argument("--policy", default="gpunode", choices=sorted(POLICIES), help="placement policy")
     p.add_argument("--path-prefix", default="", help="URL path prefix before the verbs, e.g. /gpunode")
     p.add_argument("--memory-unit", default="1Gi", help="bytes per unit of gpunode.io/gpu-memory")
-    p.add_argument("--reservation-ttl", default="60s", help="how long a reservation waits for the annotation")
-    p.add_argument("--no-provisional", action="store_true", help="reserve at bind only, not at prioritize")
+    p.add_argument(
+        "--reservation-ttl",
+        default="60s",
+        help="how long a provisional (filter/prioritize) reservation lasts",
+    )
+    p.add_argument(
+        "--bound-reservation-max-age",
+        default="15m",
+        help="safety bound on a bound pod's reservation while its node's annotation does not list it "
+        "(it ends earlier when the annotation lists the pod or the pod is gone)",
+    )
+    p.add_argument(
+        "--no-provisional", action="store_true", help="reserve at bind only, not at filter or prioritize"
+    )
+    p.add_argument(
+        "--node-state-max-age",
+        default=DEFAULT_NODE_STATE_MAX_AGE,
+        help="a node whose gpunode.io/gpu-state annotation was published longer ago is failed as stale "
+        "(default: 3 x the agent's default republish interval of 60s; 0 = never)",
+    )
     p.add_argument("--workload-csv", type=Path, help="openb-format pod list to seed the target workload")
     p.add_argument(
         "--kube-api",
-        help="API server URL; enables bind and node refresh (in-cluster: https://kubernetes.default.svc)",
+        help="API server URL, for --bind and node refresh (in-cluster: https://kubernetes.default.svc)",
+    )
+    p.add_argument(
+        "--bind",
+        action="store_true",
+        help="serve the bind verb (needs --kube-api, and TLS with --client-ca-file unless "
+        "--insecure-bind-without-tls)",
+    )
+    p.add_argument(
+        "--scheduler-name",
+        action="append",
+        dest="scheduler_names",
+        metavar="NAME",
+        help=f"bind only pods whose spec.schedulerName is this (repeatable; default {DEFAULT_SCHEDULER})",
+    )
+    p.add_argument("--tls-cert-file", type=Path, help="serve HTTPS with this certificate (PEM, with chain)")
+    p.add_argument("--tls-key-file", type=Path, help="the private key of --tls-cert-file (PEM)")
+    p.add_argument(
+        "--client-ca-file",
+        type=Path,
+        help="require client certificates signed by these CAs (kube-scheduler's tlsConfig certFile/keyFile)",
+    )
+    p.add_argument(
+        "--allowed-client-names",
+        default="",
+        help="comma-separated subject CN or DNS names a client certificate must carry one of",
+    )
+    p.add_argument(
+        "--insecure-bind-without-tls",
+        action="store_true",
+        help="serve --bind without client certificates: anyone reaching the port can bind pods",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        default=f"{DEFAULT_MAX_BODY_BYTES // 2**20}Mi",
+        help="largest request body accepted (413 beyond); full NodeLists need ~4 KB per node",
+    )
+    p.add_argument(
+        "--health-listen", help="host:port of a plain-HTTP server for /healthz and /readyz only (probes)"
     )
     p.add_argument(
         "--kube-token-file", type=Path, help=f"bearer token file (default {SERVICE_ACCOUNT_DIR}/token)"
     )
     p.add_argument("--kube-ca-file", type=Path, help=f"CA bundle (default {SERVICE_ACCOUNT_DIR}/ca.crt)")
     p.add_argument("--node-refresh", default="0s", help="list nodes this often for NodeNames mode (0 = off)")
+    p.add_argument(
+        "--leader-elect",
+        action="store_true",
+        help="high availability: only the replica holding a Lease answers (docs/scheduler.md); needs --kube-api",
+    )
+    p.add_argument(
+        "--leader-elect-namespace",
+        default=os.environ.get("POD_NAMESPACE", ""),
+        help="namespace of the Lease and of this pod (default $POD_NAMESPACE)",
+    )
+    p.add_argument("--leader-elect-lease-name", default="gpunode-extender", help="name of the Lease")
+    p.add_argument(
+        "--leader-elect-identity",
+        default="",
+        help="this replica's name in the Lease (default <pod>_<random>)",
+    )
+    p.add_argument(
+        "--leader-elect-pod",
+        default=os.environ.get("POD_NAME", ""),
+        help=f"pod labelled {EXTENDER_ROLE_LABEL}=leader while this replica leads (default $POD_NAME)",
+    )
+    p.add_argument("--leader-elect-lease-duration", default="15s", help="how long standbys wait for renewals")
+    p.add_argument(
+        "--leader-elect-renew-deadline", default="10s", help="leader steps down unrenewed after this"
+    )
+    p.add_argument("--leader-elect-retry-period", default="2s", help="time between renewals and attempts")
     p.add_argument(
         "--log-level",
         default="info",
@@ -53,24 +147,77 @@ def register_extender_cli(
     return p
 
 
-def _listen(text: str) -> tuple[str, int]:
+def _listen(text: str, flag: str = "--listen") -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"--listen: expected host:port such as 127.0.0.1:8888, got {text!r}")
+        raise ConfigError(f"{flag}: expected host:port such as 127.0.0.1:8888, got {text!r}")
     return host.strip("[]") or "0.0.0.0", int(port)
+
+
+_BIND_HINT = (
+    "serve HTTPS with --tls-cert-file, --tls-key-file and --client-ca-file and give kube-scheduler a client "
+    "certificate (tlsConfig certFile/keyFile/caFile), or accept the risk with --insecure-bind-without-tls"
+)
+
+
+def check_security_flags(args: argparse.Namespace) -> None:
+    """ConfigError for TLS and bind flags that do not go together, or that would leave /bind open."""
+    cert, key, ca = args.tls_cert_file, args.tls_key_file, args.client_ca_file
+    if (cert is None) != (key is None):
+        raise ConfigError("--tls-cert-file and --tls-key-file go together", hint="give both, or neither")
+    if ca is not None and cert is None:
+        raise ConfigError(
+            "--client-ca-file needs --tls-cert-file and --tls-key-file",
+            hint="client certificates are only asked for over HTTPS",
+        )
+    if args.allowed_client_names and ca is None:
+        raise ConfigError("--allowed-client-names needs --client-ca-file", hint=_BIND_HINT)
+    if getattr(args, "leader_elect", False) and not args.kube_api:
+        raise ConfigError("--leader-elect needs --kube-api to hold the Lease with", hint="add --kube-api URL")
+    if args.bind and not args.kube_api:
+        raise ConfigError("--bind needs --kube-api to create Bindings with", hint="add --kube-api URL")
+    if args.bind and ca is None and not args.insecure_bind_without_tls:
+        raise ConfigError(
+            "--bind without client certificates would let anyone who reaches the port bind any pod",
+            hint=_BIND_HINT,
+        )
+
+
+def server_options(args: argparse.Namespace) -> dict[str, Any]:
+    """ExtenderServer's options from the flags: TLS context (files read here), client names, limits."""
+    from gpunode.infra.http import server_tls_context
+
+    options: dict[str, Any] = {
+        "max_body_bytes": parse_bytes(args.max_request_bytes, where="--max-request-bytes")
+        or DEFAULT_MAX_BODY_BYTES,
+        "allowed_client_names": [n.strip() for n in args.allowed_client_names.split(",") if n.strip()],
+    }
+    if args.tls_cert_file is not None:
+        options["ssl_context"] = server_tls_context(
+            args.tls_cert_file, args.tls_key_file, client_ca_file=args.client_ca_file
+        )
+    if args.health_listen:
+        options["health_host"], options["health_port"] = _listen(args.health_listen, "--health-listen")
+    return options
 
 
 def build_extender(args: argparse.Namespace) -> tuple[Extender, KubeApi | None]:
     """The Extender (and API client) the CLI flags describe; ConfigError for a bad flag."""
+    check_security_flags(args)
     try:
         config = ExtenderConfig(
             policy=args.policy,
             memory_unit_bytes=parse_bytes(args.memory_unit, where="--memory-unit") or GIB,
             reservation_ttl_s=parse_duration(args.reservation_ttl, where="--reservation-ttl"),
             provisional_reservations=not args.no_provisional,
+            scheduler_names=frozenset(args.scheduler_names or [DEFAULT_SCHEDULER]),
+            bound_reservation_max_age_s=parse_duration(
+                args.bound_reservation_max_age, where="--bound-reservation-max-age"
+            ),
         )
     except PlacementError as exc:
         raise ConfigError(str(exc)) from exc
+    max_age_s = parse_duration(args.node_state_max_age, where="--node-state-max-age")
     seed = None
     if args.workload_csv is not None:
         from gpunode.cluster.tracesim.trace import load_pods, target_workload
@@ -87,8 +234,39 @@ def build_extender(args: argparse.Namespace) -> tuple[Extender, KubeApi | None]:
             token_file=token_file if token_file.is_file() else None,
             ca_file=ca_file if ca_file and ca_file.is_file() else None,
         )
-    extender = Extender(config=config, workload=WorkloadTracker(seed=seed), binder=api)
+    binder = api if args.bind else None  # the API client serves node refresh without binding
+    extender = Extender(
+        config=config,
+        nodes=NodeCache(max_age_s=max_age_s or None),
+        workload=WorkloadTracker(seed=seed),
+        binder=binder,
+    )
     return extender, api
+
+
+def build_ha(args: argparse.Namespace, extender: Extender, api: KubeApi | None) -> HighAvailability | None:
+    """The leader election the --leader-elect flags describe (None without it); ConfigError for a bad flag."""
+    if not args.leader_elect:
+        return None
+    if api is None:
+        raise ConfigError("--leader-elect needs --kube-api to hold the Lease with", hint="add --kube-api URL")
+    identity = (
+        args.leader_elect_identity
+        or f"{args.leader_elect_pod or socket.gethostname()}_{uuid.uuid4().hex[:8]}"
+    )
+    config = ElectionConfig(
+        namespace=args.leader_elect_namespace,
+        name=args.leader_elect_lease_name,
+        identity=identity,
+        lease_duration_s=parse_duration(
+            args.leader_elect_lease_duration, where="--leader-elect-lease-duration"
+        ),
+        renew_deadline_s=parse_duration(
+            args.leader_elect_renew_deadline, where="--leader-elect-renew-deadline"
+        ),
+        retry_period_s=parse_duration(args.leader_elect_retry_period, where="--leader-elect-retry-period"),
+    )
+    return HighAvailability(extender, api, config, pod_name=args.leader_elect_pod)
 
 
 def run_extender_cli(args: argparse.Namespace) -> int:
@@ -99,6 +277,12 @@ def run_extender_cli(args: argparse.Namespace) -> int:
     )
     host, port = _listen(args.listen)
     extender, api = build_extender(args)
+    ha = build_ha(args, extender, api)
+    options = server_options(args)
+    if ha is not None:
+        options["gate"] = ha.leadership
+    if args.bind and args.insecure_bind_without_tls and args.client_ca_file is None:
+        log.warning("extender: serving bind WITHOUT client authentication (--insecure-bind-without-tls)")
     refresh_s = parse_duration(args.node_refresh, where="--node-refresh")
     if refresh_s and api is None:
         raise ConfigError("--node-refresh needs --kube-api to list nodes from")
@@ -114,10 +298,19 @@ def run_extender_cli(args: argparse.Namespace) -> int:
         tasks = [
             asyncio.create_task(
                 serve_extender(
-                    extender=extender, host=host, port=port, path_prefix=args.path_prefix, bound=bound
+                    extender=extender,
+                    host=host,
+                    port=port,
+                    path_prefix=args.path_prefix,
+                    bound=bound,
+                    **options,
                 )
             )
         ]
+        if ha is not None:
+            tasks.append(asyncio.create_task(ha.run()))
+        if api is not None:  # bound pods' reservations end when their pods are gone
+            tasks.append(asyncio.create_task(check_reservations_periodically(api=api, extender=extender)))
         if refresh_s and api is not None:
             tasks.append(
                 asyncio.create_task(

@@ -10,23 +10,26 @@ ExtenderBindingResult {Error}. Keys are matched case-insensitively, as Go's JSON
 decoder does.
 
 Each node's GPU state comes from its gpunode.io/gpu-state annotation (see
-nodestate.py); reservations made at bind (and, provisionally, for the best node
-at prioritize) are applied on top until the annotation lists the pod or their
-TTL passes. Bad input never crashes the server and never gets a 500: malformed
+nodestate.py; an annotation older than the node cache's max age fails its node);
+reservations made at bind (and, provisionally, for the only node filter passes or
+the best node at prioritize) are applied on top until the annotation lists the pod
+(see reservations.py for when each kind ends). Bind decides and reserves in one step
+under the node's lock (decide.py). Bad input never crashes the server and never gets a 500: malformed
 JSON or a wrong shape is a 400 with a JSON message, a node with a missing or
 broken annotation goes to FailedNodes with the reason, a pod with an impossible
 request fails every node in FailedAndUnresolvableNodes with the reason.
 
 The HTTP server (server.py, on gpunode.infra.http) calls these methods in worker
 threads; serve_extender() is the coroutine the CLI runs. Binding talks to the Kubernetes API through
-kubeapi.py's small client.
+kubeapi.py's small client, and only after the checks of binding.py: the pod, read from the API
+server, is pending, names a scheduler this extender serves, and filter passed that node for it.
+A pod with an unreadable or implausible quantity fails its own filter and is never learned from.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -34,9 +37,26 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from gpunode.cluster.extender.args import ExtenderArgs, filter_result, parse_args
+from gpunode.cluster.extender.binding import (
+    DEFAULT_SCHEDULER,
+    Approved,
+    FilterLog,
+    check_bind,
+    parse_bind_args,
+    refuse,
+)
+from gpunode.cluster.extender.decide import NodeLocks, decide_and_reserve
 from gpunode.cluster.extender.nodes import NodeCache, NodeView
 from gpunode.cluster.extender.pods import pod_key, request_from_pod
-from gpunode.cluster.extender.reservations import Reservations, apply_reservations, reserved_state
+from gpunode.cluster.extender.reservations import (
+    DEFAULT_BOUND_TTL_S,
+    Reservation,
+    Reservations,
+    apply_reservations,
+    live_on,
+    reserved_state,
+)
 from gpunode.cluster.extender.table import NodeTable
 from gpunode.cluster.extender.workload import WorkloadTracker
 from gpunode.contract.names import GIB
@@ -53,7 +73,6 @@ from gpunode.placement import (
 
 log = logging.getLogger(__name__)
 MAX_EXTENDER_PRIORITY = 10  # extenderv1.MaxExtenderPriority
-_RECENT_PODS = 4096
 _CACHE_LIMIT = 500_000  # cached verdicts before the caches are dropped and rebuilt
 _UNSET: Any = object()
 
@@ -74,7 +93,11 @@ class _Verdict:
 
 
 class Binder(Protocol):
-    """Binds a pod to a node (and records the GPUs chosen); raises KubeError on failure."""
+    """Reads a pod, binds it to a node (and records the GPUs chosen); raises KubeError on failure."""
+
+    def read_pod(self, *, namespace: str, name: str) -> Mapping[str, Any] | None:
+        """The pod as v1 JSON, None when it does not exist; raises KubeError when it cannot be read."""
+        ...
 
     def bind(self, *, namespace: str, name: str, uid: str, node: str, gpu_uuids: tuple[str, ...]) -> None:
         """Bind pod namespace/name (uid) to node, recording gpu_uuids; raises KubeError on failure."""
@@ -85,61 +108,30 @@ class Binder(Protocol):
 class ExtenderConfig:
     """Extender settings; raises InvalidRequest for an unknown policy or a non-positive unit or TTL.
 
-    memory_unit_bytes is the size of one unit of a pod's memory request; reservation_ttl_s is the most
-    seconds a reservation stays applied while the node's annotation does not list the pod yet;
-    provisional_reservations makes prioritize reserve the best node.
+    memory_unit_bytes is the size of one unit of a pod's memory request; reservation_ttl_s is how
+    long a provisional reservation lasts; bound_reservation_max_age_s the most seconds a bound pod's
+    reservation stays while the node's annotation does not list the pod (and the pod exists);
+    provisional_reservations makes filter (when one node passes) and prioritize reserve; bind binds
+    only pods whose spec.schedulerName is in scheduler_names.
     """
 
     policy: str = "gpunode"
     memory_unit_bytes: int = GIB
     reservation_ttl_s: float = 60.0
     provisional_reservations: bool = True
+    scheduler_names: frozenset[str] = frozenset({DEFAULT_SCHEDULER})
+    bound_reservation_max_age_s: float = DEFAULT_BOUND_TTL_S
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
-        if self.memory_unit_bytes <= 0 or self.reservation_ttl_s <= 0:
-            raise InvalidRequest("memory unit and reservation TTL must be positive")
-
-
-def _field(obj: Mapping[str, Any], name: str) -> Any:
-    """obj[name], matching the key case-insensitively like Go's encoding/json."""
-    if name in obj:
-        return obj[name]
-    lowered = name.lower()
-    for k, v in obj.items():
-        if isinstance(k, str) and k.lower() == lowered:
-            return v
-    return None
-
-
-@dataclass(frozen=True)
-class _Args:
-    pod: Mapping[str, Any]
-    node_objects: list[Any] | None  # Nodes.items when kube-scheduler sends full nodes
-    node_list: Mapping[str, Any] | None
-    node_names: list[str] | None
-
-
-def parse_args(body: object) -> _Args:
-    """ExtenderArgs from decoded JSON; BadRequest when the shape is wrong."""
-    if not isinstance(body, Mapping):
-        raise BadRequest("ExtenderArgs must be a JSON object")
-    pod = _field(body, "Pod")
-    if not isinstance(pod, Mapping):
-        raise BadRequest("ExtenderArgs.Pod is missing or not an object")
-    nodes, names = _field(body, "Nodes"), _field(body, "NodeNames")
-    if nodes is None and names is None:
-        raise BadRequest("ExtenderArgs needs Nodes (a v1.NodeList) or NodeNames")
-    if nodes is not None:
-        items = _field(nodes, "items") if isinstance(nodes, Mapping) else None
-        if items is None and isinstance(nodes, Mapping):
-            items = []
-        if not isinstance(items, list):
-            raise BadRequest("ExtenderArgs.Nodes must be a v1.NodeList with an items list")
-        return _Args(pod=pod, node_objects=items, node_list=nodes, node_names=None)
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise BadRequest("ExtenderArgs.NodeNames must be a list of strings")
-    return _Args(pod=pod, node_objects=None, node_list=None, node_names=names)
+        if (
+            self.memory_unit_bytes <= 0
+            or self.reservation_ttl_s <= 0
+            or self.bound_reservation_max_age_s <= 0
+        ):
+            raise InvalidRequest(
+                "memory unit, reservation TTL and bound reservation max age must be positive"
+            )
 
 
 class Extender:
@@ -158,16 +150,21 @@ class Extender:
         # `is None`, not `or`: an empty cache or reservation book has len() 0 and is falsy.
         self.nodes = NodeCache() if nodes is None else nodes
         self.reservations = (
-            Reservations(ttl_s=self.config.reservation_ttl_s) if reservations is None else reservations
+            Reservations(
+                ttl_s=self.config.reservation_ttl_s, bound_ttl_s=self.config.bound_reservation_max_age_s
+            )
+            if reservations is None
+            else reservations
         )
         self.workload = WorkloadTracker() if workload is None else workload
         self.table = NodeTable()
         self.binder = binder
-        self._pods: OrderedDict[str, tuple[str, Request]] = OrderedDict()
+        self.filtered = FilterLog()
         self._fits: dict[tuple[object, ...], object] = {}
         self._supplied: tuple[tuple[object, ...], TargetWorkload, int] | None = None
         self._scores: dict[tuple[object, ...], object] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the caches above; never held while deciding
+        self._deciding = NodeLocks()  # bind's decide-and-reserve, per node
 
     # ----- shared steps ---------------------------------------------------------------------------
 
@@ -175,7 +172,7 @@ class Extender:
         """Feed Node objects into the cache used when kube-scheduler sends only node names."""
         return self.nodes.update(nodes)
 
-    def _views(self, args: _Args) -> list[NodeView]:
+    def _views(self, args: ExtenderArgs) -> list[NodeView]:
         if args.node_objects is not None:
             return [self.nodes.view(n) for n in args.node_objects]
         assert args.node_names is not None
@@ -186,14 +183,7 @@ class Extender:
             uid, key = pod_key(pod)
         except InvalidRequest as exc:
             raise BadRequest(str(exc)) from exc
-        request = request_from_pod(pod, memory_unit_bytes=self.config.memory_unit_bytes)
-        if request is not None:
-            with self._lock:
-                self._pods[uid] = (key, request)
-                self._pods.move_to_end(uid)
-                while len(self._pods) > _RECENT_PODS:
-                    self._pods.popitem(last=False)
-        return uid, key, request
+        return uid, key, request_from_pod(pod, memory_unit_bytes=self.config.memory_unit_bytes)
 
     def _state(self, view: NodeView, uid: str) -> NodeState | None:
         return apply_reservations(view, self.reservations, skip_pod=uid)
@@ -229,9 +219,7 @@ class Extender:
         state = view.state
         held: tuple[str, ...] = ()
         if view.name in ctx.reserved:
-            live = [
-                r for r in self.reservations.on_node(view.name, reflected=view.pods) if r.pod_uid != ctx.uid
-            ]
+            live = [r for r in live_on(view, self.reservations) if r.pod_uid != ctx.uid]
             if live:
                 held = tuple(sorted(r.pod_uid for r in live))
                 state = reserved_state(state, live)
@@ -272,13 +260,16 @@ class Extender:
         unresolvable: dict[str, str] = {}
         views = self._views(args)
         try:
-            uid, _, request = self._request(args.pod)
+            uid, key, request = self._request(args.pod)
         except PlacementError as exc:
+            self.filtered.forget(pod_key(args.pod)[0])
             reason = f"invalid GPU request: {exc}"
             unresolvable = {v.name: reason for v in views if v.name}
-            return self._filter_result(args, [], failed, unresolvable)
+            return filter_result(args, [], failed, unresolvable)
         if request is None:
-            return self._filter_result(args, [v.name for v in views if v.name], failed, unresolvable)
+            passing = [v.name for v in views if v.name]
+            self.filtered.record(uid, key, None, passing)
+            return filter_result(args, passing, failed, unresolvable)
         self.workload.observe(request)
         ctx = self._context(uid)
         positions, fits, _ = self._batch(views, request, ctx)
@@ -292,7 +283,11 @@ class Extender:
             else:
                 failed[view.name or "<unnamed>"] = verdict.reason
         passing = [views[i].name for i in np.flatnonzero(passes)]
-        return self._filter_result(args, passing, failed, unresolvable)
+        self.filtered.record(uid, key, request, passing)
+        if len(passing) == 1:
+            # kube-scheduler skips prioritize when one node is left: reserve here instead.
+            self._reserve_provisionally(views[int(np.flatnonzero(passes)[0])], uid, key, request, ctx)
+        return filter_result(args, passing, failed, unresolvable)
 
     def _batch(
         self, views: list[NodeView], request: Request, ctx: _Context
@@ -309,27 +304,6 @@ class Extender:
             version=ctx.version,
             policy=ctx.policy,
         )
-
-    @staticmethod
-    def _filter_result(
-        args: _Args, passing: list[str], failed: dict[str, str], unresolvable: dict[str, str]
-    ) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "Nodes": None,
-            "NodeNames": None,
-            "FailedNodes": failed,
-            "FailedAndUnresolvableNodes": unresolvable,
-            "Error": "",
-        }
-        if args.node_objects is not None:
-            keep = set(passing)
-            items = [n for n in args.node_objects if isinstance(n, Mapping) and _node_name(n) in keep]
-            node_list = dict(args.node_list or {})
-            node_list["items"] = items
-            out["Nodes"] = node_list
-        else:
-            out["NodeNames"] = passing
-        return out
 
     # ----- prioritize -----------------------------------------------------------------------------
 
@@ -361,74 +335,86 @@ class Extender:
         best = views[int(scored_at[raw[scored_at].argmax()])] if len(scored_at) else None
         scores = _scale_array(raw)
         result = [{"Host": v.name, "Score": int(s)} for v, s in zip(views, scores, strict=True) if v.name]
-        if best is not None and self.config.provisional_reservations:
-            state = self._state(best, uid)
-            choice = score_node(state, request, policy=ctx.policy, workload=ctx.workload) if state else None
-            if choice is not None:
-                self.reservations.reserve(
-                    pod_uid=uid,
-                    pod_key=key,
-                    node=best.name,
-                    gpu_uuids=choice.gpu_uuids,
-                    request=request,
-                    final=False,
-                )
+        if best is not None:
+            self._reserve_provisionally(best, uid, key, request, ctx)
         return result
+
+    def _reserve_provisionally(
+        self, view: NodeView, uid: str, key: str, request: Request, ctx: _Context
+    ) -> None:
+        """Reserve the GPUs the pod would get on this node until its bind decides (or the TTL passes)."""
+        if not self.config.provisional_reservations:
+            return
+        state = self._state(view, uid)
+        choice = score_node(state, request, policy=ctx.policy, workload=ctx.workload) if state else None
+        if choice is not None:
+            self.reservations.reserve(
+                pod_uid=uid,
+                pod_key=key,
+                node=view.name,
+                gpu_uuids=choice.gpu_uuids,
+                request=request,
+                final=False,
+                annotation=view.fingerprint,
+            )
 
     # ----- bind -----------------------------------------------------------------------------------
 
     def bind(self, body: object) -> dict[str, str]:
         """Answer /bind with an ExtenderBindingResult {"Error"}: bind the pod to the node through the binder.
 
-        When filter or prioritize saw the pod's GPU request, GPUs on the node are reserved for it first.
-        "Error" is empty on success, else names why (the pod no longer fits, no API access, the API
-        refused). Raises BadRequest when `body` is not valid ExtenderBindingArgs.
+        The pod is read from the API server first and bound only when binding.check_bind approves it
+        (pending, a scheduler served here, filtered onto that node); GPUs on the node are then reserved
+        for its GPU request. "Error" is empty on success, else names why (a refused check, the pod no
+        longer fits, no API access, the API refused). Raises BadRequest when `body` is not valid
+        ExtenderBindingArgs.
         """
-        if not isinstance(body, Mapping):
-            raise BadRequest("ExtenderBindingArgs must be a JSON object")
-        name, namespace = _field(body, "PodName"), _field(body, "PodNamespace") or "default"
-        uid, node = _field(body, "PodUID") or "", _field(body, "Node")
-        if not isinstance(name, str) or not name or not isinstance(node, str) or not node:
-            raise BadRequest("ExtenderBindingArgs needs PodName and Node")
-        if not isinstance(uid, str) or not isinstance(namespace, str):
-            raise BadRequest("ExtenderBindingArgs.PodUID and PodNamespace must be strings")
-        key = f"{namespace}/{name}"
-        uid = uid or key
-        with self._lock:
-            known = self._pods.get(uid)
-        gpus: tuple[str, ...] = ()
-        if known is not None:
-            request = known[1]
-            state = self._state(self.nodes.get(node), uid)
-            if state is None:
-                return {"Error": f"node {node}: {self.nodes.get(node).reason}"}
-            if (why := unfit_reason(state, request)) is not None:
-                return {"Error": f"pod {key} no longer fits node {node}: {why}"}
+        args = parse_bind_args(body)
+        if self.binder is None:
+            return {"Error": "this extender has no Kubernetes API access to bind with (start it with --bind)"}
+        try:
+            pod = self.binder.read_pod(namespace=args.namespace, name=args.name)
+        except KubeError as exc:
+            return refuse(args, f"cannot read the pod: {exc}")
+        verdict = check_bind(
+            args,
+            pod,
+            filtered=self.filtered,
+            schedulers=self.config.scheduler_names,
+            memory_unit_bytes=self.config.memory_unit_bytes,
+        )
+        if not isinstance(verdict, Approved):
+            return refuse(args, verdict)
+        uid, node, key, request = verdict.uid, args.node, args.key, verdict.request
+        made: Reservation | None = None
+        if request is not None:
             policy = self.config.policy
             workload = self.workload.workload()
             if policy in NEEDS_WORKLOAD and workload is None:
                 policy = "bestfit"
-            choice = score_node(state, request, policy=policy, workload=workload)
-            gpus = choice.gpu_uuids if choice is not None else ()
-            self.reservations.reserve(
-                pod_uid=uid, pod_key=key, node=node, gpu_uuids=gpus, request=request, final=True
+            decided = decide_and_reserve(
+                locks=self._deciding,
+                nodes=self.nodes,
+                reservations=self.reservations,
+                uid=uid,
+                key=key,
+                node=node,
+                request=request,
+                policy=policy,
+                workload=workload,
             )
-        if self.binder is None:
-            return {
-                "Error": "this extender has no Kubernetes API access to bind with (start it with --kube-api)"
-            }
+            if isinstance(decided, str):
+                return {"Error": decided}
+            made = decided
+        gpus = made.gpu_uuids if made is not None else ()
         try:
-            self.binder.bind(namespace=namespace, name=name, uid=uid, node=node, gpu_uuids=gpus)
+            self.binder.bind(namespace=args.namespace, name=args.name, uid=uid, node=node, gpu_uuids=gpus)
         except KubeError as exc:
-            self.reservations.release(uid)
+            if made is not None:
+                self.reservations.release(uid, only=made)  # its GPUs go back to the pods racing for them
             return {"Error": str(exc)}
+        self.filtered.forget(uid)  # bound: a second bind of the same answer is refused
         return {"Error": ""}
-
-
-def _node_name(node: Mapping[str, Any]) -> str:
-    meta = node.get("metadata") or {}
-    name = meta.get("name") if isinstance(meta, Mapping) else None
-    return name if isinstance(name, str) else ""
 
 
 def _scale_array(raw: npt.NDArray[np.float64]) -> npt.NDArray[np.int64]:

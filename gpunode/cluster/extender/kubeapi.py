@@ -1,4 +1,5 @@
-"""The extender's calls to the Kubernetes API server: annotate a pod with its GPUs, bind it, list nodes.
+"""The extender's calls to the Kubernetes API server: read a pod, annotate it with its GPUs, bind it, list nodes
+and pods, label a pod (the leader's role label, ha.py).
 
 KubeApi holds one gpunode.infra.kube.KubeClient (asyncio) and the event loop
 that client lives on. The Extender core calls `bind` synchronously from the
@@ -13,6 +14,10 @@ CLI attaches the running loop as it starts serving; a server started with
 ExtenderServer.start() has its own, `server.loop`), and an async method called
 before any attach binds the loop it runs on. Its connections are opened on that
 loop only. Errors from the API server are KubeError, raised as they are.
+
+check_reservations_periodically ends the reservations of bound pods that are
+gone (deleted, finished, bound elsewhere) before their node's annotation ever
+listed them, reading each such pod every RESERVATION_CHECK_S.
 """
 
 from __future__ import annotations
@@ -20,23 +25,30 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import quote
+
+import msgspec
+from lightkube.resources.core_v1 import Pod
 
 from gpunode.cluster.extender.core import Extender
+from gpunode.cluster.extender.reservations import gone_reason
 from gpunode.contract.names import ASSIGNMENT_ANNOTATION
-from gpunode.errors import ConfigError, KubeError, KubeUnreachable
-from gpunode.infra.kube import KubeClient
+from gpunode.errors import ConfigError, KubeError, KubeNotFound, KubeUnreachable
+from gpunode.infra.kube import KubeClient, resource_path
+from gpunode.infra.kube.client import MERGE_PATCH
 
 log = logging.getLogger(__name__)
 USER_AGENT = "gpunode-extender"
+RESERVATION_CHECK_S = 10.0
 
 T = TypeVar("T")
 
 
 class KubeApi:
-    """The extender's API access: annotate a pod with its GPUs, bind it, list nodes (see the module docstring)."""
+    """The extender's API access: read a pod, annotate and bind it, list nodes (see the module docstring)."""
 
     def __init__(
         self,
@@ -88,6 +100,16 @@ class KubeApi:
         elif self._loop is not running:
             raise RuntimeError("KubeApi called on an event loop other than the one it lives on")
 
+    async def read_pod_async(self, *, namespace: str, name: str) -> dict[str, Any] | None:
+        """The pod as v1 JSON; None when it does not exist."""
+        self._on_this_loop()
+        try:
+            pod = await self.client.get(Pod, name, namespace=namespace)
+        except KubeNotFound:
+            return None
+        out = msgspec.to_builtins(pod)
+        return out if isinstance(out, dict) else None
+
     async def bind_async(
         self, *, namespace: str, name: str, uid: str, node: str, gpu_uuids: tuple[str, ...]
     ) -> None:
@@ -100,6 +122,31 @@ class KubeApi:
         # A uid made up of namespace/name (the scheduler sent none) is no precondition.
         await self.client.bind_pod(namespace, name, node, uid=uid if "/" not in uid else None)
 
+    async def list_pods_async(
+        self,
+        *,
+        namespace: str | None = None,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Pods (of one namespace, or all), as v1 JSON; the selectors are passed to the API server."""
+        self._on_this_loop()
+        pods, _ = await self.client.list_json(
+            Pod, namespace=namespace, label_selector=label_selector, field_selector=field_selector
+        )
+        return pods
+
+    async def label_pod_async(self, *, namespace: str, name: str, labels: Mapping[str, str | None]) -> None:
+        """Set (or, with None, remove) labels of a pod with a JSON merge patch."""
+        self._on_this_loop()
+        await self.client.transport.request(
+            "PATCH",
+            f"{resource_path(Pod, namespace)}/{quote(name, safe='')}",
+            body={"metadata": {"labels": dict(labels)}},
+            content_type=MERGE_PATCH,
+            what=f"label pod {namespace}/{name}",
+        )
+
     async def list_nodes_async(self) -> list[dict[str, Any]]:
         """Every Node, as the v1 JSON objects the Extender's node cache reads."""
         self._on_this_loop()
@@ -107,11 +154,29 @@ class KubeApi:
 
     # -- from worker threads -----------------------------------------------------------------
 
-    def bind(self, *, namespace: str, name: str, uid: str, node: str, gpu_uuids: tuple[str, ...]) -> None:
-        """bind_async, from a thread that is not the loop's (the Extender's Binder protocol)."""
+    def read_pod(self, *, namespace: str, name: str) -> dict[str, Any] | None:
+        """read_pod_async, from a thread that is not the loop's (the Extender's Binder protocol)."""
+        coro = self.read_pod_async(namespace=namespace, name=name)
+        return self._wait(coro, f"read pod {namespace}/{name}", self.timeout_s + 1.0)
+
+    def bind(
+        self,
+        *,
+        namespace: str,
+        name: str,
+        uid: str,
+        node: str,
+        gpu_uuids: tuple[str, ...],
+        timeout_s: float | None = None,
+    ) -> None:
+        """bind_async, from a thread that is not the loop's (the Extender's Binder protocol).
+
+        Two requests, each bounded by the client's timeout; with timeout_s, both together within that
+        (unanswered by then: KubeUnreachable, and the requests are abandoned).
+        """
         coro = self.bind_async(namespace=namespace, name=name, uid=uid, node=node, gpu_uuids=gpu_uuids)
-        # Two requests, each bounded by the client's timeout.
-        self._wait(coro, f"bind pod {namespace}/{name} to {node}", 2 * self.timeout_s + 1.0)
+        limit = 2 * self.timeout_s + 1.0 if timeout_s is None else timeout_s
+        self._wait(coro, f"bind pod {namespace}/{name} to {node}", limit)
 
     def list_nodes(self) -> list[dict[str, Any]]:
         """list_nodes_async, from a thread that is not the loop's."""
@@ -150,3 +215,32 @@ async def refresh_nodes_periodically(
         if ready is not None and not ready.is_set():
             ready.set()
         await asyncio.sleep(interval_s)
+
+
+async def check_reservations(*, api: KubeApi, extender: Extender) -> int:
+    """Release the bound pods' reservations whose pods are gone (reservations.gone_reason); returns how many.
+
+    An API error ends the pass (logged); the reservations it did not reach wait for the next one.
+    """
+    released = 0
+    for r in extender.reservations.bound():
+        namespace, _, name = r.pod_key.partition("/")
+        try:
+            pod = await api.read_pod_async(namespace=namespace, name=name)
+        except KubeError as exc:
+            log.warning("reservation check: %s (hint: %s)", exc, exc.hint)
+            break
+        why = gone_reason(pod, r)
+        if why is not None and extender.reservations.release(r.pod_uid, only=r):
+            log.info("reservation of pod %s on node %s released: %s", r.pod_key, r.node, why)
+            released += 1
+    return released
+
+
+async def check_reservations_periodically(
+    *, api: KubeApi, extender: Extender, interval_s: float = RESERVATION_CHECK_S
+) -> None:
+    """check_reservations every interval, until cancelled."""
+    while True:
+        await asyncio.sleep(interval_s)
+        await check_reservations(api=api, extender=extender)

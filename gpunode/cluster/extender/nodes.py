@@ -5,15 +5,23 @@ fed with Node objects (from each request, or from a refresher when
 kube-scheduler sends only names). We do not run an informer: kube-scheduler
 already sends the nodes, and a refresher function that lists nodes is enough for
 the names-only mode; no watch connection, no extra memory per node beyond the
-decoded state. Thread safe; no I/O.
+decoded state.
+
+A node whose agent stopped publishing is not trusted forever: with `max_age_s`
+(--node-state-max-age), a node whose annotation was published (its `updated`
+field) longer ago than that is answered without a state, its reason naming the
+age and the bound, so filter sends it to FailedNodes and bind refuses it. The
+agent republishes every nodeState.interval (60 s by default) even when nothing
+changed. Thread safe; no I/O.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gpunode.cluster.extender.pods import _ceil, parse_quantity
@@ -51,7 +59,10 @@ def _allocatable(node: Mapping[str, Any], key: str, scale: int) -> int:
 class NodeCache:
     """Decoded node states by name, reused while a node's annotation text is unchanged."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_age_s: float | None = None, clock: Callable[[], float] = time.time) -> None:
+        """`max_age_s`: annotations published longer ago than this (by `clock`, unix seconds) are stale."""
+        self.max_age_s = max_age_s
+        self._clock = clock
         self._lock = threading.Lock()
         self._views: dict[str, tuple[str, NodeView]] = {}
         self._supply: Counter[str] = Counter()  # GPUs per model over the cached views
@@ -71,7 +82,7 @@ class NodeCache:
         with self._lock:
             cached = self._views.get(name)
         if cached is not None and cached[0] == text and text is not None:
-            return cached[1]
+            return self._judged(cached[1], self._clock())
         view = self._decode(name, node, text)
         with self._lock:
             old = self._views.get(name)
@@ -81,7 +92,20 @@ class NodeCache:
                 self._supply.update(g.model for g in view.state.gpus)
             self._set_capacity(name, view.state)
             self._views[name] = (text or "", view)
-        return view
+        return self._judged(view, self._clock())
+
+    def _judged(self, view: NodeView, now: float) -> NodeView:
+        """The view as it may be used now: without a state when its annotation is too old."""
+        if self.max_age_s is None or view.annotation is None or view.state is None:
+            return view
+        age = now - view.annotation.updated
+        if age <= self.max_age_s:
+            return view
+        reason = (
+            f"{ANNOTATION_KEY} annotation published {age:.0f} s ago, more than the {self.max_age_s:g} s "
+            f"allowed (--node-state-max-age): is the gpunode agent on {view.name} running and publishing?"
+        )
+        return replace(view, state=None, reason=reason)
 
     def _set_capacity(self, name: str, state: NodeState | None) -> None:
         """Record what the node offers empty (one GPU model per node; others get no node pressure)."""
@@ -142,13 +166,19 @@ class NodeCache:
         with self._lock:
             found = [self._views.get(n) for n in names]
         names = list(names) if not isinstance(names, list) else names
+        if self.max_age_s is not None:
+            now = self._clock()
+            return [
+                self._judged(c[1], now) if c is not None else NodeView(n, None, _UNKNOWN_NODE)
+                for n, c in zip(names, found, strict=True)
+            ]
         return [
             c[1] if c is not None else NodeView(n, None, _UNKNOWN_NODE)
             for n, c in zip(names, found, strict=True)
         ]
 
     def views(self) -> list[NodeView]:
-        """Every node view in the cache."""
+        """Every node view in the cache (stale ones with their state: the node table's rows)."""
         with self._lock:
             return [view for _, view in self._views.values()]
 

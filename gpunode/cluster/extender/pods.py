@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from decimal import Decimal, InvalidOperation
+from decimal import Context, Decimal, InvalidOperation, Overflow
 from typing import Any
 
 from gpunode.contract.names import (
@@ -25,49 +25,74 @@ from gpunode.contract.names import (
 from gpunode.errors import InvalidRequest
 from gpunode.placement import MILLI_PER_GPU, Request
 
-_QUANTITY = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))(?:[eE]([+-]?\d+))?([a-zA-Z]*)$")
-_SUFFIXES = {
-    "": Decimal(1),
-    "n": Decimal("1e-9"),
-    "u": Decimal("1e-6"),
-    "m": Decimal("1e-3"),
-    "k": Decimal(10**3),
-    "M": Decimal(10**6),
-    "G": Decimal(10**9),
-    "T": Decimal(10**12),
-    "P": Decimal(10**15),
-    "E": Decimal(10**18),
-    "Ki": Decimal(2**10),
-    "Mi": Decimal(2**20),
-    "Gi": Decimal(2**30),
-    "Ti": Decimal(2**40),
-    "Pi": Decimal(2**50),
-    "Ei": Decimal(2**60),
-}
+# Kubernetes' quantity grammar (k8s.io/apimachinery/pkg/api/resource): a signed decimal number, then
+# either a binary-SI suffix, a decimal-SI suffix (n u m "" k M G T P E) or an exponent e<int>/E<int>.
+_QUANTITY = re.compile(
+    r"(?P<sign>[+-]?)(?P<int>[0-9]*)(?:\.(?P<frac>[0-9]*))?"
+    r"(?:[eE](?P<exp>[+-]?[0-9]+)|(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])?)"
+)
+_BINARY = {"Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40, "Pi": 50, "Ei": 60}  # powers of two
+_DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+MAX_QUANTITY_TEXT = 64  # characters; real quantities are a handful
+MAX_EXPONENT = 30  # |e| of the exponent form; anything beyond is refused before any arithmetic
+MAX_QUANTITY = 2**63 - 1  # Kubernetes' own ceiling for any quantity, in base units
+# Sane ceilings of a pod's totals, far above any node, so that nothing downstream (the learned
+# workload, the numpy tables) ever sees a number it cannot hold.
+MAX_GPUS = 1024
+MAX_CPU_MILLI = 2**40  # about 10^9 cores
+MAX_BYTES = 2**50  # 1 PiB of memory or GPU memory
+MAX_MODELS = 32  # GPU models one pod may accept
+_EXACT = Context(prec=200, Emax=999, Emin=-999, traps=[InvalidOperation, Overflow])
 
 
 def parse_quantity(value: object, *, where: str) -> Decimal:
-    """A Kubernetes resource quantity ("500m", "2", "1.5Gi", "1e3") as a Decimal."""
-    if isinstance(value, bool):
-        raise InvalidRequest(f"{where}: expected a quantity, got {value!r}")
-    if isinstance(value, int | float):
-        return Decimal(str(value))
-    if not isinstance(value, str):
-        raise InvalidRequest(f"{where}: expected a quantity, got {value!r}")
-    m = _QUANTITY.match(value.strip())
-    if not m or m.group(3) not in _SUFFIXES or (m.group(2) and m.group(3)):
-        raise InvalidRequest(f"{where}: {value!r} is not a resource quantity (e.g. 500m, 2, 16Gi)")
-    try:
-        number = Decimal(m.group(1)) * (Decimal(10) ** int(m.group(2) or 0)) * _SUFFIXES[m.group(3)]
-    except InvalidOperation:
-        raise InvalidRequest(f"{where}: {value!r} is not a resource quantity") from None
-    if number < 0:
-        raise InvalidRequest(f"{where}: a resource quantity cannot be negative, got {value!r}")
-    return number
+    """A Kubernetes resource quantity ("500m", "2", "1.5Gi", "1e3") as an exact Decimal.
+
+    Strict: Kubernetes' grammar only, at most MAX_QUANTITY_TEXT characters, an exponent within
+    ±MAX_EXPONENT, a value of at most 2^63-1 and not negative; anything else is InvalidRequest
+    naming `where`. The size is bounded before any arithmetic, so no input builds a huge number.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise InvalidRequest(f"{where}: expected a quantity, got {_short(value)}")
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) > MAX_QUANTITY_TEXT:
+        raise InvalidRequest(f"{where}: a quantity of {len(text)} characters is not plausible")
+    m = _QUANTITY.fullmatch(text)
+    if m is None or not (m["int"] or m["frac"]):
+        raise InvalidRequest(f"{where}: {text!r} is not a resource quantity (e.g. 500m, 2, 16Gi, 1e3)")
+    if m["sign"] == "-" and (m["int"] + (m["frac"] or "")).strip("0"):
+        raise InvalidRequest(f"{where}: a resource quantity cannot be negative, got {text!r}")
+    exponent = int(m["exp"]) if m["exp"] is not None else _DECIMAL.get(m["suffix"] or "", 0)
+    if abs(exponent) > MAX_EXPONENT:
+        raise InvalidRequest(f"{where}: {text!r} has an exponent beyond ±{MAX_EXPONENT}")
+    digits = m["int"].lstrip("0")
+    binary = _BINARY.get(m["suffix"] or "", 0)
+    # A value with d digits before the point is at least 10^(d-1) x 10^exponent x 2^binary: at 10^19
+    # or more it is over 2^63-1 for sure, refused before anything is computed.
+    if digits and len(digits) - 1 + exponent + binary * 3 // 10 >= 19:
+        raise InvalidRequest(f"{where}: {text!r} is larger than Kubernetes allows (2^63-1)")
+    mantissa = Decimal(f"{m['int'] or '0'}.{m['frac'] or '0'}")
+    number = _EXACT.multiply(_EXACT.scaleb(mantissa, exponent), Decimal(2**binary))
+    if number > MAX_QUANTITY:
+        raise InvalidRequest(f"{where}: {text!r} is larger than Kubernetes allows (2^63-1)")
+    return abs(number)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _ceil(d: Decimal) -> int:
     return int(d.to_integral_value(rounding="ROUND_CEILING"))
+
+
+def _bounded(totals: Mapping[str, Decimal], name: str, scale: int, limit: int, unit: str) -> int:
+    """The pod's total of one resource times `scale`, rounded up; InvalidRequest beyond `limit`."""
+    value = _ceil(_EXACT.multiply(totals.get(name, Decimal(0)), Decimal(scale)))
+    if value > limit:
+        raise InvalidRequest(f"{name}: the pod asks for {value} {unit}, more than any node has ({limit})")
+    return value
 
 
 def _container_resources(container: object, where: str) -> dict[str, Decimal]:
@@ -95,7 +120,7 @@ def _pod_totals(spec: Mapping[str, Any]) -> dict[str, Decimal]:
         raise InvalidRequest("spec.containers: expected a list")
     for i, c in enumerate(containers):
         for k, v in _container_resources(c, f"spec.containers[{i}]").items():
-            total[k] = total.get(k, Decimal(0)) + v
+            total[k] = _EXACT.add(total.get(k, Decimal(0)), v)
     inits = spec.get("initContainers") or []
     if not isinstance(inits, list):
         raise InvalidRequest("spec.initContainers: expected a list")
@@ -131,8 +156,9 @@ def request_from_pod(pod: Mapping[str, Any], *, memory_unit_bytes: int = GIB) ->
     selector = spec.get("nodeSelector") or {}
     if not isinstance(annotations, Mapping) or not isinstance(selector, Mapping):
         raise InvalidRequest("Pod.metadata.annotations and Pod.spec.nodeSelector must be objects")
-    gpus = _ceil(totals.get(GPU_RESOURCE, Decimal(0)))
+    gpus = _bounded(totals, GPU_RESOURCE, 1, MAX_GPUS, "GPUs")
     memory_units = totals.get(GPU_MEMORY_RESOURCE, Decimal(0))
+    gpu_memory = _bounded(totals, GPU_MEMORY_RESOURCE, memory_unit_bytes, MAX_BYTES, "bytes")
     mig = {p: v for k, v in totals.items() if (p := mig_profile_of(k)) and v > 0}
     milli_text = annotations.get(GPU_MILLI_ANNOTATION)
     milli = 0
@@ -153,12 +179,16 @@ def request_from_pod(pod: Mapping[str, Any], *, memory_unit_bytes: int = GIB) ->
         )
     models_text = annotations.get(GPU_MODEL_ANNOTATION) or selector.get(GPU_MODEL_ANNOTATION)
     models = frozenset(m.strip() for m in str(models_text).split("|") if m.strip()) if models_text else None
+    if models is not None and (len(models) > MAX_MODELS or any(len(m) > 128 for m in models)):
+        raise InvalidRequest(
+            f"annotation {GPU_MODEL_ANNOTATION}: at most {MAX_MODELS} models of at most 128 characters"
+        )
     return Request(
         gpus=gpus,
         gpu_milli=milli,
-        gpu_memory_bytes=_ceil(memory_units * memory_unit_bytes),
+        gpu_memory_bytes=gpu_memory,
         mig_profile=next(iter(mig)) if mig else None,
         gpu_models=models or None,
-        cpu_milli=_ceil(totals.get("cpu", Decimal(0)) * 1000),
-        memory_bytes=_ceil(totals.get("memory", Decimal(0))),
+        cpu_milli=_bounded(totals, "cpu", 1000, MAX_CPU_MILLI, "milli-CPUs"),
+        memory_bytes=_bounded(totals, "memory", 1, MAX_BYTES, "bytes"),
     )

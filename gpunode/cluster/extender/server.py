@@ -3,8 +3,23 @@
 ExtenderServer routes POST <prefix>/filter, /prioritize, /bind and GET /healthz
 (and /readyz) to an Extender. Malformed JSON and wrong shapes (bad UTF-8,
 nesting deeper than 1,024 levels, an empty body) get 400 with {"Error": "..."};
-an oversized body 413; an unknown path 404; a wrong method 405. Only a defect
-in our code gives 500, and the server keeps serving.
+an unknown path 404; a wrong method 405. Only a defect in our code gives 500,
+and the server keeps serving.
+
+Anyone who can reach the port is treated as an adversary:
+- with an ssl.SSLContext (gpunode.infra.http.server_tls_context with a client CA),
+  it serves HTTPS and a client without a certificate signed by that CA fails the
+  handshake; with `allowed_client_names`, a certificate whose subject CN and DNS
+  names are none of those is answered 403;
+- the HTTP layer bounds connections (MAX_CONNECTIONS), the time for a request's
+  head and body, and the body: over `max_body_bytes` (DEFAULT_MAX_BODY_BYTES,
+  32 MiB) is 413 before the body is read. kube-scheduler sends ~4 KB per node with
+  full Node objects (~20 MB at 5,000 nodes) and a pod plus node names otherwise
+  (well under 1 MiB: `--max-request-bytes 4Mi` suits that mode);
+- the work queue is bounded: at most `max_pending` requests (MAX_PENDING) wait for
+  or run in the worker threads, holding at most 2 x max_body_bytes of bodies;
+  beyond that a request is answered 503 with Retry-After, and kube-scheduler
+  retries the pod later.
 
 The Extender's methods are synchronous and CPU-bound (a filter over 5,000 nodes
 takes ~20 ms): they run, with the JSON decoding and encoding around them, in a
@@ -17,6 +32,12 @@ be called from that loop itself. The pool is not the loop's default executor,
 so work the loop hands to that one (DNS lookups of an HTTP client) never waits
 behind binds that wait for it.
 
+With a `gate` (ha.Leadership, --leader-elect), a replica that is not the leader answers every
+verb with 503, Retry-After and a closed connection, and /healthz and /readyz say its role.
+
+With `health_port`, a second, plain-HTTP server answers /healthz and /readyz only
+(kubelet probes present no client certificate), on `health_host`.
+
 start()/stop() run the server on its own event loop in a thread (tests, the
 benchmark); open()/close() run it on the caller's loop, as serve_extender()
 does for `gpunode extender`.
@@ -26,9 +47,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+import ssl
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
@@ -38,29 +60,79 @@ from gpunode.errors import BadRequest, ListenError, PlacementError
 from gpunode.infra.http import HttpServer, ServerThread, closing
 
 log = logging.getLogger(__name__)
-MAX_BODY_BYTES = 256 * 2**20
+DEFAULT_MAX_BODY_BYTES = 32 * 2**20
 WORKERS = 8  # the Extender serialises on its lock; more threads only let binds wait on the API together
+MAX_PENDING = 256  # requests read, queued or running at once (kube-scheduler opens dozens at a time)
+MAX_CONNECTIONS = 1024
 VERBS = ("filter", "prioritize", "bind")
+_HINT = "choose another --listen address, or stop the process that already listens there"
+
+
+class Gate(Protocol):
+    """Whether this replica answers the verbs now (ha.Leadership)."""
+
+    def refusal(self) -> str | None:
+        """None: answer; else why not (the 503's message)."""
+        ...
+
+    def status(self) -> dict[str, str]:
+        """What /healthz and /readyz add (role, leader)."""
+        ...
 
 
 class ExtenderServer:
     """The extender's HTTP server: start(), .port, stop() from synchronous code, or open()/close() on a loop."""
 
     def __init__(
-        self, extender: Extender, *, host: str = "127.0.0.1", port: int = 0, path_prefix: str = ""
+        self,
+        extender: Extender,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        path_prefix: str = "",
+        ssl_context: ssl.SSLContext | None = None,
+        allowed_client_names: Iterable[str] = (),
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        max_pending: int = MAX_PENDING,
+        health_host: str = "0.0.0.0",
+        health_port: int | None = None,
+        gate: Gate | None = None,
     ) -> None:
         self.extender = extender
+        self.gate = gate
         self.path_prefix = path_prefix.rstrip("/")
+        self.allowed_client_names = frozenset(allowed_client_names)
+        self.max_body_bytes = max_body_bytes
+        self.max_pending = max_pending
+        self.max_pending_bytes = 2 * max_body_bytes
         self.http = HttpServer(
             self._handle,
             name="extender",
             host=host,
             port=port,
-            max_body_bytes=MAX_BODY_BYTES,
+            max_body_bytes=max_body_bytes,
+            max_connections=MAX_CONNECTIONS,
+            ssl_context=ssl_context,
+            error_response=lambda status, message: _json(status, {"Error": message}),  # the layer's 413...
             log=log,
             error=ListenError,
-            hint="choose another --listen address, or stop the process that already listens there",
+            hint=_HINT,
         )
+        self.health: HttpServer | None = None
+        if health_port is not None:
+            self.health = HttpServer(
+                self._handle_health,
+                name="extender health",
+                host=health_host,
+                port=health_port,
+                max_body_bytes=1024,
+                max_connections=64,
+                log=log,
+                error=ListenError,
+                hint="choose another --health-listen address",
+            )
+        self._pending = 0  # requests admitted and not yet answered (counted on the loop only)
+        self._pending_bytes = 0
         self._executor: ThreadPoolExecutor | None = None
         self._thread: ServerThread | None = None
 
@@ -76,34 +148,49 @@ class ExtenderServer:
             raise RuntimeError("the extender server is not started")
         return self.http.loop
 
+    @property
+    def health_port(self) -> int | None:
+        """The bound port of the health server, when there is one."""
+        return self.health.port if self.health is not None else None
+
     async def open(self) -> None:
-        """Bind and serve on the running event loop; ListenError if the address cannot be bound."""
+        """Bind and serve on the running event loop; ListenError if an address cannot be bound."""
         self._executor = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="extender")
         try:
             await self.http.start()
+            if self.health is not None:
+                await self.health.start()
         except BaseException:
+            await self.http.stop()
             self._executor.shutdown(wait=False)
             raise
 
     async def close(self) -> None:
-        """Stop serving: close the listening socket and the connections, end the worker threads."""
+        """Stop serving: close the listening sockets and the connections, end the worker threads."""
+        if self.health is not None:
+            await self.health.stop()
         await self.http.stop()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     def start(self) -> None:
-        """Serve on an event loop of its own in a thread; ListenError if the address cannot be bound."""
+        """Serve on an event loop of its own in a thread; ListenError if an address cannot be bound."""
         self._thread = ServerThread(self.http)
         self._executor = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="extender")
         try:
             self._thread.start()
+            if self.health is not None:
+                asyncio.run_coroutine_threadsafe(self.health.start(), self._thread.loop).result(30)
         except BaseException:
+            self._thread.stop()
             self._executor.shutdown(wait=False)
             raise
 
     def stop(self) -> None:
         """Stop what start() started."""
         if self._thread is not None:
+            if self.health is not None and not self._thread.loop.is_closed():
+                asyncio.run_coroutine_threadsafe(self.health.stop(), self._thread.loop).result(30)
             self._thread.stop()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
@@ -114,13 +201,31 @@ class ExtenderServer:
             return None
         return path[len(self.path_prefix) :].lstrip("/")
 
+    async def _handle_health(self, request: web.Request) -> web.StreamResponse:
+        verb = request.path.rstrip("/").lstrip("/")
+        if verb not in ("healthz", "readyz"):
+            return _json(404, {"Error": f"no such path {request.path_qs}; this port serves healthz, readyz"})
+        if request.method not in ("GET", "HEAD"):
+            return _json(405, {"Error": f"{verb} takes GET"}, allow="GET, HEAD")
+        return _json(200, self._health())
+
+    def _health(self) -> dict[str, object]:
+        """/healthz and /readyz: a standby is healthy and ready too (its Service routes by label)."""
+        out: dict[str, object] = {"status": "ok", "nodes": len(self.extender.nodes)}
+        if self.gate is not None:
+            out.update(self.gate.status())
+        return out
+
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        if self.allowed_client_names and (refusal := self._client_refusal(request)) is not None:
+            log.warning("extender: refused %s from %s: %s", request.path, request.remote, refusal)
+            return closing(_json(403, {"Error": refusal}))
         verb = self._verb(request.path)
         reading = request.method in ("GET", "HEAD")
         if verb in ("healthz", "readyz"):
             if not reading:
                 return _json(405, {"Error": f"{verb} takes GET"}, allow="GET, HEAD")
-            return _json(200, {"status": "ok", "nodes": len(self.extender.nodes)})
+            return _json(200, self._health())
         if verb not in VERBS:
             if request.method == "POST":
                 return _json(
@@ -129,24 +234,50 @@ class ExtenderServer:
             return _json(404, {"Error": f"no such path {request.path_qs}"})
         if request.method != "POST":
             return _json(405, {"Error": f"{verb} takes POST"}, allow="POST")
-        length = request.content_length
-        if length is not None and length > MAX_BODY_BYTES:
-            return closing(
-                _json(413, {"Error": f"body of {length} bytes is over the {MAX_BODY_BYTES} accepted"})
-            )
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:  # a chunked body over the limit
-            return closing(_json(413, {"Error": f"body over the {MAX_BODY_BYTES} bytes accepted"}))
+        if self.gate is not None and (refusal := self.gate.refusal()) is not None:
+            # Closing the connection makes kube-scheduler's next one go through the Service again.
+            return closing(_json(503, {"Error": refusal}, retry_after="1"))
+        raw = (
+            await request.read()
+        )  # the HTTP layer has read it already, within max_body_bytes and its timeout
+        if self._pending >= self.max_pending or self._pending_bytes + len(raw) > self.max_pending_bytes:
+            busy = f"the extender is busy ({self._pending} requests, {self._pending_bytes} bytes waiting)"
+            log.warning("extender: %s: answering %s with 503", busy, verb)
+            return closing(_json(503, {"Error": f"{busy}; retry"}, retry_after="1"))
+        self._pending += 1
+        self._pending_bytes += len(raw)
         call = {
             "filter": self.extender.filter,
             "prioritize": self.extender.prioritize,
             "bind": self.extender.bind,
         }
-        status, body = await asyncio.get_running_loop().run_in_executor(
-            self._executor, _answer, verb, call[verb], raw
-        )
+        try:
+            status, body = await asyncio.get_running_loop().run_in_executor(
+                self._executor, _answer, verb, call[verb], raw
+            )
+        finally:
+            self._pending -= 1
+            self._pending_bytes -= len(raw)
         return web.Response(status=status, body=body, content_type="application/json")
+
+    def _client_refusal(self, request: web.Request) -> str | None:
+        """Why the client's certificate is not one of the allowed names (None: it is)."""
+        transport = request.transport
+        cert = transport.get_extra_info("peercert") if transport is not None else None
+        names = _certificate_names(cert) if cert else set()
+        if names & self.allowed_client_names:
+            return None
+        shown = ", ".join(sorted(names)) or "no certificate"
+        return f"client certificate names {shown}; none is allowed (--allowed-client-names)"
+
+
+def _certificate_names(cert: Any) -> set[str]:
+    """The subject's commonName and the DNS names of a certificate as ssl's getpeercert() gives it."""
+    names: set[str] = set()
+    for rdn in cert.get("subject", ()):
+        names.update(value for key, value in rdn if key == "commonName")
+    names.update(value for kind, value in cert.get("subjectAltName", ()) if kind == "DNS")
+    return names
 
 
 def _answer(verb: str, method: Callable[[Any], object], raw: bytes) -> tuple[int, bytes]:
@@ -164,8 +295,14 @@ def _answer(verb: str, method: Callable[[Any], object], raw: bytes) -> tuple[int
         return 500, orjson.dumps({"Error": f"internal error in {verb}: {type(exc).__name__}: {exc}"})
 
 
-def _json(status: int, payload: object, *, allow: str | None = None) -> web.Response:
-    headers = {"Allow": allow} if allow else None
+def _json(
+    status: int, payload: object, *, allow: str | None = None, retry_after: str | None = None
+) -> web.Response:
+    headers = {}
+    if allow:
+        headers["Allow"] = allow
+    if retry_after:
+        headers["Retry-After"] = retry_after
     return web.Response(
         status=status, body=orjson.dumps(payload), content_type="application/json", headers=headers
     )
@@ -179,9 +316,13 @@ async def serve_extender(
     path_prefix: str = "",
     ready: asyncio.Event | None = None,
     bound: list[int] | None = None,
+    **options: Any,
 ) -> None:
-    """Serve the extender over HTTP on the running loop until cancelled; `bound` receives the port bound."""
-    server = ExtenderServer(extender, host=host, port=port, path_prefix=path_prefix)
+    """Serve the extender on the running loop until cancelled; `bound` receives the port bound.
+
+    `options` are ExtenderServer's (ssl_context, allowed_client_names, max_body_bytes, health_port, ...).
+    """
+    server = ExtenderServer(extender, host=host, port=port, path_prefix=path_prefix, **options)
     await server.open()
     try:
         if bound is not None:

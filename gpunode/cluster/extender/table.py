@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from gpunode.cluster.extender.nodes import NodeView
-from gpunode.cluster.extender.reservations import Reservations, reserved_state
+from gpunode.cluster.extender.reservations import Reservations, live_on, reserved_state
 from gpunode.errors import InvalidState
 from gpunode.placement import NodeState, Request, TargetWorkload
 from gpunode.placement.arrays import check_batchable
@@ -55,7 +55,7 @@ class NodeTable:
         for view in views:
             if view.state is None or view.name in rows:
                 continue
-            live = reservations.on_node(view.name, reflected=view.pods)
+            live = live_on(view, reservations)
             state = reserved_state(view.state, live)
             try:
                 check_batchable(state)
@@ -129,7 +129,7 @@ class NodeTable:
                 continue
             row, fingerprint, held = known_row
             if view.name in reserved:
-                live = reservations.on_node(view.name, reflected=view.pods)
+                live = live_on(view, reservations)
                 if any(r.pod_uid == uid for r in live):
                     continue  # its own reservation: the per-node path leaves it out
                 now_held = tuple(sorted(r.pod_uid for r in live))

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -46,7 +47,7 @@ from gpunode.cluster.tracesim.trace import (
     request_of,
     target_workload,
 )
-from gpunode.errors import ConfigError
+from gpunode.errors import ConfigError, MissingExtra
 from gpunode.placement import Request, TargetWorkload
 from gpunode.placement.batch import BATCH_POLICIES, ClusterArrays
 
@@ -214,10 +215,7 @@ def run_simulation(spec: SimulationSpec, *, progress: bool | None = None) -> lis
         spec.trace_dir, spec.pods, node_file=spec.node_file
     )  # fail fast, in this process, on a bad trace
     tasks = [(p, s) for p in spec.policies for s in spec.seeds]
-    show = sys.stderr.isatty() if progress is None else progress
-    from tqdm import tqdm
-
-    bar = tqdm(total=len(tasks), desc=f"simulate {spec.pods}", unit="run", disable=not show, file=sys.stderr)
+    bar = _progress_bar(len(tasks), f"simulate {spec.pods}", progress)
     results: dict[tuple[str, int], SeedResult] = {}
     args = (str(spec.trace_dir), spec.pods, spec.node_file)
     try:
@@ -234,6 +232,30 @@ def run_simulation(spec: SimulationSpec, *, progress: bool | None = None) -> lis
     finally:
         bar.close()
     return [results[t] for t in tasks]
+
+
+class _NoBar:
+    def update(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(total: int, desc: str, progress: bool | None) -> Any:
+    """A tqdm bar on stderr; none when progress is off (or auto without a terminal or without tqdm).
+
+    Progress asked for (True) without tqdm installed is MissingExtra naming the `plot` extra.
+    """
+    if progress is False or (progress is None and not sys.stderr.isatty()):
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        if progress is None:
+            return _NoBar()
+        raise MissingExtra("tqdm", "plot", "the progress bar of `gpunode simulate` (--progress on)") from None
+    return tqdm(total=total, desc=desc, unit="run", file=sys.stderr)
 
 
 def summarize(results: Sequence[SeedResult]) -> dict[str, dict[str, float]]:
@@ -317,7 +339,15 @@ def write_outputs(results: Sequence[SeedResult], out_dir: Path, *, name: str) ->
         ],
     }
     paths["summary"].write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    write_plot(results, paths["png"], title=f"openb {name}")
+    try:
+        write_plot(results, paths["png"], title=f"openb {name}")
+    except ModuleNotFoundError as exc:  # matplotlib comes with the plot extra; the CSV and JSON do without
+        if not (exc.name or "").startswith("matplotlib"):
+            raise
+        del paths["png"]
+        print(
+            "gpunode simulate: no PNG plot without matplotlib: pip install 'gpunode[plot]'", file=sys.stderr
+        )
     return paths
 
 

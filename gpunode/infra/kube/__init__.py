@@ -7,12 +7,13 @@ address, the in-cluster service account or a kubeconfig (gpunode.infra.kube.conf
 every failure is one of the KubeError subclasses of gpunode.errors. This package imports
 nothing from gpunode.node or gpunode.cluster.
 
-Modules: client (KubeClient), transport (the request path and error
+Modules: client (KubeClient), lease (leader election on a Lease), transport (the request path and error
 translation), watch (list+watch), config (credentials), models (value types).
 """
 
 from gpunode.infra.kube.client import COMPONENT, KubeClient
 from gpunode.infra.kube.config import DEFAULT_REQUEST_TIMEOUT_S, SERVICE_ACCOUNT_DIR
+from gpunode.infra.kube.lease import ElectionConfig, LeaderElector, LeaseLock, LeaseRecord
 from gpunode.infra.kube.models import (
     ADDED,
     DELETED,
@@ -35,7 +36,11 @@ __all__ = [
     "RBAC_HINT",
     "SERVICE_ACCOUNT_DIR",
     "SYNC",
+    "ElectionConfig",
     "KubeClient",
+    "LeaderElector",
+    "LeaseLock",
+    "LeaseRecord",
     "NodeCondition",
     "ObjectRef",
     "PodInfo",

@@ -119,6 +119,7 @@ class Allocator:
             None  # the host copy of the interposer (regions.stage_preload_library)
         )
         self._mig_minors_file = mig_minors_file
+        self._root_secured = False  # memcap.secure_root runs before the first region is written
 
     def allocate(self, snapshot: Snapshot, resource: str, device_ids: Sequence[str]) -> ContainerAllocation:
         """Validate the requested devices of resource and build the container's allocation."""
@@ -210,12 +211,15 @@ class Allocator:
         limit = sum(d.memory_cap_bytes or 0 for d in devices)
         key = region_key(device_ids)
         try:
-            region = memcap.create_region(
+            if not self._root_secured:
+                memcap.secure_root(self.regions_root)
+                self._root_secured = True
+            # Always a fresh region: whatever a previous holder of these units left in its usage file
+            # (a zeroed magic, garbage, a truncated file, a huge counter) must not reach the new container.
+            region = memcap.replace_region(
                 self.regions_root,
                 key,
-                gpu_uuid=devices[0].target_uuid,
-                limit_bytes=limit,
-                device_total_bytes=total or limit,
+                devices=(memcap.DeviceCap(devices[0].target_uuid, limit, total or limit),),
                 fail_open=self.config.fractional.fail_open,
             )
             spec = memcap.container_spec(
@@ -227,7 +231,7 @@ class Allocator:
         except MemcapError as exc:
             raise AllocationError(f"cannot set up the memory cap: {exc}", hint=exc.hint) from None
         if self.checkpoint is not None:
-            self.checkpoint.add(
+            self.checkpoint.replace(
                 CapRecord(
                     key=key,
                     resource=devices[0].resource,

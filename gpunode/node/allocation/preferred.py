@@ -13,6 +13,9 @@ Per kind of device:
 - time-sliced replicas: spread over GPUs, or packed, as sharing.replicaPlacement says;
 - memory units: all on one GPU, the one placement's policy picks for that much memory;
 - MIG devices: the required ones, then the lowest IDs.
+Every request is checked first, whatever the kind (check_request): a size of at
+least 1 and at most the healthy devices offered, no ID twice in one list, no ID
+that is not of the resource, and no more required IDs than the size.
 Pure functions; no I/O. Errors are AllocationError, or placement's Unsatisfiable
 (a ValueError) when placement cannot satisfy the request.
 """
@@ -53,7 +56,7 @@ def offered_devices(snapshot: Snapshot, resource: str, offered: Sequence[str]) -
         st = snapshot.status(dev_id)
         if st is None or st.device.resource != resource:
             raise AllocationError(
-                f"{resource}: unknown device ID {dev_id!r} in the preferred-allocation request"
+                f"{resource}: unknown device ID {dev_id[:80]!r} in the preferred-allocation request"
             )
         if st.healthy:
             devices.append(st.device)
@@ -135,6 +138,22 @@ def _mig_devices(devices: Sequence[AdvertisedDevice], must: Sequence[str], size:
     return chosen
 
 
+def check_request(resource: str, available: Sequence[str], must_include: Sequence[str], size: int) -> None:
+    """Refuse what no kubelet sends: a size below 1, an ID twice in a list, more required IDs than the size."""
+    if size <= 0:
+        raise AllocationError(f"{resource}: allocation_size must be at least 1, got {size}")
+    for name, ids in (("available_deviceIDs", available), ("must_include_deviceIDs", must_include)):
+        seen: set[str] = set()
+        for dev_id in ids:
+            if dev_id in seen:
+                raise AllocationError(f"{resource}: {name} lists {dev_id[:80]!r} more than once")
+            seen.add(dev_id)
+    if len(must_include) > size:
+        raise AllocationError(
+            f"{resource}: must_include_deviceIDs names {len(must_include)} devices but allocation_size is {size}"
+        )
+
+
 def preferred_allocation(
     snapshot: Snapshot,
     resource: str,
@@ -143,18 +162,31 @@ def preferred_allocation(
     size: int,
     *,
     replica_placement: str = "spread",
+    within: Collection[str] | None = None,
 ) -> list[str]:
     """Choose `size` device IDs out of `available`, keeping every one of `must_include`.
 
     replica_placement: spread or pack, for time-sliced replicas (sharing.replicaPlacement).
+    within: GPU (or MIG) UUIDs the choice is confined to, the cluster's assignment: only devices on
+    them are chosen (AllocationError when that cannot give `size`), while the view of the node
+    still counts every offered device as free.
     """
-    if size <= 0:
-        return []
+    check_request(resource, available, must_include, size)
     offered = [*must_include, *available]
     devices = offered_devices(snapshot, resource, offered)
+    where = ""
+    if within is not None:
+        allowed = set(within)
+        devices = [d for d in devices if d.gpu_uuid in allowed or d.target_uuid in allowed]
+        kept = {d.id for d in devices}
+        if outside := [m for m in must_include if m not in kept]:
+            raise AllocationError(
+                f"{resource}: required device {outside[0][:80]!r} is not on the assigned GPUs"
+            )
+        where = " on the assigned GPUs"
     if size > len(devices):
         raise AllocationError(
-            f"{resource}: {size} devices asked for, only {len(devices)} healthy ones offered"
+            f"{resource}: {size} devices asked for, only {len(devices)} healthy ones offered{where}"
         )
     must = list(must_include)
     kinds = {d.kind for d in devices}

@@ -108,6 +108,9 @@ class GpuProbe:
     row_remap_failure: bool | None = None
     ecc_sbe_volatile: int | None = None
     ecc_dbe_volatile: int | None = None
+    # Total energy since the driver loaded: it only grows while the GPU is up and starts again from zero when
+    # the GPU is reset or the driver reloaded, so (with the volatile ECC counts) it shows that a reset happened.
+    energy_j: float | None = None
     duration_s: float = 0.0
 
 

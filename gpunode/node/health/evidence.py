@@ -6,8 +6,17 @@ instances are unhealthy and why. A fault marks its target (the GPU, or one MIG
 instance for faults confined to it) at once; the target becomes healthy again
 once nothing is wrong any more (no failing probe, no threshold exceeded within
 its window) and the GPU's probes have passed without a break for the recovery
-window since the last fault. It does no I/O, takes no lock and never talks to
-the device plugin: gpunode.node.health.monitor drives it.
+window since the last fault.
+
+A fatal XID also puts a hold on its GPU: no time window clears it, only
+evidence that the GPU was reset. The hold remembers the counters that restart
+at a reset (the volatile ECC counts and the energy since the driver loaded, as
+the probes read them); once a probe reads one of them lower than before, the
+GPU was reset and the hold is released (the recovery window then counts from
+the reset). An operator's clear releases it too (`clear`), and so does a
+reboot or a replaced GPU, which the monitor handles (a new boot id, a new
+UUID). It does no I/O, takes no lock and never talks to the device plugin:
+gpunode.node.health.monitor drives it and persists the holds.
 """
 
 from __future__ import annotations
@@ -34,6 +43,36 @@ class Verdict:
     xid: int | None = None
 
 
+# The probe readings that only grow while a GPU is up and start again from zero at a GPU reset.
+RESET_COUNTERS = ("ecc_sbe_volatile", "ecc_dbe_volatile", "energy_j")
+
+
+def reset_counters(probe: GpuProbe) -> dict[str, float]:
+    """The RESET_COUNTERS a reachable probe read (those the GPU reports)."""
+    values = {name: getattr(probe, name) for name in RESET_COUNTERS}
+    return {name: float(v) for name, v in values.items() if v is not None}
+
+
+@dataclass
+class Hold:
+    """A fatal fault that only a reset clears: the reset counters its GPU read last (None: not read yet)."""
+
+    baseline: dict[str, float] | None = None
+
+
+@dataclass(frozen=True)
+class HeldFault:
+    """A held target as it is persisted across agent restarts."""
+
+    target_uuid: str
+    gpu_uuid: str
+    mig_uuid: str | None
+    kind: str
+    reason: str
+    xid: int | None
+    baseline: dict[str, float] | None
+
+
 @dataclass
 class _Target:
     uuid: str
@@ -44,6 +83,7 @@ class _Target:
     reason: str = ""
     xid: int | None = None
     counted: deque[tuple[float, int]] = field(default_factory=deque)  # (time, XID code)
+    hold: Hold | None = None  # set by a fatal XID: only a reset (or an operator) releases it
 
 
 @dataclass
@@ -54,6 +94,7 @@ class _GpuEvidence:
     last_pass_at: float | None = None
     sbe_events: deque[tuple[float, int]] = field(default_factory=deque)  # (time, errors)
     sbe_samples: deque[tuple[float, int]] = field(default_factory=deque)  # (time, volatile counter)
+    counters: dict[str, float] | None = None  # the reset counters of the last reachable probe
 
 
 class HealthTracker:
@@ -65,6 +106,7 @@ class HealthTracker:
         self._gpus: dict[str, _GpuEvidence] = {}
         self._mig_parent: dict[str, str] = {}
         self._known_gpus: tuple[str, ...] = ()
+        self.released: list[tuple[str, str]] = []  # (target, why) holds released by a reset, for the monitor
 
     # -- topology -----------------------------------------------------------------------------
 
@@ -123,9 +165,11 @@ class HealthTracker:
             if policy == IGNORED:
                 return
             if policy == FATAL:
-                self._fault(
-                    self._target(gpu, None), XID, f"{describe_xid(code)}: needs a GPU reset", now, code
-                )
+                t = self._target(gpu, None)
+                self._fault(t, XID, f"{describe_xid(code)}: needs a GPU reset", now, code)
+                if t.hold is None:
+                    ev = self._gpus.get(gpu)
+                    t.hold = Hold(dict(ev.counters) if ev is not None and ev.counters else None)
             elif policy == INSTANCE_FATAL:
                 self._fault(self._target(gpu, mig), XID, f"{describe_xid(code)}", now, code)
             elif policy == COUNTED:
@@ -177,6 +221,11 @@ class HealthTracker:
                 samples.clear()
                 ev.sbe_events.clear()
             samples.append((now, probe.ecc_sbe_volatile))
+        if probe.reachable:
+            counters = reset_counters(probe)
+            if counters:
+                ev.counters = counters
+                self._check_reset(probe.uuid, counters, now)
         self._set_probe_outcome(ev, problem, now)
         self._check_sbe(probe.uuid, now)
 
@@ -193,6 +242,61 @@ class HealthTracker:
         else:
             ev.passing_since = None
             self._fault(self._target(ev.uuid, None), problem[0], problem[1], now)
+
+    def _check_reset(self, gpu_uuid: str, counters: dict[str, float], now: float) -> None:
+        """Release the holds on a GPU whose reset counters went back; else move their baseline on."""
+        for t in self._targets.values():
+            if t.gpu_uuid != gpu_uuid or t.hold is None:
+                continue
+            base = t.hold.baseline or {}
+            back = [k for k, v in counters.items() if k in base and v < base[k]]
+            if back:
+                t.hold = None
+                t.fault_at = now  # the recovery window counts from the reset
+                what = ", ".join(f"{k} {base[k]:g} -> {counters[k]:g}" for k in back)
+                self.released.append((t.uuid, f"the GPU was reset (counters restarted: {what})"))
+            else:
+                t.hold.baseline = {**base, **counters}
+
+    # -- holds --------------------------------------------------------------------------------
+
+    def clear(self, uuid: str) -> list[str]:
+        """An operator's clear of a GPU (and its MIG instances) or of one MIG instance: its faults, holds and
+        counts are forgotten. Returns the targets that were unhealthy; a problem the probes still see marks
+        the target again at the next probe."""
+        cleared = []
+        for t in self._targets.values():
+            if uuid not in (t.uuid, t.gpu_uuid):
+                continue
+            if t.fault_at is not None:
+                cleared.append(t.uuid)
+            t.fault_at, t.kind, t.reason, t.xid, t.hold = None, "", "", None, None
+            t.counted.clear()
+        ev = self._gpus.get(uuid)
+        if ev is not None:
+            ev.sbe_events.clear()
+            while len(ev.sbe_samples) > 1:
+                ev.sbe_samples.popleft()
+        return cleared
+
+    def holds(self) -> dict[str, HeldFault]:
+        """Every target held now, by UUID (what the monitor persists)."""
+        return {
+            t.uuid: HeldFault(
+                t.uuid, t.gpu_uuid, t.mig_uuid, t.kind, t.reason, t.xid, dict(t.hold.baseline or {}) or None
+            )
+            for t in self._targets.values()
+            if t.hold is not None and t.fault_at is not None
+        }
+
+    def restore(self, held: Iterable[HeldFault], now: float) -> None:
+        """Put back holds persisted by an earlier run of the agent (same boot): the targets are unhealthy
+        again at once and stay so until a probe shows the reset, or an operator clears them."""
+        for h in held:
+            t = self._target(h.gpu_uuid, h.mig_uuid)
+            self._fault(t, h.kind, h.reason, now, h.xid)
+            if t.hold is None:
+                t.hold = Hold(dict(h.baseline) if h.baseline else None)
 
     # -- windows ------------------------------------------------------------------------------
 
@@ -247,7 +351,7 @@ class HealthTracker:
 
     def _recovered(self, t: _Target, now: float) -> bool:
         assert t.fault_at is not None
-        if self._ongoing(t, now):
+        if t.hold is not None or self._ongoing(t, now):
             return False
         ev = self._gpus.get(t.gpu_uuid)
         if ev is None or ev.passing_since is None or ev.last_pass_at is None or ev.last_pass_at < t.fault_at:

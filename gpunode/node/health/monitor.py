@@ -9,6 +9,11 @@ published as a level through `DeviceState.set_unhealthy("health", ...)`, which
 re-sends ListAndWatch at once; devices that just turned unhealthy are handed
 to the remediator as Faults (non-blocking). This module never evicts, kills or
 calls the API server itself, and never blocks the event loop on the backend.
+
+With a HoldStore (the agent's state directory), the targets a fatal XID holds
+are saved whenever that set changes and put back when the monitor is built, so
+they are Unhealthy before the device plugins first answer; operators' clear
+requests are applied at the start of each probe round.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from gpunode.config.health import HealthConfig
-from gpunode.errors import DeviceNotFound, GpunodeError
+from gpunode.errors import DeviceNotFound, GpunodeError, HealthStateError
 from gpunode.node.devices.base import Backend, DeviceEvent, EventKind, GpuProbe
 from gpunode.node.health.evidence import HealthTracker, Verdict
+from gpunode.node.health.holds import ClearRequest, HoldStore
 from gpunode.node.health.model import Fault, HealthCounters, Remediator
 from gpunode.node.state import DeviceState
 
@@ -46,6 +52,7 @@ class HealthMonitor:
         remediator: Remediator | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        store: HoldStore | None = None,
     ) -> None:
         self.backend = backend
         self.state = state
@@ -67,6 +74,25 @@ class HealthMonitor:
         self._probes = 0
         self._became_unhealthy: Counter[str] = Counter()
         self._recovered: Counter[str] = Counter()
+        self.store = store
+        self._saved_holds: frozenset[str] = frozenset()
+        self._notes: dict[str, tuple[str, str]] = {}  # target -> (Event reason, message) for its recovery
+        if store is not None and config.enabled:
+            self._restore(store)
+
+    def _restore(self, store: HoldStore) -> None:
+        held = store.load()
+        if not held:
+            return
+        log.warning(
+            "health: %d fault(s) held when the agent last ran are held again until a reset or a clear: %s",
+            len(held),
+            "; ".join(f"{h.target_uuid}: {h.reason}" for h in held),
+        )
+        with self._lock:
+            self._saved_holds = frozenset(h.target_uuid for h in held)
+            self._tracker.restore(held, self._clock())
+            self._publish_locked()
 
     # -- inputs ---------------------------------------------------------------------------------
 
@@ -88,8 +114,36 @@ class HealthMonitor:
             self._tracker.record_event(event, self._clock())
             self._publish_locked()
 
+    def _apply_clear(self, request: ClearRequest) -> None:
+        with self._lock:
+            self._refresh_topology()
+            cleared = self._tracker.clear(request.uuid)
+            if not cleared:
+                log.warning(
+                    "health: %s asked to clear %s (%s), which is not unhealthy",
+                    request.by,
+                    request.uuid,
+                    request.reason,
+                )
+                return
+            for target in cleared:
+                log.warning(
+                    "health: %s cleared by %s: %s (it was unhealthy: %s)",
+                    target,
+                    request.by,
+                    request.reason,
+                    self._unhealthy[target].reason if target in self._unhealthy else "a fault",
+                )
+                self._notes[target] = ("GpuHealthCleared", f"cleared by {request.by}: {request.reason}")
+            self._publish_locked()
+
     async def probe_once(self) -> None:
-        """Probe every advertised GPU once (in parallel, each bounded by the probe timeout) and republish."""
+        """Probe every advertised GPU once (in parallel, each bounded by the probe timeout) and republish.
+
+        Operators' clear requests waiting in the store are applied first.
+        """
+        if self.store is not None:
+            self.store.take_clears(self._apply_clear)
         gpus = [g.uuid for g in self.state.snapshot().inventory.gpus]
         timeout_s = self.config.probe_timeout_s
         waits: dict[str, asyncio.Future[GpuProbe]] = {}
@@ -211,6 +265,10 @@ class HealthMonitor:
     def _publish_locked(self) -> None:
         self._refresh_topology()
         verdicts = self._tracker.evaluate(self._clock())
+        for target, why in self._tracker.released:
+            log.warning("health: the hold on %s is released: %s", target, why)
+            self._notes[target] = ("GpuHealthy", f"{why}; its probes then passed for the recovery window")
+        self._tracker.released.clear()
         before = self._unhealthy
         self._unhealthy = verdicts
         new = [v for u, v in verdicts.items() if u not in before]
@@ -219,12 +277,33 @@ class HealthMonitor:
         for v in new:
             self._became_unhealthy[v.target_uuid] += 1
             log.warning("%s is unhealthy: %s", _name(v.target_uuid, v.gpu_uuid), v.reason)
+        note_recovery = getattr(self.remediator, "note_recovery", None)
         for u in gone:
             self._recovered[u] += 1
-            log.info("%s is healthy again: its probes passed for %g s", u, self.config.recovery_window_s)
+            note = self._notes.pop(u, None)
+            if note is not None and note[0] == "GpuHealthCleared":
+                log.info("%s is healthy again: %s", u, note[1])
+            else:
+                log.info("%s is healthy again: its probes passed for %g s", u, self.config.recovery_window_s)
+            if note is not None and note_recovery is not None:
+                note_recovery(u, *note)
+        self._save_holds_locked()
         if self.remediator is not None and (new or gone):
             faults = [self._fault(v) for v in new]
             self.remediator.notify({u: v.reason for u, v in verdicts.items()}, faults)
+
+    def _save_holds_locked(self) -> None:
+        if self.store is None:
+            return
+        holds = self._tracker.holds()
+        if frozenset(holds) == self._saved_holds:
+            return
+        try:
+            self.store.save(holds.values())
+        except HealthStateError as exc:
+            log.error("health: %s (hint: %s); the holds stay in effect until the agent stops", exc, exc.hint)
+            return
+        self._saved_holds = frozenset(holds)
 
     def _fault(self, v: Verdict) -> Fault:
         inventory = self.state.snapshot().inventory

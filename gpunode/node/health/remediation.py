@@ -83,6 +83,12 @@ class KubeRemediator:
         self._in_progress: set[tuple[str, str]] = set()
         self._limiter = RateLimiter(config.max_evictions, config.eviction_interval_s, clock=clock)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._notes: dict[str, tuple[str, str]] = {}  # device -> (Event reason, message) for its recovery
+
+    def note_recovery(self, uuid: str, reason: str, message: str) -> None:
+        """Say why a device is about to be reported healthy (a reset, an operator's clear) in its Node Event."""
+        with self._lock:
+            self._notes[uuid] = (reason, message)
 
     # -- input (any thread) -----------------------------------------------------------------------
 
@@ -173,11 +179,13 @@ class KubeRemediator:
         recovered = [u for u in self._level if u not in level]
         self._level = level
         for uuid in recovered:
-            if self.config.post_events and self.node_name:
-                message = f"GPU device {uuid} is healthy again: its probes passed for the recovery window"
-                self._spawn(
-                    self._post_event(ObjectRef("Node", self.node_name), "GpuHealthy", message, "Normal")
+            with self._lock:
+                reason, why = self._notes.pop(
+                    uuid, ("GpuHealthy", "its probes passed for the recovery window")
                 )
+            if self.config.post_events and self.node_name:
+                message = f"GPU device {uuid} is healthy again: {why}"
+                self._spawn(self._post_event(ObjectRef("Node", self.node_name), reason, message, "Normal"))
         if self._desired != level and self._node_dirty is not None:
             self._desired = dict(level)
             self._node_dirty.set()

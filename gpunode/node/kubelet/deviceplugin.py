@@ -5,11 +5,15 @@ directory and is registered through kubelet.sock. ListAndWatch sends the whole
 device list (with health and NUMA node) at once and again on every change of
 DeviceState. GetPreferredAllocation is decided by gpunode.node.allocation.preferred
 (through gpunode.placement, the code the scheduler extender and the simulator
-use); Allocate is built by gpunode.node.allocation.allocator. The kubelet
+use), or by the extender itself when a pod carries its assignment
+(gpunode.node.assignments, through AllocationHooks); Allocate is built by
+gpunode.node.allocation.allocator. The kubelet
 removes every socket in its directory when it restarts and re-creates
 kubelet.sock; PluginManager watches for that and restarts and re-registers its
 servers. This module translates errors into gRPC
-status codes at its edge and does no device discovery itself.
+status codes at its edge and does no device discovery itself: a request
+that does not decode is INVALID_ARGUMENT (add_servicer wraps every method's
+deserializer), and an unexpected failure is INTERNAL with one log line.
 """
 
 from __future__ import annotations
@@ -19,14 +23,16 @@ import contextlib
 import logging
 import os
 import re
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from gpunode.config.agent import Config
-from gpunode.errors import AllocationError
+from gpunode.errors import AllocationError, KubeletDirError, one_line
 from gpunode.node.allocation.allocator import Allocator, ContainerAllocation
 from gpunode.node.allocation.preferred import preferred_allocation
 from gpunode.node.kubelet._proto import deviceplugin_v1beta1_pb2 as pb
@@ -57,6 +63,18 @@ def device_list(snapshot: Snapshot, resource: str) -> list[pb.Device]:
     return out
 
 
+@dataclass
+class AllocationHooks:
+    """What the plugins consult and tell around allocations; the agent fills it (empty: the node decides alone).
+
+    assignments: gpunode.node.assignments.AssignmentBook, the cluster's GPU choices to carry out;
+    allocated: called with (device IDs, "namespace/pod" or "") after each container's Allocate.
+    """
+
+    assignments: Any = None
+    allocated: list[Callable[[Sequence[str], str], None]] = field(default_factory=list)
+
+
 def to_response(alloc: ContainerAllocation) -> pb.ContainerAllocateResponse:
     """The ContainerAllocateResponse message for one container's allocation."""
     resp = pb.ContainerAllocateResponse(envs=alloc.envs, annotations=alloc.annotations)
@@ -75,11 +93,20 @@ def to_response(alloc: ContainerAllocation) -> pb.ContainerAllocateResponse:
 class DevicePluginServicer(pb_grpc.DevicePluginServicer):
     """Serves one resource from DeviceState."""
 
-    def __init__(self, *, resource: str, state: DeviceState, config: Config, allocator: Allocator) -> None:
+    def __init__(
+        self,
+        *,
+        resource: str,
+        state: DeviceState,
+        config: Config,
+        allocator: Allocator,
+        hooks: AllocationHooks | None = None,
+    ) -> None:
         self.resource = resource
         self.state = state
         self.config = config
         self.allocator = allocator
+        self.hooks = hooks or AllocationHooks()
 
     async def GetDevicePluginOptions(
         self, request: pb.Empty, context: grpc.aio.ServicerContext
@@ -108,8 +135,9 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         snap = self.state.snapshot()
         resp = pb.PreferredAllocationResponse()
         for creq in request.container_requests:
+            ids = await self._assigned(snap, creq)
             try:
-                ids = preferred_allocation(
+                ids = ids or preferred_allocation(
                     snap,
                     self.resource,
                     list(creq.available_deviceIDs),
@@ -137,14 +165,132 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                 log.warning("Allocate refused: %s", exc)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             log.info("Allocate %s: %s", self.resource, ",".join(creq.devices_ids))
+            await self._allocated(snap, list(creq.devices_ids))
             resp.container_responses.append(to_response(alloc))
         return resp
+
+    async def _assigned(
+        self, snap: Snapshot, creq: pb.ContainerPreferredAllocationRequest
+    ) -> list[str] | None:
+        """The devices the cluster's assignment gives this container, or None: the node decides."""
+        book = self.hooks.assignments
+        if book is None:
+            return None
+        try:
+            ids: list[str] | None = await book.prefer(
+                snap,
+                self.resource,
+                list(creq.available_deviceIDs),
+                list(creq.must_include_deviceIDs),
+                creq.allocation_size,
+                replica_placement=self.config.replica_placement,
+            )
+            return ids
+        except Exception as exc:  # never fail a pod for the assignment's sake
+            log.error("assignments: %s: %s; the node decides", type(exc).__name__, exc)
+            return None
+
+    async def _allocated(self, snap: Snapshot, device_ids: list[str]) -> None:
+        """Tell the assignment book and the listeners (the node-state publisher) of one allocation."""
+        holder = ""
+        try:
+            if self.hooks.assignments is not None:
+                holder = await self.hooks.assignments.allocated(snap, self.resource, device_ids)
+            for listener in self.hooks.allocated:
+                listener(device_ids, holder)
+        except Exception as exc:  # the allocation stands whatever the bookkeeping does
+            log.error("after Allocate %s: %s: %s", self.resource, type(exc).__name__, exc)
 
     async def PreStartContainer(
         self, request: pb.PreStartContainerRequest, context: grpc.aio.ServicerContext
     ) -> pb.PreStartContainerResponse:
         """No-op (PreStart is not required); returns an empty response."""
         return pb.PreStartContainerResponse()
+
+
+class _Malformed:
+    """What a request that does not decode deserializes to: the handler refuses it as INVALID_ARGUMENT."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _deserializer(message: Any) -> Callable[[bytes], Any]:
+    """message.FromString, except that bytes which do not decode give a _Malformed instead of raising
+    (a raising deserializer makes gRPC answer UNKNOWN and log a traceback)."""
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return message.FromString(data)
+        except (DecodeError, ValueError, RecursionError) as exc:
+            return _Malformed(str(exc) or type(exc).__name__)
+
+    return deserialize
+
+
+async def _refuse(name: str, request: Any, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, _Malformed):
+        log.warning("%s: refused a request that does not decode: %s", name, request.error)
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"{name}: the request does not decode: {request.error}"
+        )
+
+
+async def _internal(name: str, exc: Exception, context: grpc.aio.ServicerContext) -> None:
+    log.error("%s failed: %s: %s", name, type(exc).__name__, exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"{name} failed: {type(exc).__name__}")
+
+
+def _guard_unary(name: str, behaviour: Callable[..., Any]) -> Callable[..., Any]:
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _refuse(name, request, context)
+        try:
+            return await behaviour(request, context)
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            await _internal(name, exc, context)
+
+    return handler
+
+
+def _guard_stream(name: str, behaviour: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await _refuse(name, request, context)
+        try:
+            async for item in behaviour(request, context):
+                yield item
+        except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as exc:
+            await _internal(name, exc, context)
+
+    return handler
+
+
+def add_servicer(servicer: DevicePluginServicer, server: grpc.aio.Server) -> None:
+    """Serve the DevicePlugin service from servicer, refusing undecodable requests as INVALID_ARGUMENT.
+
+    The same methods and messages as the generated add_DevicePluginServicer_to_server; only the
+    deserializers and the error edge differ.
+    """
+    unary = grpc.unary_unary_rpc_method_handler
+    handlers: dict[str, tuple[Any, Any, Any]] = {
+        "GetDevicePluginOptions": (unary, pb.Empty, pb.DevicePluginOptions),
+        "ListAndWatch": (grpc.unary_stream_rpc_method_handler, pb.Empty, pb.ListAndWatchResponse),
+        "GetPreferredAllocation": (unary, pb.PreferredAllocationRequest, pb.PreferredAllocationResponse),
+        "Allocate": (unary, pb.AllocateRequest, pb.AllocateResponse),
+        "PreStartContainer": (unary, pb.PreStartContainerRequest, pb.PreStartContainerResponse),
+    }
+    methods = {
+        name: make(
+            (_guard_stream if name == "ListAndWatch" else _guard_unary)(name, getattr(servicer, name)),
+            request_deserializer=_deserializer(request),
+            response_serializer=response.SerializeToString,
+        )
+        for name, (make, request, response) in handlers.items()
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("v1beta1.DevicePlugin", methods),))
 
 
 @dataclass
@@ -161,10 +307,19 @@ class PluginServer:
         """Start the gRPC server on a fresh Unix socket and record the socket's inode."""
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
+        where = self.socket_path.parent
+        if not where.is_dir():  # gone while we ran (the kubelet or its mount was removed)
+            raise KubeletDirError(f"the kubelet directory {where} is gone; cannot serve {self.resource}")
         server = grpc.aio.server()
-        pb_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
-        server.add_insecure_port(f"unix://{self.socket_path}")
-        await asyncio.wait_for(server.start(), SERVER_START_TIMEOUT_S)
+        add_servicer(self.servicer, server)
+        try:
+            server.add_insecure_port(f"unix://{self.socket_path}")
+        except RuntimeError as exc:  # gRPC's way of saying the address cannot be bound
+            raise KubeletDirError(
+                f"cannot serve {self.resource} on {self.socket_path}: {one_line(str(exc))}"
+            ) from None
+        async with asyncio.timeout(SERVER_START_TIMEOUT_S):  # not wait_for: it can swallow a cancellation
+            await server.start()
         self.server = server
         self.inode = os.stat(self.socket_path).st_ino
 
@@ -226,6 +381,7 @@ class PluginManager:
         self.config = config
         self.state = state
         self.allocator = allocator or Allocator(config=config)
+        self.hooks = AllocationHooks()  # shared by every servicer; the agent fills it
         self.servers: dict[str, PluginServer] = {}
         self.registered: dict[
             str, tuple[int, int]
@@ -241,7 +397,11 @@ class PluginManager:
             self.registered.pop(resource, None)
         for resource in sorted(wanted - set(self.servers)):
             servicer = DevicePluginServicer(
-                resource=resource, state=self.state, config=self.config, allocator=self.allocator
+                resource=resource,
+                state=self.state,
+                config=self.config,
+                allocator=self.allocator,
+                hooks=self.hooks,
             )
             srv = PluginServer(resource, self.config.kubelet_dir / socket_name(resource), servicer)
             await srv.start()
@@ -250,15 +410,16 @@ class PluginManager:
 
     async def ensure_registered(self) -> None:
         """Register each resource with the kubelet if it is new or restarted, restarting servers whose socket vanished."""
-        kubelet = _kubelet_identity(self.config.kubelet_socket)
-        if kubelet is None:
-            return  # no kubelet yet: register when it appears
         for resource, srv in sorted(self.servers.items()):
-            if not srv.socket_intact():
+            if not srv.socket_intact():  # also without a kubelet: a directory that is gone must be seen
                 log.info("socket of %s was removed (kubelet restart?); restarting its server", resource)
                 await srv.stop()
                 await srv.start()
                 self.registered.pop(resource, None)
+        kubelet = _kubelet_identity(self.config.kubelet_socket)
+        if kubelet is None:
+            return  # no kubelet yet: register when it appears
+        for resource, srv in sorted(self.servers.items()):
             if self.registered.get(resource) == kubelet:
                 continue
             try:
@@ -285,8 +446,11 @@ class PluginManager:
             if ready is not None:
                 ready.set()
             while True:
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation that
+                # arrives as the state changes, and the agent would then never stop.
                 with contextlib.suppress(TimeoutError):
-                    snap = await asyncio.wait_for(self.state.wait_for_change(version), poll_interval_s)
+                    async with asyncio.timeout(poll_interval_s):
+                        snap = await self.state.wait_for_change(version)
                     version = snap.version
                     await self.reconcile()
                 await self.ensure_registered()

@@ -15,15 +15,17 @@ Must not: read os.environ or configuration files (callers pass paths and
 sizes), talk to the kubelet, or change a region's counters except through the
 C functions, which keep the cap's invariants.
 
-The code lives in three modules, all re-exported here (``from gpunode.node import
-memcap`` is how callers reach it): ``region`` (create, load, list, remove and
-garbage-collect regions), ``usage`` (read usage, reclaim what exited processes
-held) and ``container`` (the environment and mounts of a capped container).
+The code lives in these modules, all re-exported here (``from gpunode.node import
+memcap`` is how callers reach it): ``region`` (create, replace and load regions),
+``directory`` (list, secure, remove and garbage-collect them), ``usage`` (read
+usage, reclaim what exited processes held), ``problems`` (regions found
+unusable, logged once) and ``container`` (the environment and mounts of a
+capped container). A container may rewrite or truncate its usage file at any
+moment: every read goes through SIGBUS-proof C wrappers (native/src/guard.c).
 """
 
 from gpunode.node.memcap.container import (
     CONTAINER_DIR,
-    ENV_FAIL_OPEN,
     ENV_LIMIT_INFO,
     ENV_LOG_LEVEL,
     ENV_REGION,
@@ -35,10 +37,13 @@ from gpunode.node.memcap.container import (
     default_region_dir,
     preload_library_path,
 )
+from gpunode.node.memcap.directory import gc_regions, list_regions, remove_region, scan_regions, secure_root
+from gpunode.node.memcap.problems import RegionProblem, region_problems
 from gpunode.node.memcap.region import (
     LIMIT_FILE,
     LIMIT_FILE_MODE,
     REGION_DIR_MODE,
+    REGIONS_ROOT_MODE,
     STALE_TEMP_AGE_S,
     USAGE_FILE,
     USAGE_FILE_MODE,
@@ -46,16 +51,13 @@ from gpunode.node.memcap.region import (
     Region,
     create_multi_gpu_region,
     create_region,
-    gc_regions,
-    list_regions,
     load_region,
-    remove_region,
+    replace_region,
 )
 from gpunode.node.memcap.usage import DeviceUsage, ProcessUsage, RegionUsage, read_usage, reclaim_dead
 
 __all__ = [
     "CONTAINER_DIR",
-    "ENV_FAIL_OPEN",
     "ENV_LIMIT_INFO",
     "ENV_LOG_LEVEL",
     "ENV_REGION",
@@ -63,6 +65,7 @@ __all__ = [
     "LIBRARY_NAME",
     "LIMIT_FILE",
     "LIMIT_FILE_MODE",
+    "REGIONS_ROOT_MODE",
     "REGION_DIR_MODE",
     "STALE_TEMP_AGE_S",
     "USAGE_FILE",
@@ -73,6 +76,7 @@ __all__ = [
     "MountSpec",
     "ProcessUsage",
     "Region",
+    "RegionProblem",
     "RegionUsage",
     "container_spec",
     "create_multi_gpu_region",
@@ -84,5 +88,9 @@ __all__ = [
     "preload_library_path",
     "read_usage",
     "reclaim_dead",
+    "region_problems",
     "remove_region",
+    "replace_region",
+    "scan_regions",
+    "secure_root",
 ]

@@ -8,14 +8,18 @@ its cap; the kubelet (pod-resources) stays the source of truth for which
 containers still exist, and regions of containers it no longer lists are
 garbage-collected after a grace period. A checkpoint that cannot be parsed is
 kept aside (renamed, never deleted) and reported; the agent starts with an
-empty one. This module does file I/O only; it knows nothing of gRPC.
+empty one. Loading it (once, at start) also removes the temporary files that
+a killed agent left in the state directory (see remove_stale_temp_files). This
+module does file I/O only; it knows nothing of gRPC.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Iterable
@@ -26,6 +30,9 @@ log = logging.getLogger(__name__)
 
 VERSION = 1
 FILE_NAME = "checkpoint.json"
+# ".<name>.<pid>.tmp": how this package stages a file before renaming it into place (the checkpoint,
+# the staged interposer in lib/, a region's ld.so.preload).
+TEMP_FILE_RE = re.compile(r"\.(?P<name>.+)\.(?P<pid>[0-9]{1,10})\.tmp")
 
 
 @dataclass(frozen=True)
@@ -56,7 +63,9 @@ class Checkpoint:
         self.problem: str | None = None  # why the file on disk could not be used, if so
 
     def load(self) -> dict[str, CapRecord]:
-        """Read the file; a broken one is renamed aside and reported, never lost."""
+        """Read the file; a broken one is renamed aside and reported, never lost. Removes stale temporary
+        files first (it runs at start, before this process stages any file)."""
+        remove_stale_temp_files(self.path.parent)
         with self._lock:
             self._records = {}
             try:
@@ -84,6 +93,12 @@ class Checkpoint:
         """A copy of the records held now, by region key."""
         with self._lock:
             return dict(self._records)
+
+    def replace(self, record: CapRecord) -> None:
+        """Record a cap that replaced whatever was held under its key (a fresh region), and rewrite the file."""
+        with self._lock:
+            self._records[record.key] = record
+            self._write()
 
     def add(self, record: CapRecord) -> None:
         """Record a cap and rewrite the file; a key held already with the same limit keeps its record."""
@@ -120,3 +135,55 @@ class Checkpoint:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except (OverflowError, OSError):
+        return False
+    return True
+
+
+def remove_stale_temp_files(state_dir: Path) -> list[Path]:
+    """Remove the ``.<name>.<pid>.tmp`` files a killed agent left in state_dir, lib/ and the region
+    directories; the paths removed.
+
+    A file is stale when its pid is no live process, or is this process's own pid (a restarted agent
+    in a container often gets the pid its predecessor had; call this before staging any file). A file
+    of another live process is kept: it may be another agent's write in progress.
+    """
+    state_dir = Path(state_dir)
+    dirs = [state_dir, state_dir / "lib"]
+    regions = state_dir / "memcap"
+    with contextlib.suppress(OSError):
+        dirs += [d for d in regions.iterdir() if d.is_dir() and not d.is_symlink()]
+    removed = []
+    own = os.getpid()
+    for directory in dirs:
+        try:
+            entries = list(directory.iterdir())
+        except OSError:
+            continue
+        for entry in entries:
+            match = TEMP_FILE_RE.fullmatch(entry.name)
+            if match is None or (entry.is_dir() and not entry.is_symlink()):
+                continue
+            pid = int(match.group("pid"))
+            if pid != own and _pid_alive(pid):
+                continue
+            try:
+                entry.unlink()
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                log.warning("cannot remove the stale temporary file %s: %s", entry, exc)
+                continue
+            removed.append(entry)
+    if removed:
+        log.info("removed %d stale temporary file(s) in %s", len(removed), state_dir)
+    return removed

@@ -11,12 +11,13 @@ from pathlib import Path
 from gpunode.errors import MemcapError
 from gpunode.node.memcap.region import LIMIT_FILE, LIMIT_FILE_MODE, USAGE_FILE, Region, _io_error, _native
 
-ENV_REGION = "GPUNODE_MEMCAP_REGION"
+ENV_REGION = "GPUNODE_MEMCAP_REGION"  # honoured by the library only when nothing is at the fixed path
 ENV_LOG_LEVEL = "GPUNODE_MEMCAP_LOG_LEVEL"
-ENV_FAIL_OPEN = "GPUNODE_MEMCAP_FAIL_OPEN"
 ENV_LIMIT_INFO = "GPUNODE_MEMCAP_LIMIT_BYTES"
 LD_SO_PRELOAD_FILE = "ld.so.preload"
 LIBRARY_NAME = "libgpunode-preload.so"
+# Fixed: the library finds its region at CONTAINER_DIR/memcap (GPUNODE_MEMCAP_DEFAULT_DIR in
+# the C header) and trusts it only there, so it is not configurable.
 CONTAINER_DIR = "/var/run/gpunode"
 
 
@@ -38,7 +39,7 @@ class ContainerSpec:
 
 
 def default_region_dir() -> str:
-    """Where the interposer looks for its region when GPUNODE_MEMCAP_REGION is unset."""
+    """The fixed path where the interposer finds (and trusts) the region mounted into a container."""
     m = _native()
     return str(m.ffi.string(m.lib.gpunode_memcap_default_region_dir()).decode())
 
@@ -68,31 +69,27 @@ def container_spec(
     region: Region,
     *,
     preload_lib: Path | None = None,
-    container_dir: str = CONTAINER_DIR,
     visible_device: str,
     ld_so_preload: bool = False,
 ) -> ContainerSpec:
     """The environment and mounts that cap a container with region.
 
-    The library and the limit file are mounted read-only, the usage file read-write. With
-    ld_so_preload, an /etc/ld.so.preload naming the library is mounted too (written into the
-    region directory), so a process that clears LD_PRELOAD is still capped.
+    The library and the limit file are mounted read-only, the usage file read-write, at the
+    fixed container path CONTAINER_DIR: the library trusts a region only there, on a read-only
+    mount, whatever the container's environment says. With ld_so_preload, an /etc/ld.so.preload
+    naming the library is mounted too (written into the region directory), so a process that
+    clears its environment is still capped.
     """
-    if not container_dir.startswith("/") or container_dir.rstrip("/") == "":
-        raise MemcapError(
-            f"container_dir must be an absolute path, got {container_dir!r}", hint="use /var/run/gpunode"
-        )
     if not visible_device:
         raise MemcapError(
             "visible_device is empty", hint="pass the GPU UUID (or index) the container may see"
         )
-    container_dir = container_dir.rstrip("/")
     library = Path(preload_lib) if preload_lib is not None else preload_library_path()
-    library_in_container = f"{container_dir}/lib/{LIBRARY_NAME}"
-    region_in_container = f"{container_dir}/memcap"
+    library_in_container = f"{CONTAINER_DIR}/lib/{LIBRARY_NAME}"
+    region_in_container = f"{CONTAINER_DIR}/memcap"
     envs = {
         "LD_PRELOAD": library_in_container,
-        ENV_REGION: region_in_container,
+        ENV_REGION: region_in_container,  # the fixed path itself: informational, never a redirect
         "NVIDIA_VISIBLE_DEVICES": visible_device,
         ENV_LIMIT_INFO: ",".join(str(d.limit_bytes) for d in region.devices),
     }

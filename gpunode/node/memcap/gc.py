@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
-from gpunode.errors import GpunodeError
+from gpunode.errors import GpunodeError, RegionDamaged
 from gpunode.node.inventory import region_key
 from gpunode.node.kubelet.podresources import ContainerDevices
 from gpunode.node.memcap.checkpoint import Checkpoint
@@ -53,9 +53,14 @@ def stage_preload_library(state_dir: Path) -> Path:
 
 
 def restore_regions(checkpoint: Checkpoint, root: Path) -> list[str]:
-    """Re-create the checkpointed regions whose directories are missing; the keys restored."""
+    """Make the regions root-only (see memcap.secure_root) and re-create the checkpointed regions whose
+    directories are missing; the keys restored."""
     from gpunode.node import memcap
 
+    try:
+        memcap.secure_root(root)
+    except GpunodeError as exc:
+        log.error("memory caps: %s (hint: %s)", exc, exc.hint)
     restored = []
     for rec in checkpoint.records().values():
         if (root / rec.key).is_dir():
@@ -113,6 +118,7 @@ class RegionKeeper:
         """One pass; returns the keys removed. Raises GpunodeError when the kubelet cannot be asked."""
         from gpunode.node import memcap
 
+        started = time.time()  # file times, not self.clock: regions replaced after this are kept
         containers = await self.list_containers()
         keep = live_keys(containers)
         now = self.clock()
@@ -123,9 +129,13 @@ class RegionKeeper:
             if region.key in keep:
                 try:
                     self.reclaimed_bytes += await asyncio.to_thread(memcap.reclaim_dead, region)
+                except RegionDamaged:
+                    pass  # recorded and logged once by memcap (region_problems); skipped until usable
                 except GpunodeError as exc:
                     log.warning("memory caps: reclaiming in %s failed: %s", region.key, exc)
-        removed = await asyncio.to_thread(memcap.gc_regions, self.root, keep)
+        removed = await asyncio.to_thread(
+            lambda: memcap.gc_regions(self.root, keep, changed_since=started - 1.0)
+        )
         if removed:
             log.info("memory caps: removed %d region(s) of containers that are gone", len(removed))
             self.checkpoint.remove(removed)

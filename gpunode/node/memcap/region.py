@@ -5,32 +5,40 @@ the ``limit`` file (written once, read-only to the container) and the ``usage``
 file (shared read-write with the preload library). Every check of the layout
 is done by the C functions of ``gpunode._memcap``; this module validates what
 callers pass, writes new regions atomically and reads existing ones back.
+
+The usage file is mounted read-write into a container, whose processes may
+truncate or rewrite it at any instant: every access goes through the guarded
+C wrappers (native/src/guard.c), so a shrinking file is an error for that
+region (RegionDamaged), never a fault of the agent. Only root may reach the
+files on the host: the regions root and the region directories are 0700.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib
 import logging
 import os
 import re
 import shutil
 import tempfile
-import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpunode.errors import MemcapError
+from gpunode.errors import MemcapError, RegionDamaged
+from gpunode.node.memcap.problems import PROBLEMS
 
 log = logging.getLogger("gpunode.node.memcap")
 
 LIMIT_FILE = "limit"
 USAGE_FILE = "usage"
 LIMIT_FILE_MODE = 0o444
-USAGE_FILE_MODE = 0o666
-REGION_DIR_MODE = 0o755
+USAGE_FILE_MODE = 0o666  # container processes run as any uid; the directories keep host users out
+REGION_DIR_MODE = 0o700
+REGIONS_ROOT_MODE = 0o700
 STALE_TEMP_AGE_S = 600.0
 
 _KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -39,6 +47,7 @@ _CORRUPT_HINT = (
     "the region is corrupt or was written by another gpunode version; "
     "remove it (remove_region) and allocate the container again"
 )
+_TENANT = "a container truncated or rewrote its usage file"
 
 
 def _native() -> Any:
@@ -139,18 +148,36 @@ def _check_device(cap: DeviceCap, uuid_bytes: int) -> DeviceCap:
     return DeviceCap(uuid, limit, total)
 
 
-def _status_error(status: int, path: Path, errno_value: int = 0) -> MemcapError:
+def _status_error(status: int, path: Path, errno_value: int = 0, *, usage_part: bool = False) -> MemcapError:
+    """The error for a C status; RegionDamaged when it is about one region's files.
+
+    usage_part: the limit file was valid and the usage file is what failed (a container can write it).
+    """
     m = _native()
     text = m.ffi.string(m.lib.gpunode_memcap_strerror(status)).decode()
     detail = f": {os.strerror(errno_value)}" if errno_value else ""
     lib = m.lib
+    if status == lib.GPUNODE_MEMCAP_ERR_ARGUMENT:
+        return MemcapError(f"memory-cap region {path}: {text}{detail}", hint=_CORRUPT_HINT)
+    if usage_part:
+        if status in (lib.GPUNODE_MEMCAP_ERR_FAULT, lib.GPUNODE_MEMCAP_ERR_SIZE):
+            reason = "truncated"
+        elif status == lib.GPUNODE_MEMCAP_ERR_IO:
+            reason = "missing" if errno_value == errno.ENOENT else "io"
+        else:
+            reason = "corrupt"
+        blame = f" ({_TENANT})" if reason in ("truncated", "corrupt") else ""
+        message = f"memory-cap region {path}: {text}{detail}{blame}"
+        return RegionDamaged(message, key=path.name, reason=reason)
     if status == lib.GPUNODE_MEMCAP_ERR_NO_REGION:
         hint = "the region does not exist: create it with create_region, or it was garbage-collected"
     elif status == lib.GPUNODE_MEMCAP_ERR_IO:
         hint = f"check that {path} and its files exist and that the agent may read and write them"
     else:
         hint = _CORRUPT_HINT
-    return MemcapError(f"memory-cap region {path}: {text}{detail}", hint=hint)
+    return RegionDamaged(
+        f"memory-cap region {path}: {text}{detail}", key=path.name, reason="limit", hint=hint
+    )
 
 
 @contextlib.contextmanager
@@ -160,9 +187,12 @@ def _opened(path: Path, *, writable: bool) -> Iterator[Any]:
     if region == m.ffi.NULL:
         raise MemoryError("cannot allocate a region handle")
     try:
-        status = m.lib.gpunode_memcap_region_open(region, os.fsencode(path), 1 if writable else 0)
+        status = m.lib.gpunode_memcap_guarded_open(region, os.fsencode(path), 1 if writable else 0)
         if status != m.lib.GPUNODE_MEMCAP_OK:
-            raise _status_error(status, path, m.lib.gpunode_memcap_region_errno(region))
+            scratch = m.ffi.new("struct gpunode_memcap_limit *")
+            usage_part = m.lib.gpunode_memcap_region_copy_limit(region, scratch) == m.lib.GPUNODE_MEMCAP_OK
+            errno_value = m.lib.gpunode_memcap_region_errno(region)
+            raise _status_error(status, path, errno_value, usage_part=usage_part)
         yield region
     finally:
         m.lib.gpunode_memcap_region_free(region)
@@ -182,7 +212,7 @@ def _region_of(handle: Any, path: Path) -> Region:
 
 
 def load_region(path: str | os.PathLike[str]) -> Region:
-    """Open and validate the region directory at path (both files)."""
+    """Open and validate the region directory at path (both files); RegionDamaged says what is wrong."""
     path = Path(path)
     with _opened(path, writable=False) as handle:
         return _region_of(handle, path)
@@ -222,9 +252,61 @@ def create_region(
 def create_multi_gpu_region(
     root: str | os.PathLike[str], key: str, *, devices: Sequence[DeviceCap], fail_open: bool = False
 ) -> Region:
-    """Create a region capping several GPUs of one container (each device its own cap)."""
-    m = _native()
-    lib = m.lib
+    """Create a region capping several GPUs of one container (each device its own cap).
+
+    Returns the region already at key if it has the same caps; see replace_region for a fresh one.
+    """
+    root = Path(root)
+    caps = _check_request(key, devices, fail_open)
+    final = root / key
+    if final.exists():
+        return _existing(final, caps, fail_open)
+    staging, generation = _stage(root, key, caps, fail_open)
+    try:
+        os.rename(staging, final)
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if final.exists():  # created concurrently under the same key
+            return _existing(final, caps, fail_open)
+        raise _io_error(f"cannot create region {final}", exc, root) from exc
+    return _created(root, final, caps, fail_open, generation)
+
+
+def replace_region(
+    root: str | os.PathLike[str], key: str, *, devices: Sequence[DeviceCap], fail_open: bool = False
+) -> Region:
+    """A fresh region at key (new generation, no usage), taking the place of whatever is there.
+
+    What a previous holder left (a zeroed magic, garbage, a truncated file, a huge counter) does
+    not matter: the old directory is moved aside and removed; processes that still map its usage
+    file keep their mapping of the unlinked file and no longer count against the new region.
+    """
+    root = Path(root)
+    caps = _check_request(key, devices, fail_open)
+    final = root / key
+    staging, generation = _stage(root, key, caps, fail_open)
+    try:
+        for _ in range(16):
+            try:
+                os.rename(staging, final)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                    raise
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(final, root / f".trash-{key}-{os.urandom(4).hex()}")
+        else:
+            raise OSError(errno.EBUSY, "the key is being replaced concurrently")
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise _io_error(f"cannot replace region {final}", exc, root) from exc
+    PROBLEMS.gone(final)
+    _empty_trash(root, key)
+    return _created(root, final, caps, fail_open, generation)
+
+
+def _check_request(key: str, devices: Sequence[DeviceCap], fail_open: bool) -> tuple[DeviceCap, ...]:
+    lib = _native().lib
     _check_key(key)
     if not isinstance(fail_open, bool):
         raise MemcapError(f"fail_open must be a bool, got {fail_open!r}", hint="pass True or False")
@@ -236,10 +318,14 @@ def create_multi_gpu_region(
     caps = tuple(_check_device(d, lib.GPUNODE_MEMCAP_UUID_BYTES) for d in devices)
     if len({c.uuid for c in caps}) != len(caps):
         raise MemcapError("a region lists the same GPU twice", hint="pass each GPU once")
-    root = Path(root)
+    return caps
+
+
+def _stage(root: Path, key: str, caps: tuple[DeviceCap, ...], fail_open: bool) -> tuple[Path, int]:
+    """A complete region directory under a temporary name in root, and its generation."""
+    m = _native()
+    lib = m.lib
     final = root / key
-    if final.exists():
-        return _existing(final, caps, fail_open)
     limit = m.ffi.new("struct gpunode_memcap_limit *")
     limit.generation = int.from_bytes(os.urandom(8), "little") | 1
     limit.flags = lib.GPUNODE_MEMCAP_FLAG_FAIL_OPEN if fail_open else 0
@@ -257,7 +343,9 @@ def create_multi_gpu_region(
     if status != lib.GPUNODE_MEMCAP_OK:
         raise _status_error(status, final)
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        if not root.is_dir():
+            root.mkdir(parents=True, exist_ok=True)
+            os.chmod(root, REGIONS_ROOT_MODE)
         staging = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
     except OSError as exc:
         raise _io_error(f"cannot create a region under {root}", exc, root) from exc
@@ -265,20 +353,28 @@ def create_multi_gpu_region(
         _write_file(staging / LIMIT_FILE, bytes(m.ffi.buffer(limit)), LIMIT_FILE_MODE)
         _write_file(staging / USAGE_FILE, bytes(m.ffi.buffer(usage)), USAGE_FILE_MODE)
         os.chmod(staging, REGION_DIR_MODE)
-        os.rename(staging, final)
     except OSError as exc:
         shutil.rmtree(staging, ignore_errors=True)
-        if final.exists():  # created concurrently under the same key
-            return _existing(final, caps, fail_open)
         raise _io_error(f"cannot create region {final}", exc, root) from exc
+    return staging, int(limit.generation)
+
+
+def _created(
+    root: Path, final: Path, caps: tuple[DeviceCap, ...], fail_open: bool, generation: int
+) -> Region:
     dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    region = Region(key, final, caps, fail_open, int(limit.generation))
+    region = Region(final.name, final, caps, fail_open, generation)
     log.debug("created memory-cap region %s: %s", final, caps)
     return region
+
+
+def _empty_trash(root: Path, key: str) -> None:
+    for entry in root.glob(f".trash-{key}-*"):
+        shutil.rmtree(entry, ignore_errors=True)
 
 
 def _existing(path: Path, caps: tuple[DeviceCap, ...], fail_open: bool) -> Region:
@@ -289,57 +385,3 @@ def _existing(path: Path, caps: tuple[DeviceCap, ...], fail_open: bool) -> Regio
             hint="a key names one allocation; remove the old region (remove_region) before reusing its key",
         )
     return region
-
-
-def _region_dirs(root: Path) -> Iterator[Path]:
-    try:
-        entries = sorted(root.iterdir())
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise _io_error(f"cannot list regions in {root}", exc, root) from exc
-    for entry in entries:
-        if _KEY_RE.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink():
-            yield entry
-
-
-def list_regions(root: str | os.PathLike[str]) -> tuple[Region, ...]:
-    """The valid regions under root, by key. Unusable ones are logged and left out (gc_regions removes them)."""
-    regions = []
-    for path in _region_dirs(Path(root)):
-        try:
-            regions.append(load_region(path))
-        except MemcapError as exc:
-            log.warning("skipping memory-cap region %s: %s", path, str(exc))
-    return tuple(regions)
-
-
-def remove_region(root: str | os.PathLike[str], key: str) -> bool:
-    """Remove a region; False if it did not exist. Processes still mapping it keep their mapping."""
-    root = Path(root)
-    path = root / _check_key(key)
-    if not path.exists():
-        return False
-    trash = root / f".trash-{key}-{os.urandom(4).hex()}"
-    try:
-        os.rename(path, trash)
-    except FileNotFoundError:
-        return False
-    except OSError as exc:
-        raise _io_error(f"cannot remove region {path}", exc, root) from exc
-    shutil.rmtree(trash, ignore_errors=True)
-    log.debug("removed memory-cap region %s", path)
-    return True
-
-
-def gc_regions(root: str | os.PathLike[str], keep: Iterable[str]) -> tuple[str, ...]:
-    """Remove every region whose key is not in keep (and stale half-made ones); the keys removed."""
-    root = Path(root)
-    keep = set(keep)
-    removed = tuple(p.name for p in _region_dirs(root) if p.name not in keep and remove_region(root, p.name))
-    now = time.time()
-    with contextlib.suppress(OSError):
-        for entry in root.iterdir():  # half-made (.tmp-) and half-removed (.trash-) regions
-            if entry.name.startswith(_TEMP_PREFIXES) and now - entry.lstat().st_mtime > STALE_TEMP_AGE_S:
-                shutil.rmtree(entry, ignore_errors=True)
-    return removed

@@ -1,4 +1,9 @@
-"""Reading a memory-cap region's usage, and reclaiming what exited processes held."""
+"""Reading a memory-cap region's usage, and reclaiming what exited processes held.
+
+Both go through the guarded C wrappers: a usage file that its container
+truncated, removed or rewrote raises RegionDamaged (and is recorded in
+problems.PROBLEMS, logged once), and what was read from it is thrown away.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpunode.errors import RegionDamaged
+from gpunode.node.memcap.problems import PROBLEMS
 from gpunode.node.memcap.region import Region, _native, _opened, _region_of, _status_error
 
 log = logging.getLogger("gpunode.node.memcap")
@@ -59,15 +66,21 @@ def _region_path(region_or_dir: Region | str | os.PathLike[str]) -> Path:
 
 
 def read_usage(region_or_dir: Region | str | os.PathLike[str]) -> RegionUsage:
-    """A snapshot of a region's usage, per device and per process."""
+    """A snapshot of a region's usage, per device and per process; RegionDamaged if it cannot be read."""
     m = _native()
     path = _region_path(region_or_dir)
     report = m.ffi.new("struct gpunode_memcap_report *")
-    with _opened(path, writable=False) as handle:
-        region = _region_of(handle, path)
-        status = m.lib.gpunode_memcap_report(handle, report)
-        if status != m.lib.GPUNODE_MEMCAP_OK:
-            raise _status_error(status, path, m.lib.gpunode_memcap_region_errno(handle))
+    try:
+        with _opened(path, writable=False) as handle:
+            region = _region_of(handle, path)
+            status = m.lib.gpunode_memcap_guarded_report(handle, report)
+            if status != m.lib.GPUNODE_MEMCAP_OK:
+                errno_value = m.lib.gpunode_memcap_region_errno(handle)
+                raise _status_error(status, path, errno_value, usage_part=True)
+    except RegionDamaged as exc:
+        PROBLEMS.bad(path, exc)
+        raise
+    PROBLEMS.good(path)
     count = len(region.devices)
     devices = tuple(
         DeviceUsage(cap.uuid, cap.limit_bytes, int(report.used_bytes[d]))
@@ -95,16 +108,23 @@ def read_usage(region_or_dir: Region | str | os.PathLike[str]) -> RegionUsage:
 def reclaim_dead(region_or_dir: Region | str | os.PathLike[str]) -> int:
     """Return the usage of processes that are gone (even SIGKILLed) to the region; bytes reclaimed.
 
-    With no live process left, usage that no process accounts for is returned too.
+    With no live process left, usage that no process accounts for is returned too. RegionDamaged if the
+    usage file is unusable (a fault part-way counts as nothing reclaimed).
     """
     m = _native()
     path = _region_path(region_or_dir)
     reclaimed_bytes = m.ffi.new("uint64_t *")
     reclaimed_slots = m.ffi.new("uint32_t *")
-    with _opened(path, writable=True) as handle:
-        status = m.lib.gpunode_memcap_reclaim_dead(handle, -1, reclaimed_bytes, reclaimed_slots)
-        if status != m.lib.GPUNODE_MEMCAP_OK:
-            raise _status_error(status, path, m.lib.gpunode_memcap_region_errno(handle))
+    try:
+        with _opened(path, writable=True) as handle:
+            status = m.lib.gpunode_memcap_guarded_reclaim_dead(handle, reclaimed_bytes, reclaimed_slots)
+            if status != m.lib.GPUNODE_MEMCAP_OK:
+                errno_value = m.lib.gpunode_memcap_region_errno(handle)
+                raise _status_error(status, path, errno_value, usage_part=True)
+    except RegionDamaged as exc:
+        PROBLEMS.bad(path, exc)
+        raise
+    PROBLEMS.good(path)
     if reclaimed_bytes[0]:
         log.info(
             "region %s: reclaimed %d bytes from %d exited process(es)",

@@ -279,7 +279,7 @@ class MetricsCollector:
             self._count_backend_error("gpus", err)
             raise
         samples, failed = self._read_samples(gpus)
-        regions = read_regions(self._regions_root, self._own.region_errors)
+        regions = read_regions(self._regions_root, self._own.region_errors, self._own.bad_regions)
         now = self._clock()
         for uuid, s in samples.items():
             self._last_sample_times[uuid] = s.timestamp

@@ -54,6 +54,13 @@ class OwnMetrics:
             "Memory-cap regions that could not be read during collection.",
             registry=registry,
         )
+        self.bad_regions = Gauge(
+            "gpunode_memcap_bad_regions",
+            "Memory-cap regions the agent skips because their files are unusable (1 each), by region key "
+            "and reason: truncated, missing, corrupt, limit or io.",
+            ["region", "reason"],
+            registry=registry,
+        )
         # The agent process itself: resident memory, CPU seconds, open file descriptors.
         ProcessCollector(registry=registry)
         self.event_counts = Counter(

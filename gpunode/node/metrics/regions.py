@@ -2,19 +2,22 @@
 
 Read through gpunode.node.memcap when its native part is built; without it there
 is simply no per-container memory. A region that cannot be read is counted and
-logged, never guessed at.
+logged (once per region and reason), never guessed at; the regions skipped now
+are a gauge by key and reason.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
-from gpunode.errors import MemcapError
+from gpunode.errors import MemcapError, RegionDamaged
 
 log = logging.getLogger("gpunode.node.metrics.collector")  # reported as the collector's own problems
 
@@ -29,9 +32,15 @@ class RegionReading:
     limit_bytes: int
 
 
-def read_regions(root: Path | None, errors: Counter) -> list[RegionReading]:
-    """One reading per capped device of every memory-cap region under root; `errors` counts the unreadable."""
+def read_regions(root: Path | None, errors: Counter, bad: Gauge | None = None) -> list[RegionReading]:
+    """One reading per capped device of every usable memory-cap region under root.
+
+    `errors` counts the regions that could not be read in this collection; `bad` (if given) is set to
+    the regions the agent skips now, by key and reason. A container can truncate or rewrite its usage
+    file at any moment: such a region is skipped (memcap logs it once), never guessed at.
+    """
     if root is None or not root.is_dir():
+        _set_bad(bad, ())
         return []
     try:
         memcap = importlib.import_module("gpunode.node.memcap")
@@ -50,6 +59,8 @@ def read_regions(root: Path | None, errors: Counter) -> list[RegionReading]:
     for region in regions:
         try:
             usage = memcap.read_usage(region.path)
+        except RegionDamaged:
+            continue  # recorded by memcap (region_problems) and counted below
         except MemcapError as err:
             errors.inc()
             log.warning("metrics: cannot read memory-cap region %s: %s", region.key, err)
@@ -58,4 +69,18 @@ def read_regions(root: Path | None, errors: Counter) -> list[RegionReading]:
             out.extend(RegionReading(usage.key, d.uuid, d.used_bytes, d.limit_bytes) for d in usage.devices)
         else:
             out.append(RegionReading(usage.key, usage.gpu_uuid, usage.used_bytes, usage.limit_bytes))
+    problems = memcap.region_problems(root)
+    read = {r.key for r in out}
+    skipped = [p for p in problems if p.key not in read]
+    if skipped:
+        errors.inc(len(skipped))
+    _set_bad(bad, problems)
     return out
+
+
+def _set_bad(bad: Gauge | None, problems: Iterable[Any]) -> None:
+    if bad is None:
+        return
+    bad.clear()
+    for problem in problems:
+        bad.labels(region=problem.key, reason=problem.reason).set(1)

@@ -167,6 +167,11 @@ configuration turns on: see docs/health.md (RBAC) and gpunode/publish.py.
   resources: ["nodes"]
   verbs: ["patch"]
 {{- end }}
+{{- if $publish }}
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list", "watch", "patch"]
+{{- end }}
 {{- end }}
 
 {{/* The fractional resource name and unit the agent advertises (for the extender). */}}
@@ -184,7 +189,7 @@ configuration turns on: see docs/health.md (RBAC) and gpunode/publish.py.
 {{- include "gpunode.partName" (dict "root" . "part" "extender") }}
 {{- end }}
 
-{{/* Whether the extender talks to the API server (binding, node lists). */}}
+{{/* Whether the extender talks to the API server (binding, node lists, leader election). */}}
 {{- define "gpunode.extenderNeedsApi" -}}
-{{- if or .Values.extender.bind .Values.extender.nodeCacheCapable }}true{{ end }}
+{{- if or .Values.extender.bind .Values.extender.nodeCacheCapable .Values.extender.ha.enabled }}true{{ end }}
 {{- end }}

@@ -313,6 +313,7 @@ class NvmlBackend:
         q.require("nvmlDeviceGetTemperature", handle, NVML_TEMPERATURE_GPU, uuid=uuid)
         retired = q.call("nvmlDeviceGetRetiredPagesPendingStatus", handle, uuid=uuid)
         remap = q.call("nvmlDeviceGetRemappedRows", handle, uuid=uuid)
+        energy_mj = q.call("nvmlDeviceGetTotalEnergyConsumption", handle, uuid=uuid)
         return GpuProbe(
             uuid=uuid,
             reachable=True,
@@ -321,6 +322,7 @@ class NvmlBackend:
             row_remap_failure=bool(remap[3]) if remap is not None else None,
             ecc_sbe_volatile=_opt_int(self._ecc(handle, uuid, NVML_MEMORY_ERROR_TYPE_CORRECTED)),
             ecc_dbe_volatile=_opt_int(self._ecc(handle, uuid, NVML_MEMORY_ERROR_TYPE_UNCORRECTED)),
+            energy_j=int(energy_mj) / 1000.0 if energy_mj is not None else None,
         )
 
     def _ecc(self, handle: Any, uuid: str, kind: int) -> Any:

@@ -150,7 +150,9 @@ class SimBackend:
                 )
             self._closed.wait(delay)
         with self._lock:
-            return self._present(uuid).probe_result(time.monotonic() - started)
+            gs = self._present(uuid)
+            self._advance(gs, self._clock())  # the energy count the probe reads is current
+            return gs.probe_result(time.monotonic() - started)
 
     def wait_event(self, timeout_s: float) -> DeviceEvent | None:
         """The next injected event, in order, waiting up to timeout_s; None on timeout or once closed."""

@@ -44,6 +44,7 @@ class SimGpu:
         self.probe_delay_s = 0.0
         self.pcie_replays = 0
         self.activity_override: float | None = None
+        self.resets = 0  # GPU resets done, for `gpunode sim list`
         self.processes: dict[int, GpuProcess] = {}
         self._phase = 0.7 * gpu.index
         self._checkpoint_t = now
@@ -189,13 +190,18 @@ class SimGpu:
             row_remap_failure=self.remap_failure if has("row_remapping") else None,
             ecc_sbe_volatile=self.ecc_sbe if has("ecc") else None,
             ecc_dbe_volatile=self.ecc_dbe if has("ecc") else None,
+            energy_j=round(self._energy_j, 3),
             duration_s=duration_s,
         )
 
     def reset(self) -> None:
         """What a GPU reset does: the GPU answers again, volatile ECC counts and pending
-        remaps/retired pages clear (the pending rows get remapped), its processes end.
-        A remap failure stays: the GPU has run out of spare rows."""
+        remaps/retired pages clear (the pending rows get remapped), its processes end, and the
+        driver's energy count starts again from zero (advance() first). A remap failure stays:
+        the GPU has run out of spare rows. The health monitor sees the reset in what the probe
+        reads (the counters went back), exactly as it sees one on a real GPU."""
+        self.resets += 1
+        self._energy_j = 0.0
         self.lost = False
         self.ecc_sbe = self.ecc_dbe = 0
         self.remap_pending = False

@@ -44,6 +44,7 @@ simulated devices (sim.py does).
 
 from __future__ import annotations
 
+import difflib
 import importlib.resources
 import re
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ from pathlib import Path
 import yaml
 
 from gpunode.contract.deviceids import normalize_pci_bus_id
-from gpunode.contract.reader import SectionReader
+from gpunode.contract.reader import SectionReader, excerpt
 from gpunode.errors import ConfigError, ProfileError
 from gpunode.node.devices.simnode.mig import MIG_TABLES, MigPlacement, place_mig_layout
 
@@ -68,6 +69,9 @@ FEATURES = frozenset(
         "decoder",  # NVDEC utilisation
     }
 )
+
+
+MAX_PROFILE_BYTES = 1024 * 1024  # a profile is a few KiB
 
 
 @dataclass(frozen=True)
@@ -143,7 +147,8 @@ def load_profile(name_or_path: str | Path) -> SimProfile:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise ProfileError(f"{source}: not valid YAML{at}: {getattr(e, 'problem', e)}") from None
+        problem = excerpt(str(getattr(e, "problem", None) or e), 120).strip("'\"")
+        raise ProfileError(f"{source}: not valid YAML{at}: {problem}") from None
     try:
         return _parse_profile(data, source=source, stem=stem)
     except ProfileError:
@@ -159,15 +164,25 @@ def _read_profile_text(name_or_path: str | Path) -> tuple[str, str, str]:
     if not looks_like_path:
         resource = importlib.resources.files("gpunode.node.devices.simnode") / "profiles" / f"{as_text}.yaml"
         if not resource.is_file():
+            bundled = bundled_profiles()
+            close = difflib.get_close_matches(as_text, bundled, n=1)
+            typo = f"; did you mean {close[0]}?" if close else ""
             raise ProfileError(
-                f"no bundled simulated-node profile named {as_text!r} "
-                f"(bundled: {', '.join(bundled_profiles())})",
-                hint="pass one of the bundled names, or a path to your own profile file",
+                f"no bundled simulated-node profile named {excerpt(as_text)} (bundled: {', '.join(bundled)}"
+                f"){typo}",
+                hint="give one of the bundled names, or a path to your own profile file (with a '/')",
             )
         return resource.read_text(encoding="utf-8"), f"{as_text}.yaml (bundled)", as_text
     path = Path(as_text)
     try:
-        return path.read_text(encoding="utf-8"), str(path), path.stem
+        with path.open("rb") as f:
+            data = f.read(MAX_PROFILE_BYTES + 1)
+        if len(data) > MAX_PROFILE_BYTES:
+            raise ProfileError(
+                f"{path}: larger than {MAX_PROFILE_BYTES // 1024} KiB, too large for a simulated-node profile",
+                hint="a profile is a few KiB; check the path given to --sim-profile (gpunode.simProfile)",
+            )
+        return data.decode("utf-8"), str(path), path.stem
     except OSError as e:
         raise ProfileError(
             f"{path}: cannot read the profile: {e.strerror or e}",
@@ -184,12 +199,16 @@ def _parse_profile(data: object, *, source: str, stem: str) -> SimProfile:
         raise ProfileError(f"{top.key_path('version')}: unsupported profile version {version} (expected 1)")
     name = top.get("name", str, stem)
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
-        raise ProfileError(f"{top.key_path('name')}: expected letters, digits, '.', '_' or '-', got {name!r}")
+        raise ProfileError(
+            f"{top.key_path('name')}: expected letters, digits, '.', '_' or '-', got {excerpt(name)}"
+        )
     description = top.get("description", str, "")
     driver_version = top.get("driver_version", str)
     seed_raw = top.raw("seed", "")
     if isinstance(seed_raw, bool) or not isinstance(seed_raw, str | int):
-        raise ProfileError(f"{top.key_path('seed')}: expected a string or an integer, got {seed_raw!r}")
+        raise ProfileError(
+            f"{top.key_path('seed')}: expected a string or an integer, got {excerpt(seed_raw)}"
+        )
     models = _parse_models(top)
     gpus = _parse_gpus(top, models)
     nvlink, pairs = _parse_nvlink(top, len(gpus), models, gpus)
@@ -211,11 +230,13 @@ def _parse_models(top: SectionReader) -> tuple[SimModel, ...]:
     where = top.key_path("models")
     raw = top.raw("models")
     if not isinstance(raw, dict) or not raw:
-        raise ProfileError(f"{where}: expected a mapping of one or more GPU models by key, got {raw!r}")
+        raise ProfileError(
+            f"{where}: expected a mapping of one or more GPU models by key, got {excerpt(raw)}"
+        )
     models = []
     for key, spec in raw.items():
         if not isinstance(key, str):
-            raise ProfileError(f"{where}: model keys must be strings, got {key!r}")
+            raise ProfileError(f"{where}: model keys must be strings, got {excerpt(key)}")
         models.append(_parse_model(key, SectionReader(spec, f"{where}.{key}")))
     names = [m.name for m in models]
     if len(set(names)) != len(names):
@@ -254,11 +275,13 @@ def _parse_model(key: str, r: SectionReader) -> SimModel:
     mig_table = r.get("mig_table", str, None)
     if mig_table is not None and mig_table not in MIG_TABLES:
         raise ProfileError(
-            f"{r.key_path('mig_table')}: unknown MIG table {mig_table!r} (known: {', '.join(sorted(MIG_TABLES))})"
+            f"{r.key_path('mig_table')}: unknown MIG table {excerpt(mig_table)} (known: {', '.join(sorted(MIG_TABLES))})"
         )
     supports = r.raw("supports", [])
     if not isinstance(supports, list) or not all(isinstance(s, str) for s in supports):
-        raise ProfileError(f"{r.key_path('supports')}: expected a list of feature names, got {supports!r}")
+        raise ProfileError(
+            f"{r.key_path('supports')}: expected a list of feature names, got {excerpt(supports)}"
+        )
     unknown = sorted(set(supports) - FEATURES)
     if unknown:
         raise ProfileError(
@@ -296,7 +319,7 @@ def _parse_gpus(top: SectionReader, models: tuple[SimModel, ...]) -> tuple[SimGp
             model = next((m for m in models if key in (m.key, m.name)), None)
             if model is None:
                 raise ProfileError(
-                    f"{r.key_path('model')}: unknown model {key!r} (models: {', '.join(m.key for m in models)})"
+                    f"{r.key_path('model')}: unknown model {excerpt(key)} (models: {', '.join(m.key for m in models)})"
                 )
         elif len(models) == 1:
             model = models[0]
@@ -355,7 +378,7 @@ def _parse_nvlink(
             )
             if not ok:
                 raise ProfileError(
-                    f"{where}: expected pairs of GPU indexes such as [[0, 1], [2, 3]], got {pair!r}"
+                    f"{where}: expected pairs of GPU indexes such as [[0, 1], [2, 3]], got {excerpt(pair)}"
                 )
             a, b = pair
             if not (0 <= a < count and 0 <= b < count) or a == b:
@@ -365,7 +388,7 @@ def _parse_nvlink(
             parsed.append((min(a, b), max(a, b)))
         kind, pairs = "pairs", tuple(sorted(set(parsed)))
     else:
-        raise ProfileError(f"{where}: expected none, nvswitch or a list of index pairs, got {raw!r}")
+        raise ProfileError(f"{where}: expected none, nvswitch or a list of index pairs, got {excerpt(raw)}")
     if kind != "none":
         by_key = {m.key: m for m in models}
         linked: set[int] = set(range(count)) if kind == "nvswitch" else {i for pair in pairs for i in pair}

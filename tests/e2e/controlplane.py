@@ -1,0 +1,283 @@
+"""A real Kubernetes v1.20 control plane for the end-to-end tests: etcd, kube-apiserver and kube-scheduler.
+
+The binaries come from scripts/get-kube.sh (.tools/kube/bin, or $GPUNODE_KUBE_DIR/bin). ControlPlane
+runs them from a temporary directory on free loopback ports:
+
+- etcd, plain HTTP on 127.0.0.1;
+- kube-apiserver on its secure port only, with a serving certificate from a throw-away CA, static
+  bearer tokens (--token-auth-file: one per User given), RBAC and the Node authorizer, and generated
+  service-account signing keys. The ServiceAccount admission plugin is off: nothing here creates
+  service-account tokens (there is no kube-controller-manager), and pods need none;
+- kube-scheduler (started per test or module with start_scheduler, since its extenders are part of its
+  configuration) with a kubescheduler.config.k8s.io/v1beta1 KubeSchedulerConfiguration, the newest
+  version 1.20 reads.
+
+Every component logs to <workdir>/logs/<name>.log; a start failure raises StartError carrying the end of
+that log. stop() ends everything (SIGTERM, then SIGKILL), and tests.e2e.procs stops anything left at exit.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.e2e.api import Api
+from tests.e2e.pki import CertFiles, CertificateAuthority, service_account_keys
+from tests.e2e.procs import Proc, StartError, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+KUBE_VERSION = "v1.20.2"
+CONTROL_PLANE_BINARIES = ("etcd", "kube-apiserver", "kube-scheduler")
+START_TIMEOUT_S = 120.0  # generous: two shared cores, and the API server's first start builds its caches
+SCHEDULER_API = "kubescheduler.config.k8s.io/v1beta1"
+
+
+def kube_dir() -> Path:
+    """Where scripts/get-kube.sh left the binaries and the image ($GPUNODE_KUBE_DIR overrides)."""
+    named = os.environ.get("GPUNODE_KUBE_DIR")
+    return Path(named) if named else ROOT / ".tools" / "kube"
+
+
+def missing_reason(binaries: Sequence[str] = CONTROL_PLANE_BINARIES) -> str | None:
+    """Why the control plane cannot run here, or None when it can."""
+    bindir = kube_dir() / "bin"
+    missing = [b for b in binaries if not os.access(bindir / b, os.X_OK)]
+    if missing:
+        return (
+            f"no Kubernetes {KUBE_VERSION} binaries ({', '.join(missing)}) in {bindir}: "
+            "run scripts/get-kube.sh (it builds them from Debian's source package) or set GPUNODE_KUBE_DIR"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class User:
+    """A user the API server knows by a static bearer token."""
+
+    name: str
+    groups: tuple[str, ...] = ()
+
+
+ADMIN = User("e2e-admin", ("system:masters",))
+SCHEDULER = User("system:kube-scheduler")
+
+
+def service_account_user(namespace: str, name: str) -> User:
+    """How the API server names a service account (what the chart's RBAC bindings grant rights to)."""
+    return User(
+        f"system:serviceaccount:{namespace}:{name}",
+        ("system:serviceaccounts", f"system:serviceaccounts:{namespace}"),
+    )
+
+
+class ControlPlane:
+    """etcd + kube-apiserver (+ kube-scheduler on demand) in `workdir` (see the module docstring)."""
+
+    def __init__(self, workdir: Path, users: Mapping[str, User] | None = None) -> None:
+        """Plan a control plane; `users` maps a key (used with api(), token_file()) to a User."""
+        self.workdir = workdir
+        self.logs = workdir / "logs"
+        self.bin = kube_dir() / "bin"
+        self.users: dict[str, User] = {"admin": ADMIN, "scheduler": SCHEDULER, **(users or {})}
+        self.tokens = {key: secrets.token_hex(16) for key in self.users}
+        self.procs: list[Proc] = []
+        self.ca: CertificateAuthority | None = None
+        self.api_port = 0
+        self.etcd_port = 0
+
+    # -- start and stop --------------------------------------------------------------------------
+
+    def start(self) -> ControlPlane:
+        """Start etcd and kube-apiserver and wait until the API server is ready; StartError if not."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.ca = CertificateAuthority(self.workdir / "pki")
+        try:
+            self._start_etcd()
+            self._start_apiserver()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_etcd(self) -> None:
+        self.etcd_port, peer = free_port(), free_port()
+        client, peer_url = f"http://127.0.0.1:{self.etcd_port}", f"http://127.0.0.1:{peer}"
+        etcd = self._proc(
+            "etcd",
+            [
+                self.bin / "etcd",
+                f"--data-dir={self.workdir / 'etcd'}",
+                f"--listen-client-urls={client}",
+                f"--advertise-client-urls={client}",
+                f"--listen-peer-urls={peer_url}",
+                f"--initial-advertise-peer-urls={peer_url}",
+                f"--initial-cluster=default={peer_url}",
+                "--log-level=warn",
+            ],
+        )
+        etcd.wait_until(lambda: _http_ok(f"{client}/health"), timeout_s=START_TIMEOUT_S, what="healthy etcd")
+
+    def _start_apiserver(self) -> None:
+        assert self.ca is not None
+        self.api_port = free_port()
+        serving = self.ca.issue(
+            "apiserver",
+            common_name="kube-apiserver",
+            server=True,
+            hosts=("127.0.0.1", "localhost", "10.0.0.1"),
+        )
+        sa = service_account_keys(self.workdir / "pki")
+        tokens = self.workdir / "tokens.csv"
+        tokens.write_text(
+            "".join(
+                f'{self.tokens[k]},{u.name},{u.name},"{",".join(u.groups)}"\n' for k, u in self.users.items()
+            )
+        )
+        tokens.chmod(0o600)
+        apiserver = self._proc(
+            "kube-apiserver",
+            [
+                self.bin / "kube-apiserver",
+                f"--etcd-servers=http://127.0.0.1:{self.etcd_port}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={self.api_port}",
+                "--insecure-port=0",
+                f"--tls-cert-file={serving.cert}",
+                f"--tls-private-key-file={serving.key}",
+                f"--client-ca-file={self.ca.cert}",
+                f"--token-auth-file={tokens}",
+                "--authorization-mode=Node,RBAC",
+                f"--service-account-key-file={sa.cert}",
+                f"--service-account-signing-key-file={sa.key}",
+                "--service-account-issuer=https://kubernetes.default.svc",
+                "--service-cluster-ip-range=10.0.0.0/24",
+                "--disable-admission-plugins=ServiceAccount",
+                "--allow-privileged=true",
+                "--profiling=false",
+                f"--cert-dir={self.workdir / 'apiserver-certs'}",
+                "--v=1",
+            ],
+        )
+        admin = self.api()
+        apiserver.wait_until(lambda: admin.ok("/readyz"), timeout_s=START_TIMEOUT_S, what="ready API server")
+
+    def start_scheduler(
+        self, extenders: Sequence[Mapping[str, Any]] = (), *, name: str = "kube-scheduler"
+    ) -> Proc:
+        """Start a kube-scheduler with these `extenders` entries (v1beta1 fields) and wait until healthy."""
+        health = free_port()
+        config = {
+            "apiVersion": SCHEDULER_API,
+            "kind": "KubeSchedulerConfiguration",
+            "clientConnection": {"kubeconfig": str(self.kubeconfig("scheduler"))},
+            "leaderElection": {"leaderElect": False},
+            "healthzBindAddress": f"127.0.0.1:{health}",
+            "metricsBindAddress": f"127.0.0.1:{health}",
+            "profiles": [{"schedulerName": "default-scheduler"}],
+            "extenders": [dict(e) for e in extenders],
+        }
+        path = self.workdir / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        scheduler = self._proc(
+            name, [self.bin / "kube-scheduler", f"--config={path}", "--secure-port=0", "--port=0", "--v=2"]
+        )
+        scheduler.wait_until(
+            lambda: _http_ok(f"http://127.0.0.1:{health}/healthz"),
+            timeout_s=START_TIMEOUT_S,
+            what="healthy kube-scheduler",
+        )
+        return scheduler
+
+    def stop(self) -> None:
+        """Stop every component, newest first (SIGTERM, then SIGKILL)."""
+        while self.procs:
+            self.procs.pop().stop()
+
+    def _proc(self, name: str, argv: Sequence[str | Path]) -> Proc:
+        proc = Proc(name, [str(a) for a in argv], self.logs).start()
+        self.procs.append(proc)
+        return proc
+
+    # -- credentials -----------------------------------------------------------------------------
+
+    @property
+    def server(self) -> str:
+        """The API server's URL."""
+        return f"https://127.0.0.1:{self.api_port}"
+
+    @property
+    def ca_file(self) -> Path:
+        """The CA bundle that verifies the API server (and every certificate issued by issue())."""
+        assert self.ca is not None, "start() first"
+        return self.ca.cert
+
+    def issue(self, name: str, **kwargs: Any) -> CertFiles:
+        """A certificate from the control plane's CA (see CertificateAuthority.issue)."""
+        assert self.ca is not None, "start() first"
+        return self.ca.issue(name, **kwargs)
+
+    def api(self, user: str = "admin") -> Api:
+        """A JSON client acting as `user` (a key of the users given)."""
+        return Api(self.server, self.tokens[user], self.workdir / "pki" / "ca.crt")
+
+    def token_file(self, user: str) -> Path:
+        """A file holding `user`'s bearer token (gpunode's --kube-token-file)."""
+        path = self.workdir / "tokens" / user
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(self.tokens[user])
+        path.chmod(0o600)
+        return path
+
+    def kubeconfig(self, user: str) -> Path:
+        """A kubeconfig for `user` (kube-scheduler's, the kubelet's, or gpunode's --kubeconfig)."""
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {
+                    "name": "e2e",
+                    "cluster": {"server": self.server, "certificate-authority": str(self.ca_file)},
+                }
+            ],
+            "users": [{"name": user, "user": {"token": self.tokens[user]}}],
+            "contexts": [{"name": "e2e", "context": {"cluster": "e2e", "user": user}}],
+            "current-context": "e2e",
+        }
+        path = self.workdir / "kubeconfigs" / f"{user}.yaml"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(yaml.safe_dump(config))
+        path.chmod(0o600)
+        return path
+
+    def logs_tail(self, lines: int = 30) -> str:
+        """The end of every component's log, for a failing test's report."""
+        parts = []
+        for log in sorted(self.logs.glob("*.log")):
+            text = log.read_text(errors="replace").splitlines()[-lines:]
+            parts.append(f"----- {log.name} -----\n" + "\n".join(text))
+        return "\n".join(parts)
+
+
+def _http_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return int(resp.status) == 200
+
+
+__all__ = [
+    "ADMIN",
+    "SCHEDULER",
+    "ControlPlane",
+    "StartError",
+    "User",
+    "kube_dir",
+    "missing_reason",
+    "service_account_user",
+]

@@ -1,0 +1,272 @@
+"""A real node for the end-to-end tests: containerd (CRI, runc, loopback-only CNI) and a kubelet v1.20.
+
+The kubelet registers with the ControlPlane's API server as system:node:<name> and runs pods from the
+local pause+busybox image that scripts/get-kube.sh builds (there is no registry: imagePullPolicy Never).
+Settings this machine needs: containerd's restrict_oom_score_adj (no CAP_SYS_RESOURCE), the cgroupfs
+driver with cgroupsPerQOS and node-allocatable enforcement off, no swap check, no iptables chains.
+
+kubelet 1.20 serves device-plugin registration at /var/lib/kubelet/device-plugins/kubelet.sock whatever
+its --root-dir, so it runs in a private mount namespace (unshare -m) in which the test's own directory
+is bind-mounted there; a device plugin outside (the agent) uses that directory as its --kubelet-dir.
+There is no kube-controller-manager: the harness removes the node.kubernetes.io/not-ready taint itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from tests.e2e.api import ApiError, eventually
+from tests.e2e.controlplane import ControlPlane, User, kube_dir
+from tests.e2e.objects import remove_not_ready_taint
+from tests.e2e.procs import Proc, free_port
+
+NODE_PACKAGES_BINARIES = ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "unshare")
+KUBELET_DEVICE_PLUGINS = Path("/var/lib/kubelet/device-plugins")
+POD_LOGS, CONTAINER_LOGS = Path("/var/log/pods"), Path("/var/log/containers")  # fixed paths in kubelet 1.20
+CNI_BIN_DIR = Path("/usr/lib/cni")
+IMAGE_REF_FILE = "image/REF"
+IMAGE_TAR = "image/pause-busybox.tar"
+NODE_WAIT_S = 180.0
+
+
+def node_user(name: str) -> User:
+    """The identity a kubelet has for the Node authorizer."""
+    return User(f"system:node:{name}", ("system:nodes",))
+
+
+def node_missing_reason() -> str | None:
+    """Why a real node cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "a real kubelet and containerd need root"
+    missing = [b for b in NODE_PACKAGES_BINARIES if shutil.which(b) is None]
+    if missing:
+        return f"missing {', '.join(missing)}: run scripts/get-kube.sh (it installs containerd, runc and the CNI plugins)"
+    if not (CNI_BIN_DIR / "loopback").is_file():
+        return f"no CNI loopback plugin in {CNI_BIN_DIR}: install Debian's containernetworking-plugins"
+    for needed in ("bin/kubelet", IMAGE_TAR, IMAGE_REF_FILE):
+        if not (kube_dir() / needed).is_file():
+            return f"no {kube_dir() / needed}: run scripts/get-kube.sh"
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, text=True, check=False)
+    if probe.returncode != 0:
+        return f"cannot make a mount namespace (unshare -m): {probe.stderr.strip()}"
+    return None
+
+
+class RealNode:
+    """containerd + kubelet for one Node named `name`, in `workdir` (see the module docstring)."""
+
+    def __init__(self, control_plane: ControlPlane, name: str, workdir: Path, *, user: str = "node") -> None:
+        """Plan the node; `user` is the control plane's user key for node_user(name)."""
+        self.cp = control_plane
+        self.name = name
+        self.workdir = workdir
+        self.user = user
+        self.device_plugins = workdir / "device-plugins"
+        self.root_dir = workdir / "kubelet"
+        self.sock = workdir / "containerd.sock"
+        self.pod_logs = workdir / "pod-logs"
+        self.image = (kube_dir() / IMAGE_REF_FILE).read_text().strip()
+        self.containerd: Proc | None = None
+        self.kubelet: Proc | None = None
+
+    @property
+    def pod_resources_socket(self) -> Path:
+        """The kubelet's pod-resources socket (this one follows --root-dir)."""
+        return self.root_dir / "pod-resources" / "kubelet.sock"
+
+    def container_log(self, namespace: str, pod: str, container: str) -> str:
+        """What a container of a pod on this node has written so far ("" before it has)."""
+        found = sorted(self.pod_logs.glob(f"{namespace}_{pod}_*/{container}/*.log"))
+        return "".join(p.read_text(errors="replace") for p in found)
+
+    def start(self) -> RealNode:
+        """Start containerd, load the image, start the kubelet; wait until the Node is Ready and untainted."""
+        for d in (
+            self.device_plugins,
+            self.root_dir,
+            self.workdir / "cni",
+            self.pod_logs,
+            self.workdir / "container-logs",
+        ):
+            d.mkdir(parents=True, exist_ok=True)
+        self._start_containerd()
+        self._start_kubelet()
+        admin = self.cp.api()
+
+        def ready() -> bool:
+            node = admin.get(f"/api/v1/nodes/{self.name}")
+            conditions = {c["type"]: c["status"] for c in node.get("status", {}).get("conditions", [])}
+            return conditions.get("Ready") == "True"
+
+        eventually(ready, timeout_s=NODE_WAIT_S, what=f"node {self.name} Ready")
+        remove_not_ready_taint(admin, self.name)
+        return self
+
+    def _start_containerd(self) -> None:
+        (self.workdir / "cni" / "10-loopback.conflist").write_text(
+            json.dumps({"cniVersion": "0.4.0", "name": "loopback", "plugins": [{"type": "loopback"}]})
+        )
+        cri = 'plugins."io.containerd.grpc.v1.cri"'
+        config = f"""version = 2
+root = "{self.workdir / "containerd" / "root"}"
+state = "{self.workdir / "containerd" / "state"}"
+disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
+  "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper"]
+[grpc]
+  address = "{self.sock}"
+[{cri}]
+  sandbox_image = "{self.image}"
+  restrict_oom_score_adj = true
+  enable_selinux = false
+[{cri}.containerd]
+  default_runtime_name = "runc"
+[{cri}.containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+[{cri}.containerd.runtimes.runc.options]
+  SystemdCgroup = false
+[{cri}.cni]
+  bin_dir = "{CNI_BIN_DIR}"
+  conf_dir = "{self.workdir / "cni"}"
+"""
+        path = self.workdir / "containerd.toml"
+        path.write_text(config)
+        # containerd writes the containers' logs where the kubelet says: /var/log/pods, kept in this node's
+        # directory by the same bind mount the kubelet has.
+        argv = _private_mounts({self.pod_logs: POD_LOGS}, ["containerd", "--config", str(path)])
+        self.containerd = Proc("containerd", argv, self.cp.logs).start()
+        self.cp.procs.append(self.containerd)
+        self.containerd.wait_until(self.sock.exists, timeout_s=NODE_WAIT_S, what="containerd socket")
+        subprocess.run(
+            [
+                "ctr",
+                "--address",
+                str(self.sock),
+                "-n",
+                "k8s.io",
+                "images",
+                "import",
+                str(kube_dir() / IMAGE_TAR),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=NODE_WAIT_S,
+        )
+
+    def _start_kubelet(self) -> None:
+        healthz = free_port()
+        config = {
+            "apiVersion": "kubelet.config.k8s.io/v1beta1",
+            "kind": "KubeletConfiguration",
+            "address": "127.0.0.1",
+            "port": free_port(),
+            "readOnlyPort": 0,
+            "healthzBindAddress": "127.0.0.1",
+            "healthzPort": healthz,
+            "authentication": {"anonymous": {"enabled": False}, "webhook": {"enabled": False}},
+            "authorization": {"mode": "AlwaysAllow"},
+            "cgroupDriver": "cgroupfs",
+            "cgroupsPerQOS": False,
+            "enforceNodeAllocatable": [],
+            "failSwapOn": False,
+            "makeIPTablesUtilChains": False,
+            "evictionHard": {"memory.available": "1Mi", "nodefs.available": "1%", "imagefs.available": "1%"},
+            "imageGCHighThresholdPercent": 100,
+            "imageGCLowThresholdPercent": 99,
+            "serializeImagePulls": False,
+            "nodeStatusUpdateFrequency": "2s",
+            "syncFrequency": "5s",
+            "fileCheckFrequency": "5s",
+            "volumeStatsAggPeriod": "0s",
+            "resolvConf": "",
+        }
+        path = self.workdir / "kubelet.yaml"
+        path.write_text(yaml.safe_dump(config))
+        kubelet = [
+            str(kube_dir() / "bin" / "kubelet"),
+            f"--config={path}",
+            f"--kubeconfig={self.cp.kubeconfig(self.user)}",
+            f"--root-dir={self.root_dir}",
+            f"--cert-dir={self.workdir / 'kubelet-pki'}",
+            "--container-runtime=remote",
+            f"--container-runtime-endpoint=unix://{self.sock}",
+            f"--hostname-override={self.name}",
+            f"--pod-infra-container-image={self.image}",
+            "--v=2",
+        ]
+        binds = {
+            self.device_plugins: KUBELET_DEVICE_PLUGINS,
+            self.pod_logs: POD_LOGS,
+            self.workdir / "container-logs": CONTAINER_LOGS,
+        }
+        self.kubelet = Proc("kubelet", _private_mounts(binds, kubelet), self.cp.logs).start()
+        self.cp.procs.append(self.kubelet)
+        self.kubelet.wait_until(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{healthz}/healthz", timeout=5).status == 200,
+            timeout_s=NODE_WAIT_S,
+            what="healthy kubelet",
+        )
+
+    def stop(self) -> None:
+        """Stop the kubelet, remove what containerd runs, stop containerd."""
+        if self.kubelet is not None:
+            self.kubelet.stop()
+        if self.containerd is not None and self.containerd.running():
+            _remove_all_pods(self.sock)
+            self.containerd.stop()
+        # The shims outlive containerd by design (own sessions): end the ones of this node's tasks.
+        _kill_shims(self.workdir)
+        # Leave no Node behind for later tests' schedulers to count.
+        with contextlib.suppress(ApiError, OSError):
+            self.cp.api().delete(f"/api/v1/nodes/{self.name}")
+
+
+def _private_mounts(binds: dict[Path, Path], argv: list[str]) -> list[str]:
+    """argv run in a private mount namespace in which each source directory is bind-mounted on its target."""
+    steps = [f"mkdir -p {dst} && mount --bind {src} {dst}" for src, dst in binds.items()]
+    return [
+        "unshare",
+        "-m",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        " && ".join(steps) + ' && exec "$@"',
+        "sh",
+        *argv,
+    ]
+
+
+def _remove_all_pods(sock: Path) -> None:
+    ctr = ["ctr", "--address", str(sock), "-n", "k8s.io"]
+    tasks = subprocess.run(
+        [*ctr, "tasks", "ls", "-q"], capture_output=True, text=True, timeout=60, check=False
+    )
+    for task in tasks.stdout.split():
+        subprocess.run(
+            [*ctr, "tasks", "kill", "-s", "SIGKILL", task], capture_output=True, timeout=30, check=False
+        )
+        subprocess.run([*ctr, "tasks", "delete", "-f", task], capture_output=True, timeout=30, check=False)
+
+
+def _kill_shims(workdir: Path) -> None:
+    """SIGKILL containerd-shim-runc-v2 processes started for this node (their command line names its paths)."""
+    marker = str(workdir).encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"containerd-shim-runc-v2" in cmdline and marker in cmdline:
+            with contextlib.suppress(OSError):
+                os.kill(int(entry.name), signal.SIGKILL)
