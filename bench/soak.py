@@ -13,12 +13,15 @@ Then, for `--duration` seconds, all at once:
   writes it back in a loop (os.ftruncate(fd, 0); os.pwrite(fd, saved, 0)),
   as a process inside the container can;
 - the network: `--idle` idle TCP connections are held open to the metrics
-  endpoint and as many to the extender (reopened as the servers close them),
-  and every 30 s a `--body-mb` MB request body is sent to each;
+  endpoint and as many to the extender (reopened as the servers close them,
+  as fast as they close them), and every 30 s a `--body-mb` MB request body
+  is sent to each, all from 127.0.0.2, while Prometheus and the probes below
+  come from 127.0.0.1, as an attacker elsewhere on the node network would;
 - Prometheus and the kubelet: every 2 s a scrape of /metrics and a /health
   probe on the agent, a /healthz probe and a /filter on the extender.
 
-Reported: each process's RSS, open fds and threads at start and end; the
+Reported: each process's RSS, open fds and threads at start, at the end
+and 15 s after the attack stopped; the
 status of every scrape and probe (counts, and each one that was not 200);
 how many connections the servers closed; and whether each process was alive
 at the end. A status of 0 means the request got no answer at all.
@@ -53,6 +56,7 @@ from tests.fakes.kubelet import KubeletStandIn, short_socket_dir
 from tests.fakes.podresources import PodResourcesStandIn
 
 MEM = "gpunode.io/gpu-memory"
+ATTACKER = "127.0.0.2"  # the network attacker's address; Prometheus and the probes come from 127.0.0.1
 FILTER_BODY = json.dumps(
     {
         "Pod": {
@@ -122,7 +126,11 @@ class IdleHolder(threading.Thread):
             conns = alive
             while len(conns) < self.count and not self.stop.is_set():
                 try:
-                    conns.append(socket.create_connection(("127.0.0.1", self.port), timeout=5))
+                    conns.append(
+                        socket.create_connection(
+                            ("127.0.0.1", self.port), timeout=5, source_address=(ATTACKER, 0)
+                        )
+                    )
                     self.opened += 1
                 except OSError:
                     break
@@ -131,9 +139,11 @@ class IdleHolder(threading.Thread):
             c.close()
 
 
-def request(port: int, method: str, path: str, body: bytes | None = None, timeout: float = 10.0) -> int:
-    """The status of one request on a fresh connection; 0 when no answer came."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+def request(
+    port: int, method: str, path: str, body: bytes | None = None, timeout: float = 10.0, source: str = ""
+) -> int:
+    """The status of one request on a fresh connection (from `source`); 0 when no answer came."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout, source_address=(source, 0))
     try:
         headers = {"Content-Type": "application/json"} if body is not None else {}
         conn.request(method, path, body=body, headers=headers)
@@ -148,7 +158,7 @@ def request(port: int, method: str, path: str, body: bytes | None = None, timeou
 
 def big_body(port: int, path: str, size: int) -> int:
     """Send a `size`-byte body; the status, or 0 when the server closed the connection first."""
-    return request(port, "POST", path, body=b"{" + b" " * (size - 2) + b"}", timeout=60)
+    return request(port, "POST", path, body=b"{" + b" " * (size - 2) + b"}", timeout=60, source=ATTACKER)
 
 
 def wait_http(port: int, path: str, timeout: float = 60.0) -> None:
@@ -242,10 +252,16 @@ def main() -> None:
         tenant.join(timeout=30)
         for h in holders:
             h.join(timeout=30)
-        result["end"] = {
-            name: (proc_figures(p.pid) if p.poll() is None else {"exited": p.returncode})
-            for name, p in (("agent", agent), ("extender", extender))
-        }
+
+        def figures_now() -> dict[str, Any]:
+            return {
+                name: (proc_figures(p.pid) if p.poll() is None else {"exited": p.returncode})
+                for name, p in (("agent", agent), ("extender", extender))
+            }
+
+        result["end"] = figures_now()
+        time.sleep(15)  # the servers notice the attacker's closed connections
+        result["end_after_15s"] = figures_now()
         result["attack"] = {
             "duration_s": args.duration,
             "truncate_rounds": rounds.value,

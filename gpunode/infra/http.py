@@ -27,9 +27,11 @@ treated as an adversary; every resource a client can hold is bounded:
 - connections: one event loop serves them all (no thread per connection). At
   most `max_connections` are open: when a new one arrives at the limit, the
   oldest connection with no request in progress (an idle keep-alive one or one
-  still sending its request head) is closed to make room, so a fresh client (a
-  probe, a scrape) is always served; only when every open connection has a
-  request in progress is the new one answered 503 and closed. The limit is
+  still sending its request head) of the client address holding the most
+  connections is closed to make room, so a fresh client (a probe, a scrape) is
+  always served, and one address opening connections as fast as it can churns
+  only its own; only when every open connection has a request in progress is
+  the new one answered 503 and closed. The limit is
   applied when a connection is accepted (with TLS, when its handshake is done;
   a handshake must finish within `header_timeout_s`);
 - the request head: it must arrive complete within `header_timeout_s` of the

@@ -66,17 +66,22 @@ class Connection(web.RequestHandler):
         self._head_timer: asyncio.TimerHandle | None = None
         self._refused = False
         self._refused_transport: asyncio.Transport | None = None
+        self.peer = ""  # the client's address (host part); "" for a Unix socket
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         """A connection is accepted: make room at the limit (or refuse it) and start the head timer."""
+        self.peer = _peer_host(transport)
         live = self.connections.live()
         if len(live) >= self.http.max_connections:
-            idle = next((c for c in live if not c.busy), None)
+            idle = _eviction_victim(live, self.peer)
             if idle is None:
                 self._refuse(transport)
                 return
             self.http.log.debug(
-                "%s: at %d connections, closing the oldest idle one", self.http.name, len(live)
+                "%s: at %d connections, closing the oldest idle one of %s",
+                self.http.name,
+                len(live),
+                idle.peer or "local",
             )
             idle.force_close()
         super().connection_made(transport)
@@ -150,3 +155,25 @@ class Connection(web.RequestHandler):
         if transport.can_write_eof():
             transport.write_eof()
         self.connections.event_loop.call_later(LINGER_S, transport.close)
+
+
+def _peer_host(transport: asyncio.BaseTransport) -> str:
+    peer = transport.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) and peer else ""
+
+
+def _eviction_victim(live: list[Connection], newcomer: str) -> Connection | None:
+    """The connection to close so a new one from `newcomer` fits: the oldest idle connection of the
+    client address holding the most connections (the newcomer counted), so one address flooding the
+    server churns its own connections and never those of another (a kubelet probe, a scraper).
+    None when every connection is busy."""
+    held: dict[str, int] = {newcomer: 1}
+    oldest_idle: dict[str, Connection] = {}
+    for c in live:  # oldest first
+        held[c.peer] = held.get(c.peer, 0) + 1
+        if not c.busy:
+            oldest_idle.setdefault(c.peer, c)
+    if not oldest_idle:
+        return None
+    peer = max(oldest_idle, key=lambda p: held[p])
+    return oldest_idle[peer]

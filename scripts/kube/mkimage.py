@@ -1,10 +1,14 @@
-"""Pack the local test image (a static pause plus busybox) as a `docker save` tarball.
+"""Pack a local test image as a one-layer `docker save` tarball, for `ctr images import`.
 
 Usage: mkimage.py OUT.tar IMAGE_REF PAUSE_BINARY BUSYBOX_BINARY
+       mkimage.py --files OUT.tar IMAGE_REF PATH_IN_IMAGE=HOST_FILE...
 
-The image has /pause (the sandbox process), /bin/busybox and a /bin/<applet> link for every applet
-busybox lists. `ctr images import` reads the result. The tarball is byte-for-byte reproducible: fixed
-times, owners and ordering, so its digest only changes when its inputs do.
+The first form is the local pause+busybox image: /pause (the sandbox process), /bin/busybox and a
+/bin/<applet> link for every applet busybox lists. The second packs the host files named (their
+contents, symlinks followed) at the paths given, with their parent directories: the e2e tests build
+their capped-container image this way (a program, its shared libraries and the fake libcuda).
+The tarball is byte-for-byte reproducible: fixed times, owners and ordering, so its digest only
+changes when its inputs do.
 """
 
 import hashlib
@@ -42,8 +46,24 @@ def _tar_bytes(entries: list[tuple[str, bytes | None, str | None]]) -> bytes:
     return buf.getvalue()
 
 
+def _files_entries(pairs: list[str]) -> list[tuple[str, bytes | None, str | None]]:
+    files: dict[str, bytes] = {}
+    for pair in pairs:
+        inside, sep, host = pair.partition("=")
+        if not sep or not inside.strip("/") or not host:
+            sys.exit(f"mkimage.py: {pair!r} is not PATH_IN_IMAGE=HOST_FILE")
+        with open(host, "rb") as f:
+            files[inside.strip("/")] = f.read()
+    dirs = {"/".join(name.split("/")[:i]) for name in files for i in range(1, name.count("/") + 1)}
+    return [(d, None, None) for d in sorted(dirs)] + [(n, files[n], None) for n in sorted(files)]
+
+
 def main() -> None:
     """Write the image tarball."""
+    if sys.argv[1:2] == ["--files"]:
+        out, ref, *pairs = sys.argv[2:]
+        _write_image(out, ref, _files_entries(pairs), cmd=[])
+        return
     out, ref, pause_path, busybox_path = sys.argv[1:5]
     with open(pause_path, "rb") as f:
         pause = f.read()
@@ -58,13 +78,19 @@ def main() -> None:
         ("pause", pause, None),
         ("tmp", None, None),
     ]
+    _write_image(out, ref, entries, cmd=["/pause"])
+
+
+def _write_image(
+    out: str, ref: str, entries: list[tuple[str, bytes | None, str | None]], *, cmd: list[str]
+) -> None:
     layer = _tar_bytes(entries)
     layer_id = hashlib.sha256(layer).hexdigest()
     config = {
         "architecture": "amd64",
         "os": "linux",
         "created": "1970-01-01T00:00:00Z",
-        "config": {"Env": ["PATH=/bin"], "Cmd": ["/pause"], "WorkingDir": "/"},
+        "config": {"Env": ["PATH=/bin"], "Cmd": cmd, "WorkingDir": "/"},
         "rootfs": {"type": "layers", "diff_ids": [f"sha256:{layer_id}"]},
         "history": [{"created": "1970-01-01T00:00:00Z", "created_by": "scripts/kube/mkimage.py"}],
     }

@@ -18,6 +18,8 @@ that log. stop() ends everything (SIGTERM, then SIGKILL), and tests.e2e.procs st
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import secrets
 import urllib.request
@@ -37,6 +39,17 @@ KUBE_VERSION = "v1.20.2"
 CONTROL_PLANE_BINARIES = ("etcd", "kube-apiserver", "kube-scheduler")
 START_TIMEOUT_S = 120.0  # generous: two shared cores, and the API server's first start builds its caches
 SCHEDULER_API = "kubescheduler.config.k8s.io/v1beta1"
+# The API server's audit log keeps pod evictions (who, which pod, the answer's code), nothing else. Not
+# their bodies: 1.20 cannot encode an Eviction for the audit log ("not suitable for converting").
+AUDIT_POLICY = {
+    "apiVersion": "audit.k8s.io/v1",
+    "kind": "Policy",
+    "omitStages": ["RequestReceived"],
+    "rules": [
+        {"level": "Metadata", "resources": [{"group": "", "resources": ["pods/eviction"]}]},
+        {"level": "None"},
+    ],
+}
 
 
 def kube_dir() -> Path:
@@ -141,6 +154,8 @@ class ControlPlane:
             )
         )
         tokens.chmod(0o600)
+        audit_policy = self.workdir / "audit-policy.yaml"
+        audit_policy.write_text(yaml.safe_dump(AUDIT_POLICY))
         apiserver = self._proc(
             "kube-apiserver",
             [
@@ -163,6 +178,8 @@ class ControlPlane:
                 "--allow-privileged=true",
                 "--profiling=false",
                 f"--cert-dir={self.workdir / 'apiserver-certs'}",
+                f"--audit-policy-file={audit_policy}",
+                f"--audit-log-path={self.audit_log}",
                 "--v=1",
             ],
         )
@@ -205,6 +222,23 @@ class ControlPlane:
         proc = Proc(name, [str(a) for a in argv], self.logs).start()
         self.procs.append(proc)
         return proc
+
+    @property
+    def audit_log(self) -> Path:
+        """The API server's audit log (JSON lines; pod evictions only, see AUDIT_POLICY)."""
+        return self.logs / "audit.jsonl"
+
+    def audit_events(self) -> list[dict[str, Any]]:
+        """The audit events logged so far (a line still being written is left for the next read)."""
+        try:
+            lines = self.audit_log.read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        events = []
+        for line in lines:
+            with contextlib.suppress(ValueError):
+                events.append(json.loads(line))
+        return events
 
     # -- credentials -----------------------------------------------------------------------------
 

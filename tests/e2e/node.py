@@ -145,21 +145,24 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         self.containerd = Proc("containerd", argv, self.cp.logs).start()
         self.cp.procs.append(self.containerd)
         self.containerd.wait_until(self.sock.exists, timeout_s=NODE_WAIT_S, what="containerd socket")
+        self.import_image(kube_dir() / IMAGE_TAR)
+
+    def import_image(self, tarball: Path) -> None:
+        """Load a `docker save` tarball (scripts/kube/mkimage.py) into containerd's k8s.io namespace."""
         subprocess.run(
-            [
-                "ctr",
-                "--address",
-                str(self.sock),
-                "-n",
-                "k8s.io",
-                "images",
-                "import",
-                str(kube_dir() / IMAGE_TAR),
-            ],
+            ["ctr", "--address", str(self.sock), "-n", "k8s.io", "images", "import", str(tarball)],
             check=True,
             capture_output=True,
             timeout=NODE_WAIT_S,
         )
+
+    def restart_kubelet(self) -> None:
+        """Stop the kubelet (SIGTERM) and start it again with the same settings; containerd and the
+        containers keep running. Waits until the new kubelet is healthy."""
+        if self.kubelet is not None:
+            self.kubelet.stop()
+            self.cp.procs.remove(self.kubelet)
+        self._start_kubelet()
 
     def _start_kubelet(self) -> None:
         healthz = free_port()

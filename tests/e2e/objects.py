@@ -99,6 +99,7 @@ def pod_body(
     node_name: str | None = None,
     host_network: bool = False,
     scheduler_name: str | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """A one-container pod; extended resources go in `limits` (requests default to them)."""
     container: dict[str, Any] = {
@@ -109,6 +110,8 @@ def pod_body(
     }
     if command:
         container["command"] = list(command)
+    if env:
+        container["env"] = [{"name": k, "value": v} for k, v in env.items()]
     spec: dict[str, Any] = {
         "containers": [container],
         "automountServiceAccountToken": False,

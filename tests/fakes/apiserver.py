@@ -387,6 +387,12 @@ class ApiServerStandIn(ApiStore):
         with self._cond:
             self._state.pdb_blocks.pop((namespace, name), None)
 
+    def serve_eviction_versions(self, *versions: str) -> None:
+        """The Eviction versions the pods/eviction subresource accepts (policy/v1 by default; a 1.20 API
+        server accepts only policy/v1beta1 and answers 400 BadRequest to a policy/v1 body)."""
+        with self._cond:
+            self._state.eviction_versions = versions
+
     def fail(
         self,
         method: str,

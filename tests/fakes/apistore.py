@@ -54,6 +54,7 @@ class _State:
     failures: list[Failure] = field(default_factory=list)
     hangs: list[Hang] = field(default_factory=list)
     termination_s: float = 0.0
+    eviction_versions: tuple[str, ...] = ("policy/v1",)  # ("policy/v1beta1",): as Kubernetes 1.20 answers
     version: int = 1
     history: list[tuple[int, str, str, dict[str, Any]]] = field(
         default_factory=list
@@ -357,12 +358,16 @@ class ApiStore:
         pod = st.pods.get((namespace, name))
         if pod is None:
             return 404, status_body(404, "NotFound", f'pods "{name}" not found', name=name, kind="pods"), {}
-        if (
-            not isinstance(body, dict)
-            or body.get("kind") != "Eviction"
-            or body.get("apiVersion") != "policy/v1"
-        ):
-            return 400, status_body(400, "BadRequest", "expected a policy/v1 Eviction"), {}
+        if not isinstance(body, dict) or body.get("kind") != "Eviction":
+            return 400, status_body(400, "BadRequest", "expected an Eviction"), {}
+        version = str(body.get("apiVersion"))
+        if version not in st.eviction_versions:  # the words of a 1.20 API server asked for policy/v1
+            group, _, short = version.rpartition("/")
+            message = (
+                f'Eviction in version "{short}" cannot be handled as a Eviction: no kind "Eviction" is '
+                f'registered for version "{version}" in scheme "pkg/api/legacyscheme/scheme.go:30"'
+            )
+            return 400, status_body(400, "BadRequest", message if group == "policy" else "bad group"), {}
         want = ((body.get("deleteOptions") or {}).get("preconditions") or {}).get("uid")
         if want and want != pod["metadata"]["uid"]:
             return (

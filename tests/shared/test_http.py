@@ -16,6 +16,7 @@ import socket
 import ssl
 import struct
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -464,6 +465,56 @@ def test_half_sent_heads_beyond_the_limit_cannot_starve_a_new_request() -> None:
     assert statuses == [200, 200, 200]
     assert open_now <= 64
     assert closed == 600
+
+
+def test_a_flood_of_new_connections_from_one_address_churns_only_its_own() -> None:
+    # The attacker (127.0.0.2) opens connections as fast as it can, each replacing one the server closed;
+    # the probe (127.0.0.1, another client address, as a kubelet or Prometheus is) is always answered.
+    raise_fd_limit()
+
+    async def body(server: HttpServer) -> tuple[list[int], int]:
+        stop = threading.Event()
+        opened = 0
+
+        def flood() -> None:
+            nonlocal opened
+            socks: list[socket.socket] = []
+            while not stop.is_set():
+                try:
+                    s = socket.create_connection(
+                        ("127.0.0.1", server.port), timeout=5, source_address=("127.0.0.2", 0)
+                    )
+                except OSError:
+                    continue
+                opened += 1
+                socks.append(s)
+                if len(socks) > 200:
+                    socks.pop(0).close()
+            for s in socks:
+                s.close()
+
+        def probes() -> list[int]:
+            out = []
+            for _ in range(40):
+                time.sleep(0.05)
+                try:
+                    out.append(get(server.port)[0])
+                except OSError:
+                    out.append(0)
+            return out
+
+        attacker = threading.Thread(target=flood, daemon=True)
+        attacker.start()
+        try:
+            statuses = await asyncio.to_thread(probes)
+        finally:
+            stop.set()
+            await asyncio.to_thread(attacker.join, 30)
+        return statuses, opened
+
+    statuses, opened = with_server(body, max_connections=16)
+    assert opened > 16 * 10  # the flood really churned the limit many times over
+    assert statuses == [200] * 40
 
 
 def trickle(port: int, prefix: bytes, head: bytes, pause_s: float) -> tuple[bytes, int]:

@@ -18,6 +18,7 @@ from gpunode.cluster.extender.ha import HighAvailability
 from gpunode.cluster.extender.kubeapi import (
     KubeApi,
     check_reservations_periodically,
+    refresh_nodes_once,
     refresh_nodes_periodically,
 )
 from gpunode.cluster.extender.nodes import NodeCache
@@ -235,11 +236,14 @@ def build_extender(args: argparse.Namespace) -> tuple[Extender, KubeApi | None]:
             ca_file=ca_file if ca_file and ca_file.is_file() else None,
         )
     binder = api if args.bind else None  # the API client serves node refresh without binding
+    refreshing = api is not None and parse_duration(args.node_refresh, where="--node-refresh") > 0
     extender = Extender(
         config=config,
         nodes=NodeCache(max_age_s=max_age_s or None),
         workload=WorkloadTracker(seed=seed),
         binder=binder,
+        # names-only mode: a node created since the last refresh is listed at once, not failed
+        node_lister=api.list_nodes if refreshing and api is not None else None,
     )
     return extender, api
 
@@ -294,6 +298,10 @@ def run_extender_cli(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         if api is not None:
             api.attach(loop)  # the loop the server runs on: its worker threads' binds are sent here
+        if refresh_s and api is not None:
+            # Names-only mode: know the nodes before the first filter (a pod every node failed as
+            # unknown would wait for kube-scheduler's retry, a minute or more in 1.20).
+            await refresh_nodes_once(api=api, extender=extender)
         bound: list[int] = []
         tasks = [
             asyncio.create_task(

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -47,7 +47,7 @@ from gpunode.cluster.extender.binding import (
     refuse,
 )
 from gpunode.cluster.extender.decide import NodeLocks, decide_and_reserve
-from gpunode.cluster.extender.nodes import NodeCache, NodeView
+from gpunode.cluster.extender.nodes import NodeCache, NodeView, OnDemandRefresh
 from gpunode.cluster.extender.pods import pod_key, request_from_pod
 from gpunode.cluster.extender.reservations import (
     DEFAULT_BOUND_TTL_S,
@@ -145,7 +145,9 @@ class Extender:
         reservations: Reservations | None = None,
         workload: WorkloadTracker | None = None,
         binder: Binder | None = None,
+        node_lister: Callable[[], Iterable[object]] | None = None,
     ) -> None:
+        """`node_lister` (names-only mode): lists every Node when a request names nodes not yet cached."""
         self.config = config or ExtenderConfig()
         # `is None`, not `or`: an empty cache or reservation book has len() 0 and is falsy.
         self.nodes = NodeCache() if nodes is None else nodes
@@ -159,6 +161,7 @@ class Extender:
         self.workload = WorkloadTracker() if workload is None else workload
         self.table = NodeTable()
         self.binder = binder
+        self.on_demand = None if node_lister is None else OnDemandRefresh(self.nodes, node_lister)
         self.filtered = FilterLog()
         self._fits: dict[tuple[object, ...], object] = {}
         self._supplied: tuple[tuple[object, ...], TargetWorkload, int] | None = None
@@ -176,6 +179,8 @@ class Extender:
         if args.node_objects is not None:
             return [self.nodes.view(n) for n in args.node_objects]
         assert args.node_names is not None
+        if self.on_demand is not None:
+            return self.on_demand.get_many(args.node_names)
         return self.nodes.get_many(args.node_names)
 
     def _request(self, pod: Mapping[str, Any]) -> tuple[str, str, Request | None]:

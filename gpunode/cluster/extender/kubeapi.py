@@ -202,16 +202,23 @@ class KubeApi:
             raise KubeUnreachable(f"{what}: no answer within {timeout_s:g} s") from None
 
 
+async def refresh_nodes_once(*, api: KubeApi, extender: Extender) -> bool:
+    """List the nodes into the extender's node cache once; False (logged) when the API server failed."""
+    try:
+        nodes = await api.list_nodes_async()
+    except KubeError as exc:
+        log.warning("node refresh failed: %s (hint: %s)", exc, exc.hint)
+        return False
+    extender.refresh_nodes(nodes)
+    return True
+
+
 async def refresh_nodes_periodically(
     *, api: KubeApi, extender: Extender, interval_s: float, ready: asyncio.Event | None = None
 ) -> None:
     """Feed the extender's node cache from the API server every interval (for NodeNames mode)."""
     while True:
-        try:
-            nodes = await api.list_nodes_async()
-            extender.refresh_nodes(nodes)
-        except KubeError as exc:
-            log.warning("node refresh failed: %s (hint: %s)", exc, exc.hint)
+        await refresh_nodes_once(api=api, extender=extender)
         if ready is not None and not ready.is_set():
             ready.set()
         await asyncio.sleep(interval_s)

@@ -13,10 +13,16 @@ field) longer ago than that is answered without a state, its reason naming the
 age and the bound, so filter sends it to FailedNodes and bind refuses it. The
 agent republishes every nodeState.interval (60 s by default) even when nothing
 changed. Thread safe; no I/O.
+
+OnDemandRefresh covers the names-only mode's blind spot: a node created after the
+last periodic refresh. When a request names nodes the cache does not know, it
+lists the nodes at once (the I/O is the lister's), at most once per
+`min_interval_s`; requests arriving meanwhile wait for that list and use it.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
@@ -26,10 +32,11 @@ from typing import Any
 
 from gpunode.cluster.extender.pods import _ceil, parse_quantity
 from gpunode.contract.nodestate import ANNOTATION_KEY, NodeGpuState, decode
-from gpunode.errors import InvalidRequest, NodeStateError
+from gpunode.errors import GpunodeError, InvalidRequest, NodeStateError
 from gpunode.placement import NodeCapacity, NodeState
 from gpunode.placement.published import node_state
 
+log = logging.getLogger(__name__)
 _UNKNOWN_NODE = "node unknown to the extender's cache (no refresh has seen it yet)"
 
 
@@ -194,3 +201,42 @@ class NodeCache:
     def __len__(self) -> int:
         with self._lock:
             return len(self._views)
+
+
+class OnDemandRefresh:
+    """Views of named nodes, listing the nodes first when some are unknown (see the module docstring)."""
+
+    def __init__(
+        self,
+        cache: NodeCache,
+        lister: Callable[[], Iterable[object]],
+        *,
+        min_interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`lister` returns every Node (it may raise GpunodeError); called from worker threads."""
+        self.cache = cache
+        self.lister = lister
+        self.min_interval_s = min_interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._last: float | None = None
+        self.refreshes = 0
+
+    def get_many(self, names: Iterable[str]) -> list[NodeView]:
+        """NodeCache.get_many, after one list of the nodes when some names are unknown (rate-limited)."""
+        names = list(names)
+        views = self.cache.get_many(names)
+        if not any(v.state is None and v.reason == _UNKNOWN_NODE for v in views):
+            return views
+        with self._lock:  # one list at a time; the requests waiting for it read its result
+            now = self._clock()
+            if self._last is not None and now - self._last < self.min_interval_s:
+                return self.cache.get_many(names)
+            self._last = now
+            try:
+                self.cache.update(self.lister())
+                self.refreshes += 1
+            except GpunodeError as exc:
+                log.warning("node refresh for unknown nodes failed: %s (hint: %s)", exc, exc.hint)
+        return self.cache.get_many(names)
