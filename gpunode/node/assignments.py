@@ -7,9 +7,16 @@ next: one list+watch of the pods bound to this node (fieldSelector
 spec.nodeName=<node>), keeping those that carry an assignment, are Pending, are
 not being deleted and are not yet marked carried out. As HAMi does, the pod being
 admitted is, among those, the one with a container asking for exactly as many
-devices of the resource as the kubelet asks for, oldest binding first. The
-extender records no bind time, so the binding's time is the pod's PodScheduled
-condition (set when it is bound), else its creation time.
+devices of the resource as the kubelet asks for, first bound first. The kubelet
+admits pods in the order its watch of the API server delivers them, which is the
+order of the bindings' resourceVersions; the book orders its pods the same way:
+by the resourceVersion of the pod as first seen bound here (the binding's, as the
+watch delivers it), then by arrival. No clock is involved, so equal requests bound
+within one second are still told apart. When no pod matches, the kubelet may have
+seen the pod before this watch did: the book waits up to CATCH_UP_S for newer
+events before it leaves the decision to the node, but only where pods on this
+node carried assignments within the last EXTENDER_IN_USE_S (a cluster without
+the extender never waits).
 
 GetPreferredAllocation then chooses among the devices of the assigned GPUs only
 (gpunode.node.allocation.preferred, `within`); Allocate checks the device IDs the
@@ -30,9 +37,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -46,19 +52,20 @@ from gpunode.contract.names import ALLOCATED_ANNOTATION, ASSIGNMENT_ANNOTATION
 from gpunode.errors import AllocationError, KubeError, KubeNotFound
 from gpunode.infra.kube import DELETED, SYNC, KubeClient, WatchEvent
 from gpunode.node.allocation.preferred import preferred_allocation
+from gpunode.node.assignment_file import CarriedOut
 from gpunode.node.state import Snapshot
 
 log = logging.getLogger(__name__)
 
 FOLLOWED, NO_ASSIGNMENT, NOT_POSSIBLE = "followed", "no_assignment", "not_possible"
 OUTCOMES = (FOLLOWED, NO_ASSIGNMENT, NOT_POSSIBLE)
-FILE_NAME = "assignments.json"
-VERSION = 1
 MAX_ASSIGNED_GPUS = 64  # an annotation naming more is not the extender's
 MAX_UUID_CHARS = 128
 MAX_RECORDS = 4096  # carried-out pods remembered (the pods of one node, many times over)
 MAX_PROPOSALS = 256
 SYNC_WAIT_S = 2.0  # how long a first allocation waits for the first list of pods
+CATCH_UP_S = 1.5  # how long an allocation no pod matches waits for the watch to deliver newer events
+EXTENDER_IN_USE_S = 3600.0  # ... when a pod on this node carried an assignment within this long
 RETRY_INITIAL_S, RETRY_MAX_S = 1.0, 60.0
 ANNOTATE_ATTEMPTS = 5
 
@@ -70,7 +77,7 @@ class PendingPod:
     uid: str
     key: str  # namespace/name
     gpus: tuple[str, ...]  # the assigned GPU (or MIG) UUIDs
-    bound_at: float  # unix seconds: PodScheduled, else creation
+    order: tuple[int, int]  # (resourceVersion as first seen bound here, arrival): first bound first
     remaining: list[tuple[str, int]]  # (resource, count) of its containers not yet allocated
     given: list[str] = field(default_factory=list)  # the GPUs its allocated containers got
 
@@ -101,51 +108,10 @@ def container_requests(pod: Pod, served: Collection[str]) -> list[tuple[str, int
     return out
 
 
-def bound_at(pod: Pod) -> float:
-    """When the pod was bound: its PodScheduled condition's transition, else its creation (unix seconds)."""
-    for cond in (pod.status.conditions if pod.status else None) or ():
-        if cond.type == "PodScheduled" and cond.status == "True" and cond.lastTransitionTime is not None:
-            return cond.lastTransitionTime.timestamp()
-    created = pod.metadata.creationTimestamp if pod.metadata else None
-    return created.timestamp() if created is not None else 0.0
-
-
-class CarriedOut:
-    """state_dir/assignments.json: pod UID -> the GPUs it got, for the pods whose assignment was carried out.
-
-    Written atomically; a file that cannot be read is kept aside (renamed) and reported.
-    """
-
-    def __init__(self, state_dir: Path) -> None:
-        self.path = Path(state_dir) / FILE_NAME
-
-    def load(self) -> dict[str, list[str]]:
-        """The records on disk ({} when there is no file, or it could not be read)."""
-        try:
-            doc = json.loads(self.path.read_text())
-            if not isinstance(doc, dict) or doc.get("version") != VERSION:
-                raise ValueError("unknown version")
-            pods = doc["pods"]
-            if not isinstance(pods, dict):
-                raise ValueError("pods is not an object")
-            return {str(k): [str(g) for g in v] for k, v in pods.items() if isinstance(v, list)}
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            aside = self.path.with_name(f"{FILE_NAME}.corrupt")
-            with contextlib.suppress(OSError):
-                os.replace(self.path, aside)
-            log.error("assignments: %s could not be read (%s); kept as %s", self.path, exc, aside.name)
-            return {}
-
-    def save(self, records: dict[str, list[str]]) -> None:
-        """Rewrite the file with `records` (temporary file, fsync, rename)."""
-        tmp = self.path.with_name(f".{FILE_NAME}.{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
-            json.dump({"version": VERSION, "pods": records}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+def resource_version(pod: Pod) -> int:
+    """The pod's resourceVersion as a number (the API server's are etcd revisions); past all when it is not."""
+    text = (pod.metadata.resourceVersion if pod.metadata else None) or ""
+    return int(text) if text.isdigit() and len(text) < 20 else 1 << 63
 
 
 class AssignmentBook:
@@ -176,17 +142,21 @@ class AssignmentBook:
         self._why_not: dict[str, str] = {}  # pod UID -> why its assignment could not be carried out
         self._bad: set[str] = set()  # UIDs whose unusable annotation was reported
         self._to_annotate: asyncio.Queue[PendingPod] = asyncio.Queue()
+        self._arrivals = 0  # pods taken into the book so far: the tie-break of equal resourceVersions
+        self._changed = asyncio.Event()  # set by every step of the watch, for allocations waiting on it
+        self._assignment_seen_at: float | None = None  # monotonic time a pod here last carried one
 
     # -- the pods, from the watch --------------------------------------------------------------
 
     def apply(self, event: WatchEvent[Pod]) -> None:
         """Take one step of the list+watch into the book."""
+        self._changed.set()
         if event.type == SYNC:
             before, self.pending = self.pending, {}
             present = {p.metadata.uid for p in event.items if p.metadata and p.metadata.uid}
             for gone in [u for u in self.carried_out if u not in present]:
                 del self.carried_out[gone]  # gone from the node: nothing can allocate for it again
-            for item in event.items:
+            for item in sorted(event.items, key=resource_version):  # a list comes in name order
                 self._consider(item, before)
             self.synced.set()
             return
@@ -208,6 +178,8 @@ class AssignmentBook:
         key = f"{meta.namespace or 'default'}/{meta.name}"
         phase = (pod.status.phase if pod.status else None) or "Pending"
         text = annotations.get(ASSIGNMENT_ANNOTATION)
+        if text:
+            self._assignment_seen_at = time.monotonic()
         if (
             not text
             or uid in self.carried_out
@@ -231,12 +203,23 @@ class AssignmentBook:
             return
         asks = container_requests(pod, self._served())
         if asks:
-            self.pending[uid] = PendingPod(uid, key, gpus, bound_at(pod), asks)
+            # Seen before under another assignment: it keeps its place (its binding is the same).
+            order = known.order if known is not None else (resource_version(pod), self._arrivals)
+            self._arrivals += 1
+            self.pending[uid] = PendingPod(uid, key, gpus, order, asks)
 
     # -- the device plugin's side --------------------------------------------------------------
 
+    def _first_bound(self, resource: str, count: int) -> PendingPod | None:
+        fits = [p for p in self.pending.values() if (resource, count) in p.remaining]
+        return min(fits, key=lambda p: p.order, default=None)
+
     async def _match(self, resource: str, count: int) -> PendingPod | None:
-        """The pod the kubelet is admitting for `count` devices of `resource`: oldest binding first."""
+        """The pod the kubelet is admitting for `count` devices of `resource`: first bound first.
+
+        None matching yet: the kubelet's watch may be ahead of ours, so wait up to CATCH_UP_S for
+        newer events (other calls go on meanwhile) before leaving the decision to the node.
+        """
         if not self.synced.is_set() and not self.failed and not self._waited:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(SYNC_WAIT_S):
@@ -244,8 +227,31 @@ class AssignmentBook:
         if not self.synced.is_set():
             self._waited = True  # waited once: an API server that does not answer delays no other pod
             return None
-        fits = [p for p in self.pending.values() if (resource, count) in p.remaining]
-        return min(fits, key=lambda p: (p.bound_at, p.key), default=None)
+        pod = self._first_bound(resource, count)
+        if pod is not None or self.failed or not self._extender_in_use():
+            return pod
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CATCH_UP_S
+        while pod is None and self.synced.is_set() and (left := deadline - loop.time()) > 0:
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await self._changed.wait()
+            pod = self._first_bound(resource, count)
+        log.debug(
+            "assignments: %d x %s matched no pod at first; after waiting %.2f s for the watch: %s",
+            count,
+            resource,
+            CATCH_UP_S - max(deadline - loop.time(), 0.0),
+            pod.key if pod is not None else "still none",
+        )
+        return pod
+
+    def _extender_in_use(self) -> bool:
+        """Whether pods on this node carried assignments lately: only then is a pod the watch has not
+        delivered yet worth waiting for; a cluster without the extender never waits."""
+        seen = self._assignment_seen_at
+        return seen is not None and time.monotonic() - seen < EXTENDER_IN_USE_S
 
     async def prefer(
         self,
@@ -299,7 +305,7 @@ class AssignmentBook:
             )
             return ""
         got = gpus_of(snapshot, device_ids)
-        if all(g in pod.gpus for g in got):
+        if on_assigned(snapshot, device_ids, pod.gpus):
             self.outcomes[FOLLOWED] += 1
             self._why_not.pop(pod.uid, None)
             log.info("assignments: pod %s got its assigned GPU(s) %s", pod.key, ",".join(got))
@@ -427,6 +433,18 @@ def gpus_of(snapshot: Snapshot, device_ids: Iterable[str]) -> list[str]:
         if uuid not in out:
             out.append(uuid)
     return out
+
+
+def on_assigned(snapshot: Snapshot, device_ids: Iterable[str], gpus: Collection[str]) -> bool:
+    """Whether every device is on the assigned GPUs: its GPU, or its MIG device, is one of them."""
+    for dev_id in device_ids:
+        st = snapshot.status(dev_id)
+        if st is None:
+            if dev_id.split("::")[0] not in gpus:
+                return False
+        elif st.device.gpu_uuid not in gpus and st.device.target_uuid not in gpus:
+            return False
+    return True
 
 
 def unusable(snapshot: Snapshot, gpus: Sequence[str]) -> str | None:

@@ -213,7 +213,9 @@ class Sampler:
         self.nodes = set(nodes)
         self.samples = 0
         self.violations: list[str] = []
-        self.capacity: dict[str, int] = {}  # GPU or MIG UUID -> bytes (MIG: 0, one holder)
+        self.capacity: dict[
+            tuple[str, str], int
+        ] = {}  # (node, GPU UUID) -> bytes: sim UUIDs repeat across nodes
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
 
@@ -240,9 +242,7 @@ class Sampler:
             if name not in self.nodes or not text:
                 continue
             for gpu in decode(text, node=name).gpus:
-                self.capacity[gpu.uuid] = gpu.memory_total_bytes
-                for mig in gpu.mig:
-                    self.capacity[mig.uuid] = 0
+                self.capacity[(name, gpu.uuid)] = gpu.memory_total_bytes
                 if (
                     gpu.memory_assigned_bytes > gpu.memory_total_bytes
                     or gpu.milli_assigned > gpu.milli_capacity
@@ -251,7 +251,7 @@ class Sampler:
                         f"{name} {gpu.uuid}: published {gpu.memory_assigned_bytes} of {gpu.memory_total_bytes} "
                         f"bytes, {gpu.milli_assigned} of {gpu.milli_capacity} milli"
                     )
-        held: dict[str, list[tuple[str, int]]] = {}
+        held: dict[tuple[str, str], list[tuple[str, int]]] = {}
         for pod in self.api.get(f"/api/v1/namespaces/{NAMESPACE}/pods")["items"]:
             assigned = pod["metadata"].get("annotations", {}).get(ASSIGNMENT_ANNOTATION)
             if not assigned or not pod["spec"].get("nodeName"):
@@ -263,7 +263,9 @@ class Sampler:
                 continue  # a MIG instance: the published state above counts what each instance holds
             for uuid in gpus:
                 # A fraction holds its memory; a whole GPU or a MIG instance all of it.
-                held.setdefault(uuid, []).append((pod["metadata"]["name"], memory or -1))
+                held.setdefault((pod["spec"]["nodeName"], uuid), []).append(
+                    (pod["metadata"]["name"], memory or -1)
+                )
         for uuid, holders in held.items():
             total = self.capacity.get(uuid)
             whole = [h for h in holders if h[1] < 0]
@@ -347,7 +349,7 @@ def _simultaneous_filters(cluster: Cluster, count: int = 32) -> list[int]:
 def _scheduled_pods() -> dict[str, dict[str, str]]:
     """The pods kube-scheduler places: name -> limits."""
     pods: dict[str, dict[str, str]] = {}
-    for i in range(3):
+    for i in range(2):  # with the 2-GPU pod, 4 of the 5 whole GPUs: room whatever the order
         pods[f"whole-{i}"] = {GPU_RESOURCE: "1"}
     pods["whole-two"] = {GPU_RESOURCE: "2"}
     for i in range(4):
@@ -450,12 +452,17 @@ def agreement(cluster: Cluster, outcome: Outcome) -> tuple[int, int, list[str]]:
         if n.admitter
         for a in n.admitter.admissions.values()
     }
+    parent: dict[str, str] = {}  # MIG device UUID -> its GPU's (the extender assigns the GPU)
+    for node in cluster.cp.api().get("/api/v1/nodes")["items"]:
+        text = node["metadata"].get("annotations", {}).get(NODE_STATE_ANNOTATION)
+        if node["metadata"]["name"] in cluster.nodes and text:
+            parent.update({m.uuid: g.uuid for g in decode(text).gpus for m in g.mig})
     agree, differ = 0, []
     for name in outcome.fit:
         annotations = outcome.pods[name]["metadata"].get("annotations", {})
         assigned = set(annotations.get(ASSIGNMENT_ANNOTATION, "").split(","))
-        allocated = set(annotations.get(ALLOCATED_ANNOTATION, "").split(","))
-        visible = set(admitted[name].visible) if name in admitted else set()
+        allocated = {parent.get(u, u) for u in annotations.get(ALLOCATED_ANNOTATION, "").split(",")}
+        visible = {parent.get(u, u) for u in admitted[name].visible} if name in admitted else set()
         if assigned == allocated == visible:
             agree += 1
         else:

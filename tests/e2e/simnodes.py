@@ -6,7 +6,9 @@ the real API server). The kubelet's part is played by tests.fakes.kubelet.Kubele
 device-plugin sockets, and by NodeKubelet here, which does for the pods bound to the node what the
 kubelet's device manager does on admission, one pod at a time:
 
-- it polls the pods bound to the node (fieldSelector spec.nodeName) through the API server;
+- it polls the pods bound to the node (fieldSelector spec.nodeName) through the API server, and takes
+  the new ones in the order they were bound (their resourceVersion: a pod not yet admitted was last
+  written by its binding), as the kubelet admits in the order its watch delivers the bindings;
 - for each new Pending pod, per container (init containers first) and per resource the agent serves,
   it offers the healthy device IDs not yet allocated to GetPreferredAllocation, checks the answer, and
   calls Allocate with it;
@@ -87,7 +89,7 @@ class NodeKubelet:
             except (ApiError, OSError) as exc:
                 self.errors.append(f"list pods: {exc}")
                 continue
-            for pod in sorted(pods, key=lambda p: p["metadata"]["creationTimestamp"]):
+            for pod in sorted(pods, key=lambda p: int(p["metadata"]["resourceVersion"])):
                 uid = pod["metadata"]["uid"]
                 if uid in self.admissions or pod.get("status", {}).get("phase") not in (None, "Pending"):
                     continue

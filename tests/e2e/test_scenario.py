@@ -43,7 +43,7 @@ def test_every_pod_that_fits_is_bound_and_gets_the_assigned_gpu(ran: dict[str, A
         pod = outcome.pods[name]
         assert pod["spec"].get("nodeName") in cluster.nodes, (name, pod["spec"].get("nodeName"))
     agree, compared, differ = scenario.agreement(cluster, outcome)
-    assert compared == len(outcome.fit) > 40
+    assert compared == len(outcome.fit) > 35
     assert agree == compared, "\n".join(differ)
 
 

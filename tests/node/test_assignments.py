@@ -10,15 +10,16 @@ from typing import Any
 
 import msgspec
 import pytest
+import yaml
 from lightkube.resources.core_v1 import Pod
 
 from gpunode.config.agent import parse_config
-from gpunode.contract.names import ALLOCATED_ANNOTATION, ASSIGNMENT_ANNOTATION
+from gpunode.contract.names import ALLOCATED_ANNOTATION, ASSIGNMENT_ANNOTATION, mig_resource_name
 from gpunode.errors import KubeError
-from gpunode.infra.kube import MODIFIED, SYNC, WatchEvent
+from gpunode.infra.kube import ADDED, MODIFIED, SYNC, WatchEvent
 from gpunode.node.assignments import AssignmentBook, parse_assignment
 from gpunode.node.devices.simnode.backend import SimBackend
-from gpunode.node.inventory import build_inventory
+from gpunode.node.inventory import AdvertisedDevice, build_inventory
 from gpunode.node.state import Snapshot
 
 MEM = "gpunode.io/gpu-memory"
@@ -29,13 +30,48 @@ def snapshot() -> Snapshot:
     return Snapshot(version=1, inventory=build_inventory(SimBackend.from_profile("t4").gpus(), cfg))
 
 
-def pod(name: str, units: int, annotations: dict[str, str], *, phase: str = "Pending") -> Pod:
+def pod(
+    name: str,
+    units: int,
+    annotations: dict[str, str],
+    *,
+    phase: str = "Pending",
+    rv: str = "1",
+    resource: str = MEM,
+) -> Pod:
     doc = {
-        "metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}", "annotations": annotations},
-        "spec": {"nodeName": "n", "containers": [{"name": "c", "resources": {"limits": {MEM: str(units)}}}]},
-        "status": {"phase": phase},
+        "metadata": {
+            "name": name,
+            "namespace": "ns",
+            "uid": f"uid-{name}",
+            "annotations": annotations,
+            "resourceVersion": rv,
+            "creationTimestamp": "2030-01-01T00:00:00Z",
+        },
+        "spec": {
+            "nodeName": "n",
+            "containers": [{"name": "c", "resources": {"limits": {resource: str(units)}}}],
+        },
+        "status": {
+            "phase": phase,
+            # The same second for every pod: the API server's times tell no two bindings apart.
+            "conditions": [
+                {"type": "PodScheduled", "status": "True", "lastTransitionTime": "2030-01-01T00:00:01Z"}
+            ],
+        },
     }
     return msgspec.json.decode(json.dumps(doc).encode(), type=Pod)
+
+
+def device(snap: Snapshot, dev_id: str) -> AdvertisedDevice:
+    found = snap.inventory.by_id(dev_id)
+    assert found is not None, dev_id
+    return found
+
+
+def gpus_of(snap: Snapshot, ids: list[str] | None) -> set[str]:
+    assert ids is not None
+    return {device(snap, u).gpu_uuid for u in ids}
 
 
 def no_client() -> Any:
@@ -117,3 +153,97 @@ def test_a_broken_record_file_is_kept_aside(tmp_path: Path) -> None:
     book = book_with(tmp_path)
     assert book.carried_out == {}
     assert (tmp_path / "assignments.json.corrupt").read_text() == "{not json"
+
+
+@pytest.mark.parametrize("how", ["watch", "list"])
+def test_equal_requests_are_matched_in_the_order_they_were_bound(tmp_path: Path, how: str) -> None:
+    snap = snapshot()
+    gpus = [g.uuid for g in snap.inventory.gpus]
+    units = [d.id for d in snap.inventory.by_resource(MEM)]
+    # "zeta" was bound first (the lower resourceVersion), "alpha" in the same second after it.
+    zeta = pod("zeta", 2, {ASSIGNMENT_ANNOTATION: gpus[3]}, rv="1207")
+    alpha = pod("alpha", 2, {ASSIGNMENT_ANNOTATION: gpus[1]}, rv="1213")
+    if how == "watch":
+        book = book_with(tmp_path)
+        book.apply(WatchEvent(ADDED, object=zeta))
+        book.apply(WatchEvent(ADDED, object=alpha))
+    else:
+        book = book_with(tmp_path, alpha, zeta)  # a list comes in name order
+
+    async def admit() -> list[tuple[list[str], str]]:
+        out = []
+        for _ in range(2):
+            taken = {u for g in book.carried_out.values() for u in g}
+            free = [u for u in units if device(snap, u).gpu_uuid not in taken]
+            preferred = await book.prefer(snap, MEM, free, [], 2, replica_placement="spread")
+            assert preferred is not None
+            out.append((preferred, await book.allocated(snap, MEM, preferred)))
+        return out
+
+    (first, first_pod), (second, second_pod) = asyncio.run(admit())
+    assert first_pod == "ns/zeta" and gpus_of(snap, first) == {gpus[3]}
+    assert second_pod == "ns/alpha" and gpus_of(snap, second) == {gpus[1]}
+    assert book.outcomes == {"followed": 2, "no_assignment": 0, "not_possible": 0}
+
+
+def test_a_pod_the_watch_delivers_after_the_kubelet_asked_is_still_followed(tmp_path: Path) -> None:
+    snap = snapshot()
+    gpu = snap.inventory.gpus[2].uuid
+    units = [d.id for d in snap.inventory.by_resource(MEM)]
+    # listed: nothing pending here yet, one pod the extender placed earlier (so it is in use here)
+    book = book_with(tmp_path, pod("earlier", 1, {ASSIGNMENT_ANNOTATION: gpu, ALLOCATED_ANNOTATION: gpu}))
+
+    async def admit() -> tuple[list[str] | None, str]:
+        asking = asyncio.create_task(book.prefer(snap, MEM, units, [], 3, replica_placement="spread"))
+        await asyncio.sleep(0.5)  # the kubelet's watch delivered the binding before ours did
+        assert not asking.done()
+        book.apply(WatchEvent(ADDED, object=pod("late", 3, {ASSIGNMENT_ANNOTATION: gpu}, rv="88")))
+        preferred = await asking
+        assert preferred is not None
+        return preferred, await book.allocated(snap, MEM, preferred)
+
+    preferred, holder = asyncio.run(admit())
+    assert holder == "ns/late" and gpus_of(snap, preferred) == {gpu}
+    assert book.outcomes["followed"] == 1 and book.carried_out == {"uid-late": [gpu]}
+
+
+def test_without_the_extender_an_allocation_never_waits_for_the_watch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No pod on this node ever carried an assignment: the node decides at once, however long the
+    # catch-up wait is set to (an hour here: waiting at all would hang the test at its timeout).
+    monkeypatch.setattr("gpunode.node.assignments.CATCH_UP_S", 3600.0)
+    snap = snapshot()
+    units = [d.id for d in snap.inventory.by_resource(MEM)]
+    book = book_with(tmp_path, pod("plain", 1, {}))
+
+    async def admit() -> list[str] | None:
+        async with asyncio.timeout(60):
+            return await book.prefer(snap, MEM, units, [], 3, replica_placement="spread")
+
+    assert asyncio.run(admit()) is None  # no assignment: the node's own policy decides, at once
+
+
+def test_a_mig_device_on_the_assigned_gpu_is_the_assignment_followed(tmp_path: Path) -> None:
+    cfg = parse_config(yaml.safe_load("flags: {migStrategy: mixed}"), "node.yaml")
+    snap = Snapshot(version=1, inventory=build_inventory(SimBackend.from_profile("a100-mig").gpus(), cfg))
+    resource = mig_resource_name("1g.10gb")
+    migs = snap.inventory.by_resource(resource)
+    parents = sorted({d.gpu_uuid for d in migs})
+    assigned = parents[-1]  # the extender assigns the MIG device's parent GPU
+    book = AssignmentBook(
+        node_name="n", state_dir=tmp_path, client_factory=no_client, served=lambda: (resource,)
+    )
+    book.apply(WatchEvent(SYNC, items=(pod("m", 1, {ASSIGNMENT_ANNOTATION: assigned}, resource=resource),)))
+
+    async def admit() -> tuple[list[str] | None, str]:
+        preferred = await book.prefer(snap, resource, [d.id for d in migs], [], 1, replica_placement="spread")
+        assert preferred is not None
+        return preferred, await book.allocated(snap, resource, preferred)
+
+    preferred, holder = asyncio.run(admit())
+    assert len(parents) > 1 and holder == "ns/m"
+    assert preferred is not None and len(preferred) == 1
+    assert gpus_of(snap, preferred) == {assigned}  # not the lowest ID's GPU
+    assert book.outcomes == {"followed": 1, "no_assignment": 0, "not_possible": 0}
+    assert book.carried_out["uid-m"] == [device(snap, preferred[0]).target_uuid]

@@ -142,15 +142,17 @@ def test_the_assigned_gpu_is_used_marked_counted_and_published(
         print(f"republish delay after Allocate: {delay * 1000:.0f} ms")
 
 
-def test_the_oldest_binding_among_equal_requests_goes_first(
+def test_the_first_binding_among_equal_requests_goes_first(
     sockdir: Path, kubelet: KubeletStandIn, api: ApiServerStandIn
 ) -> None:
     backend = SimBackend.from_profile("t4")
     gpus = backend.gpus()
     with RunningAgent(Agent(agent_config(sockdir, api), backend=backend)) as ra:
         kubelet.wait_for_resources([MEM])
-        newer = put_pending(api, "newer", 2, assigned=gpus[2].uuid, scheduled="2030-01-01T00:00:09Z")
+        # Bound in this order within one second: the API server's write order tells them apart, as it
+        # does for the kubelet's watch; neither the PodScheduled time nor the name does.
         older = put_pending(api, "older", 2, assigned=gpus[3].uuid, scheduled="2030-01-01T00:00:01Z")
+        newer = put_pending(api, "newer", 2, assigned=gpus[2].uuid, scheduled="2030-01-01T00:00:01Z")
         wait_synced(ra, api, [newer, older])
 
         first = kubelet.preferred(MEM, kubelet.healthy(MEM), 2)
