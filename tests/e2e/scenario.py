@@ -1,9 +1,10 @@
 """The multi-node scenario: the real kube-scheduler places whole-GPU, MIG and fractional pods through
-`gpunode extender`, and four simulated-agent nodes (tests.e2e.simnodes) carry the decisions out.
+`gpunode extender`; four simulated-agent nodes (tests.e2e.simnodes) and one real kubelet with the agent
+as its device plugin (tests.e2e.scenario_realnode, where root and containerd allow) carry them out.
 
 Cluster (build_cluster): the chart's extender and agent RBAC; the extender as the chart runs it (HTTPS
 with client certificates, --bind, node refresh; --log-level debug for its per-request access log),
-started before any Node exists; four SimNodes; kube-scheduler configured from
+started before any Node exists; four SimNodes and the real node; kube-scheduler configured from
 gpunode/examples/kube-scheduler-config.yaml (apiVersion adapted to 1.20's v1beta1, files and address
 replaced). Scenario (run_scenario), while a Sampler reads every node's gpu-state annotation and every
 pod's assignment every SAMPLE_S:
@@ -12,7 +13,8 @@ pod's assignment every SAMPLE_S:
    itself (schedulerName e2e-direct: filter naming two nodes, then all binds at once to that node over
    16 connections with the scheduler's certificate). 12 fit; the other 4 binds must be refused.
 2. Through kube-scheduler, all at once: whole GPUs, MIG instances, a burst of 20 fractional pods
-   created together, one pod that fits no GPU and one with an invalid request (two MIG profiles).
+   created together, one pod that fits no GPU and one with an invalid request (two MIG profiles), and
+   whole-GPU and fractional pods for the real node, which run in its containerd.
 3. 32 simultaneous TLS connections to the extender, each sending a filter: all answered 200.
 
 Figures (Figures): agreement rate (pods whose allocated GPUs equal the assigned ones), over-commit
@@ -33,6 +35,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +55,16 @@ from tests.e2e.controlplane import ROOT, ControlPlane
 from tests.e2e.objects import create_pod, ensure_namespace, pod_body
 from tests.e2e.pki import CertFiles
 from tests.e2e.procs import Proc, free_port
+from tests.e2e.scenario_realnode import (
+    REAL_FRACTIONS,
+    REAL_PODS,
+    REAL_WHOLE,
+    RealAgentNode,
+    kubelet_error_lines,
+    real_pod,
+    start_real_node,
+    visible_devices,
+)
 from tests.e2e.simnodes import SimNode
 
 GIB = 2**30
@@ -90,6 +103,12 @@ class Cluster:
     scheduler: Proc
     port: int
     client: CertFiles
+    real: RealAgentNode | None = None
+
+    @property
+    def node_names(self) -> list[str]:
+        """Every node of the cluster, the real one included."""
+        return [*self.nodes, *([self.real.name] if self.real else [])]
 
 
 def _chart_rbac(cp: ControlPlane, tmp: Path) -> None:
@@ -129,9 +148,11 @@ def build_cluster(cp: ControlPlane, tmp: Path) -> Cluster:
     )
     # The nodes come after the extender: it must learn of them without waiting for its 10 s refresh.
     nodes = {name: SimNode(cp, name, tmp / name, **spec) for name, spec in NODES.items()}
-    with concurrent.futures.ThreadPoolExecutor(len(nodes)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(len(nodes) + 1) as pool:
+        real_started = pool.submit(start_real_node, cp, tmp)
         for started in [pool.submit(n.start) for n in nodes.values()]:
             started.result()
+        real = real_started.result()
     admin = cp.api()
     for name in nodes:
         eventually(
@@ -150,7 +171,7 @@ def build_cluster(cp: ControlPlane, tmp: Path) -> Cluster:
         "caFile": str(cp.ca_file),
     }
     scheduler = cp.start_scheduler(entries, name="kube-scheduler-scenario")
-    return Cluster(cp, nodes, extender, scheduler, port, client)
+    return Cluster(cp, nodes, extender, scheduler, port, client, real)
 
 
 def stop_cluster(cluster: Cluster) -> None:
@@ -160,6 +181,8 @@ def stop_cluster(cluster: Cluster) -> None:
         proc.stop()
     for node in cluster.nodes.values():
         node.stop()
+    if cluster.real is not None:
+        cluster.real.stop()
     with contextlib.suppress(Exception):
         for pod in admin.get(f"/api/v1/namespaces/{NAMESPACE}/pods")["items"]:
             admin.delete(
@@ -371,11 +394,35 @@ UNFIT = {
 }
 
 
+def _real_pods(
+    cluster: Cluster, admin: Api, pods: dict[str, dict[str, str]], after: dict[str, Any] | None = None
+) -> None:
+    """Create pods for the real node once the extender knows its state and the pods `after` are assigned."""
+    assert cluster.real is not None
+    probe = real_pod("probe", {GPU_MEMORY_RESOURCE: "1"})
+    probe["metadata"].update(namespace=NAMESPACE, uid="probe-uid")
+    name = cluster.real.name
+    eventually(
+        lambda: name in (filter_once(cluster, probe, [name]).get("NodeNames") or []),
+        timeout_s=WAIT_S,
+        what=f"the extender's filter passing {name}",
+    )
+
+    def assigned(pod: str) -> bool:
+        got = admin.get(f"/api/v1/namespaces/{NAMESPACE}/pods/{pod}")
+        return ASSIGNMENT_ANNOTATION in got["metadata"].get("annotations", {})
+
+    for earlier in after or {}:
+        eventually(partial(assigned, earlier), timeout_s=WAIT_S, what=f"{earlier} assigned")
+    for pod, limits in pods.items():
+        create_pod(admin, NAMESPACE, real_pod(pod, limits))
+
+
 def run_scenario(cluster: Cluster) -> Outcome:
     """Run the scenario (see the module docstring) and wait until every pod that fits is carried out."""
     admin = cluster.cp.api()
     outcome = Outcome()
-    sampler = Sampler(cluster.cp.api(), list(cluster.nodes)).start()
+    sampler = Sampler(cluster.cp.api(), cluster.node_names).start()
     started = time.monotonic()
     try:
         _race(cluster, admin, outcome)
@@ -386,11 +433,16 @@ def run_scenario(cluster: Cluster) -> Outcome:
                     lambda kv: create_pod(admin, NAMESPACE, pod_body(kv[0], limits=kv[1])), scheduled.items()
                 )
             )
+        real = REAL_PODS if cluster.real is not None else {}
+        if cluster.real is not None:
+            _real_pods(cluster, admin, REAL_FRACTIONS)
         for name, (limits, text) in UNFIT.items():
             create_pod(admin, NAMESPACE, pod_body(name, limits=limits))
             outcome.unfit[name] = text
         outcome.connections = _simultaneous_filters(cluster)
-        outcome.fit = [*outcome.race_bound, *scheduled]
+        if cluster.real is not None:
+            _real_pods(cluster, admin, REAL_WHOLE, after=REAL_FRACTIONS)
+        outcome.fit = [*outcome.race_bound, *scheduled, *real]
 
         def done(annotated: bool) -> bool:
             pods = {
@@ -401,7 +453,7 @@ def run_scenario(cluster: Cluster) -> Outcome:
                 pods[n]["status"].get("phase") == "Running"
                 and (not annotated or ALLOCATED_ANNOTATION in pods[n]["metadata"].get("annotations", {}))
                 for n in outcome.fit
-            )
+            ) and all(cluster.real is None or visible_devices(cluster.real, NAMESPACE, n) for n in real)
 
         eventually(lambda: done(False), timeout_s=WAIT_S, what="every pod that fits bound and admitted")
         # The agent marks what it carried out; a pod it could not match stays unmarked (the agreement
@@ -455,14 +507,18 @@ def agreement(cluster: Cluster, outcome: Outcome) -> tuple[int, int, list[str]]:
     parent: dict[str, str] = {}  # MIG device UUID -> its GPU's (the extender assigns the GPU)
     for node in cluster.cp.api().get("/api/v1/nodes")["items"]:
         text = node["metadata"].get("annotations", {}).get(NODE_STATE_ANNOTATION)
-        if node["metadata"]["name"] in cluster.nodes and text:
+        if node["metadata"]["name"] in cluster.node_names and text:
             parent.update({m.uuid: g.uuid for g in decode(text).gpus for m in g.mig})
     agree, differ = 0, []
     for name in outcome.fit:
         annotations = outcome.pods[name]["metadata"].get("annotations", {})
         assigned = set(annotations.get(ASSIGNMENT_ANNOTATION, "").split(","))
         allocated = {parent.get(u, u) for u in annotations.get(ALLOCATED_ANNOTATION, "").split(",")}
-        visible = {parent.get(u, u) for u in admitted[name].visible} if name in admitted else set()
+        if name in REAL_PODS and cluster.real is not None:  # what the real kubelet's Allocate call gave
+            shown = visible_devices(cluster.real, NAMESPACE, name) or []
+        else:
+            shown = admitted[name].visible if name in admitted else []
+        visible = {parent.get(u, u) for u in shown}
         if assigned == allocated == visible:
             agree += 1
         else:
@@ -480,7 +536,8 @@ def figures(cluster: Cluster, outcome: Outcome) -> dict[str, Any]:
     binds = sorted((end - ms / 1000, end) for end, client, verb, _, ms in by_scheduler if verb == "bind")
     concurrent_binds = max((sum(1 for s, e in binds if s <= start < e) for start, _ in binds), default=0)
     return {
-        "nodes": len(cluster.nodes),
+        "nodes": len(cluster.node_names),
+        "real_kubelet_pods": sum(1 for n in outcome.fit if n in REAL_PODS),
         "pods_fit": len(outcome.fit),
         "agreement_rate": round(agree / compared, 4) if compared else None,
         "agreement": f"{agree}/{compared}",
@@ -508,10 +565,12 @@ _KLOG_ERROR = re.compile(r"^E\d{4} ")
 
 
 def error_lines(cluster: Cluster) -> list[str]:
-    """ERROR lines and tracebacks of the agents and the extender, and kube-scheduler's E-lines about
-    the extender or the scenario's pods."""
+    """ERROR lines and tracebacks of the agents and the extender, kube-scheduler's E-lines about the
+    extender or the scenario's pods, and the real kubelet's E-lines about device plugins/allocation."""
     found = []
-    for proc in [cluster.extender, *(n.agent for n in cluster.nodes.values() if n.agent)]:
+    agents = [n.agent for n in cluster.nodes.values() if n.agent]
+    agents += [cluster.real.agent] if cluster.real is not None else []
+    for proc in [cluster.extender, *agents]:
         for line in proc.log.read_text(errors="replace").splitlines():
             if _ERROR_LINE.search(line):
                 found.append(f"{proc.name}: {line}")
@@ -523,4 +582,6 @@ def error_lines(cluster: Cluster) -> list[str]:
     for node in cluster.nodes.values():
         if node.admitter:
             found += [f"kubelet stand-in {node.name}: {e}" for e in node.admitter.errors]
+    if cluster.real is not None:
+        found += kubelet_error_lines(cluster.real)
     return found

@@ -1,8 +1,9 @@
 """The node carries out the cluster's decision, against a real kube-apiserver and kube-scheduler.
 
-Four nodes, each a real `gpunode agent --backend sim` publishing to the real API server with the
-chart's agent RBAC, and a kubelet stand-in that admits the pods bound to it as the kubelet's device
-manager does (tests.e2e.simnodes); the extender as the chart runs it; kube-scheduler from the
+Five nodes, each a real `gpunode agent --backend sim` publishing to the real API server with the
+chart's agent RBAC: four with a kubelet stand-in that admits the pods bound to it as the kubelet's
+device manager does (tests.e2e.simnodes), one a real kubelet + containerd whose device plugin the agent
+is (tests.e2e.scenario_realnode: its pods run, whole GPUs and fractions); the extender as the chart runs it; kube-scheduler from the
 project's example configuration. The scenario and its figures are tests.e2e.scenario's; the figures
 are written to <tmp>/scenario-figures.json (bench/e2e_scenario.py prints the same).
 """
@@ -41,7 +42,11 @@ def test_every_pod_that_fits_is_bound_and_gets_the_assigned_gpu(ran: dict[str, A
     outcome, cluster = ran["outcome"], ran["cluster"]
     for name in outcome.fit:
         pod = outcome.pods[name]
-        assert pod["spec"].get("nodeName") in cluster.nodes, (name, pod["spec"].get("nodeName"))
+        assert pod["spec"].get("nodeName") in cluster.node_names, (name, pod["spec"].get("nodeName"))
+    if cluster.real is not None:  # the real kubelet ran its pods, with the devices its plugin allocated
+        for name in scenario.REAL_PODS:
+            assert outcome.pods[name]["spec"]["nodeName"] == cluster.real.name, name
+            assert outcome.pods[name]["status"]["phase"] == "Running", name
     agree, compared, differ = scenario.agreement(cluster, outcome)
     assert compared == len(outcome.fit) > 35
     assert agree == compared, "\n".join(differ)
