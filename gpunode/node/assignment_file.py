@@ -8,6 +8,8 @@ import logging
 import os
 from pathlib import Path
 
+from gpunode.node.files import write_atomically
+
 log = logging.getLogger(__name__)
 
 FILE_NAME = "assignments.json"
@@ -44,9 +46,4 @@ class CarriedOut:
 
     def save(self, records: dict[str, list[str]]) -> None:
         """Rewrite the file with `records` (temporary file, fsync, rename)."""
-        tmp = self.path.with_name(f".{FILE_NAME}.{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
-            json.dump({"version": VERSION, "pods": records}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        write_atomically(self.path, json.dumps({"version": VERSION, "pods": records}))

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from gpunode.errors import HealthStateError
+from gpunode.node.files import write_atomically
 from gpunode.node.health.evidence import HeldFault
 
 log = logging.getLogger("gpunode.node.health")
@@ -59,20 +60,6 @@ class ClearRequest:
     by: str
     reason: str
     at: float  # time.time() of the request
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
 
 
 class HoldStore:
@@ -120,7 +107,9 @@ class HoldStore:
         }
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            _atomic_write(self.directory / HOLDS_FILE, json.dumps(payload, indent=2, sort_keys=True) + "\n")
+            write_atomically(
+                self.directory / HOLDS_FILE, json.dumps(payload, indent=2, sort_keys=True) + "\n"
+            )
         except OSError as exc:
             raise HealthStateError(f"cannot save the held faults in {self.directory}: {exc}") from None
 
@@ -220,9 +209,7 @@ def request_clear(directory: Path, uuid: str, *, by: str, reason: str) -> Path:
     body = {"uuid": uuid, "by": _short(by), "reason": _short(reason), "at": time.time()}
     try:
         clear_dir.mkdir(parents=True, exist_ok=True)
-        tmp = clear_dir / f".{uuid}.{os.getpid()}.tmp"  # hidden until complete: the agent skips dot files
-        tmp.write_text(json.dumps(body) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        write_atomically(path, json.dumps(body) + "\n")  # staged as a dot file, which the agent skips
     except OSError as exc:
         raise HealthStateError(f"cannot write the clear request in {clear_dir}: {exc}") from None
     return path

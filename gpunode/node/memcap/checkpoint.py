@@ -26,12 +26,14 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from gpunode.node.files import write_atomically
+
 log = logging.getLogger(__name__)
 
 VERSION = 1
 FILE_NAME = "checkpoint.json"
-# ".<name>.<pid>.tmp": how this package stages a file before renaming it into place (the checkpoint,
-# the staged interposer in lib/, a region's ld.so.preload).
+# ".<name>.<pid>.tmp": how gpunode.node.files.write_atomically stages a file before renaming it into
+# place (the checkpoint, the staged interposer in lib/, a region's ld.so.preload).
 TEMP_FILE_RE = re.compile(r"\.(?P<name>.+)\.(?P<pid>[0-9]{1,10})\.tmp")
 
 
@@ -124,17 +126,7 @@ class Checkpoint:
             "version": VERSION,
             "caps": [asdict(r) for r in sorted(self._records.values(), key=lambda r: r.key)],
         }
-        tmp = self.path.with_name(f".{FILE_NAME}.{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        dir_fd = os.open(self.path.parent, os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        write_atomically(self.path, json.dumps(doc, indent=1), sync_dir=True)
 
 
 def _pid_alive(pid: int) -> bool:

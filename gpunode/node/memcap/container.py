@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.resources
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from gpunode.errors import MemcapError
+from gpunode.node.files import write_atomically
 from gpunode.node.memcap.region import LIMIT_FILE, LIMIT_FILE_MODE, USAGE_FILE, Region, _io_error, _native
 
 ENV_REGION = "GPUNODE_MEMCAP_REGION"  # honoured by the library only when nothing is at the fixed path
@@ -59,10 +59,7 @@ def _write_if_changed(path: Path, text: str) -> None:
     with contextlib.suppress(OSError):
         if path.read_text() == text:
             return
-    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    staging.write_text(text)
-    os.chmod(staging, LIMIT_FILE_MODE)
-    os.replace(staging, path)
+    write_atomically(path, text, mode=LIMIT_FILE_MODE)
 
 
 def container_spec(

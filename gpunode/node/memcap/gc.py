@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
 from gpunode.errors import GpunodeError, RegionDamaged
+from gpunode.node.files import write_atomically
 from gpunode.node.inventory import region_key
 from gpunode.node.kubelet.podresources import ContainerDevices
 from gpunode.node.memcap.checkpoint import Checkpoint
@@ -33,9 +34,6 @@ def stage_preload_library(state_dir: Path) -> Path:
     package's own copy may live inside the agent's container image, which the host
     cannot see, while the state directory is a host directory mounted at the same path.
     """
-    import os
-    import shutil
-
     from gpunode.node import memcap
 
     source = memcap.preload_library_path()
@@ -44,10 +42,7 @@ def stage_preload_library(state_dir: Path) -> Path:
     if target.is_file() and target.read_bytes() == data:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    shutil.copyfile(source, tmp)
-    tmp.chmod(0o755)
-    os.replace(tmp, target)  # containers that mapped the old file keep it; new ones get the new one
+    write_atomically(target, data, mode=0o755)  # containers that mapped the old file keep it
     log.info("memory caps: interposer staged at %s", target)
     return target
 
