@@ -306,10 +306,30 @@ class Unsatisfiable(PlacementError):
 # -- the cluster: extender and trace simulator --------------------------------------------------
 
 
+class QueueConfigError(ConfigError):
+    """An invalid queue configuration file: the queue tree, quotas, fair share or preemption settings."""
+
+    default_hint = "fix the named key of the queue configuration; docs/queueing.md describes every key"
+
+
+class SimRulesError(ConfigError):
+    """An invalid rules file of the time simulator (how trace pods become queued jobs)."""
+
+    default_hint = (
+        "fix the named key of the simulator rules; gpunode/examples/sim-rules.yaml documents every key"
+    )
+
+
 class BadRequest(GpunodeError):
     """An HTTP request the extender cannot read (broken JSON, wrong shape); answered with 400."""
 
     default_hint = "kube-scheduler sends ExtenderArgs JSON; check the extender's urlPrefix and verbs"
+
+
+class MetricsFeedError(GpunodeError):
+    """Prometheus's answer to the extender's metric queries cannot be used (unreachable, slow, malformed)."""
+
+    default_hint = "check --prometheus-url and that this Prometheus scrapes the agents' DCGM_FI_DEV_* series"
 
 
 class TraceError(GpunodeError):

@@ -41,6 +41,17 @@ GPU_MODEL_ANNOTATION = "gpunode.io/gpu-model"  # Pod: the GPU models it accepts,
 EXTENDER_ROLE_LABEL = "gpunode.io/extender-role"
 
 
+# -- telemetry series the extender reads back from Prometheus ------------------------------------
+
+# The agent exports these (dcgm-exporter's names); the extender's energy- and load-aware scores query them.
+POWER_USAGE_SERIES = "DCGM_FI_DEV_POWER_USAGE"  # W, per GPU
+GPU_UTIL_SERIES = "DCGM_FI_DEV_GPU_UTIL"  # %, per GPU (absent on a MIG-enabled GPU)
+FB_USED_SERIES = "DCGM_FI_DEV_FB_USED"  # MiB, per GPU and per MIG instance
+FB_FREE_SERIES = "DCGM_FI_DEV_FB_FREE"  # MiB, per GPU and per MIG instance
+NODE_SERIES_LABEL = "Hostname"  # the node's name on every series ("hostname" with hostnameLabel)
+MIG_INSTANCE_LABEL = "GPU_I_ID"  # set only on a MIG instance's series
+
+
 def mig_resource_name(profile: str) -> str:
     """The resource of one MIG profile: nvidia.com/mig-1g.10gb for 1g.10gb."""
     return f"{MIG_RESOURCE_PREFIX}{profile}"

@@ -17,12 +17,23 @@ Key `gpunode.io/gpu-state` on the Node object. Version v1 (JSON, camelCase):
         "memoryAssignedBytes": 21474836480,
         "health": "Healthy",             # or "Unhealthy"
         "sharing": "fractional",         # whole | fractional | time-sliced | mig
+        "servesWhole": false,            # optional: whether a whole-GPU request (nvidia.com/gpu) may take it
         "mig": [{"profile": "1g.10gb", "uuid": "MIG-...", "assigned": false}],
         "nvlinkPeers": ["GPU-..."],
         "numaNode": 0,                   # null when unknown
         "pods": ["team-a/train-0"]       # optional: namespace/name of the pods holding it
       }]
     }
+
+`servesWhole` says whether the node gives this GPU to a whole-GPU request
+when it is fully free, i.e. whether the agent also advertises it as
+nvidia.com/gpu. A `whole` GPU always does and a `mig` or `time-sliced` one
+never does (the other value is refused); for a `fractional` GPU it is the
+agent's word. The field was added to v1 as an optional one (old readers ignore
+it, so no new version): an annotation without it means `sharing == "whole"`,
+the safe reading of an agent from before it, which advertised fractional GPUs
+only as memory units. Read as true, such an agent's free fractional GPUs would
+be assigned to whole-GPU pods that the node then places elsewhere.
 
 `updated` is the publication time: the agent sets it on every publish, on a
 change and on its periodic refresh (nodeState.interval, 60 s by default) even
@@ -72,7 +83,12 @@ class MigInstance:
 
 @dataclass(frozen=True)
 class GpuRecord:
-    """One GPU as published: capacity and what is assigned, rather than what is free."""
+    """One GPU as published: capacity and what is assigned, rather than what is free.
+
+    serves_whole defaults to True, as placement's GpuState does (in-process callers that model a
+    GPU serving both); the agent states it for every GPU, and decode() reads an absent servesWhole
+    as the safe False for a fractional GPU (see the module docstring).
+    """
 
     uuid: str
     index: int
@@ -87,9 +103,18 @@ class GpuRecord:
     nvlink_peers: tuple[str, ...] = ()
     numa_node: int | None = None
     pods: tuple[str, ...] = ()
+    serves_whole: bool = True  # for fractional GPUs; whole ones always True, MIG/time-sliced False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sharing", Sharing(self.sharing))
+        object.__setattr__(self, "serves_whole", whole_by_mode(self.sharing, self.serves_whole))
+
+
+def whole_by_mode(sharing: Sharing, stated: bool) -> bool:
+    """Whether a GPU in `sharing` mode serves whole-GPU requests, given what is stated for a fractional one."""
+    if sharing == Sharing.WHOLE:
+        return True
+    return stated if sharing == Sharing.FRACTIONAL else False
 
 
 @dataclass(frozen=True)
@@ -124,6 +149,7 @@ def _gpu_to_json(g: GpuRecord) -> dict[str, Any]:
         "memoryAssignedBytes": g.memory_assigned_bytes,
         "health": "Healthy" if g.healthy else "Unhealthy",
         "sharing": g.sharing.value,
+        "servesWhole": g.serves_whole,
         "mig": [{"profile": m.profile, "uuid": m.uuid, "assigned": m.assigned} for m in g.mig],
         "nvlinkPeers": list(g.nvlink_peers),
         "numaNode": g.numa_node,
@@ -178,6 +204,14 @@ def _decode_gpu(r: SectionReader) -> GpuRecord:
     if memory_assigned > memory_total:
         raise r.fail("memoryAssignedBytes", f"{memory_assigned} exceeds memoryTotalBytes {memory_total}")
     mig = tuple(_decode_mig(r.item(item, r.key_path(f"mig[{i}]"))) for i, item in enumerate(r.items("mig")))
+    sharing = Sharing(r.choice("sharing", SHARING_MODES))
+    serves_whole = r.flag("servesWhole", sharing == Sharing.WHOLE)
+    if serves_whole != whole_by_mode(sharing, serves_whole):
+        raise r.fail(
+            "servesWhole",
+            f"cannot be {str(serves_whole).lower()} for a {sharing.value} GPU",
+            hint="a whole GPU always serves whole-GPU requests and a MIG or time-sliced one never does",
+        )
     return GpuRecord(
         uuid=uuid,
         index=r.integer("index", minimum=0),
@@ -187,7 +221,8 @@ def _decode_gpu(r: SectionReader) -> GpuRecord:
         milli_assigned=assigned,
         memory_assigned_bytes=memory_assigned,
         healthy=r.choice("health", HEALTH_VALUES) == "Healthy",
-        sharing=Sharing(r.choice("sharing", SHARING_MODES)),
+        sharing=sharing,
+        serves_whole=serves_whole,
         mig=mig,
         nvlink_peers=r.text_list("nvlinkPeers", ()),
         numa_node=r.integer("numaNode", None, minimum=0),

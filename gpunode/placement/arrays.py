@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from gpunode.errors import InvalidRequest, InvalidState
-from gpunode.placement.fit import allocatable_share, model_matches
+from gpunode.placement.fit import allocatable_share, model_matches, takes_whole
 from gpunode.placement.frag import TargetWorkload
 from gpunode.placement.model import MILLI_PER_GPU, NodeState, Request
 
@@ -61,7 +61,7 @@ class NodeArrays:
         self.milli = np.zeros((n, MAX_GPUS), dtype=np.int64)
         self.gmem_free = np.zeros((n, MAX_GPUS), dtype=np.int64)
         self.gmem_total = np.zeros((n, MAX_GPUS), dtype=np.int64)
-        self.ok_any = np.zeros((n, MAX_GPUS), dtype=bool)  # healthy, whole or fractional
+        self.ok_whole = np.zeros((n, MAX_GPUS), dtype=bool)  # whole requests may land (fit.takes_whole)
         self.ok_frac = np.zeros((n, MAX_GPUS), dtype=bool)  # healthy, fractional
         self.gpu_count = np.zeros(n, dtype=np.int64)  # GPUs in whole or fractional mode (packing's node size)
         self.version = np.zeros(n, dtype=np.int64)
@@ -91,7 +91,7 @@ class NodeArrays:
         if node.gpus and self._model_names[self._model_of[i]] != node.gpus[0].model:
             raise InvalidState(f"node {node.name}: a row keeps its GPU model")
         self.cpu[i], self.mem[i] = node.cpu_milli_free, node.memory_free_bytes
-        for arr in (self.share, self.milli, self.gmem_free, self.gmem_total, self.ok_any, self.ok_frac):
+        for arr in (self.share, self.milli, self.gmem_free, self.gmem_total, self.ok_whole, self.ok_frac):
             arr[i] = 0
         for j, g in enumerate(node.gpus):
             self.share[i, j] = allocatable_share(g)
@@ -100,7 +100,7 @@ class NodeArrays:
                 g.memory_free_bytes,
                 g.memory_total_bytes,
             )
-            self.ok_any[i, j] = g.healthy and g.sharing in ("whole", "fractional")
+            self.ok_whole[i, j] = takes_whole(g)
             self.ok_frac[i, j] = g.healthy and g.sharing == "fractional"
         self.gpu_count[i] = sum(1 for g in node.gpus if g.sharing in ("whole", "fractional"))
 
@@ -151,7 +151,7 @@ class NodeArrays:
 
     def _usable(self, idx: IntArray) -> BoolArray:
         """[K, G, T]: which GPU of which node each shape could use (ignoring its free share)."""
-        per_mode = np.where(self._t_whole, self.ok_any[idx][:, :, None], self.ok_frac[idx][:, :, None])
+        per_mode = np.where(self._t_whole, self.ok_whole[idx][:, :, None], self.ok_frac[idx][:, :, None])
         return per_mode & self._t_access[self._model_of[idx]][:, None, :]
 
     def _gpu_terms(self, share: IntArray, usable: BoolArray) -> tuple[IntArray, IntArray, IntArray]:
@@ -220,7 +220,7 @@ class NodeArrays:
         return share
 
     def _whole_free(self, idx: IntArray) -> BoolArray:
-        return self.ok_any[idx] & (self.share[idx] == MILLI_PER_GPU)
+        return self.ok_whole[idx] & (self.share[idx] == MILLI_PER_GPU)
 
     def feasible_in(self, request: Request, idx: IntArray) -> BoolArray:
         """Which of the nodes `idx` the request fits."""

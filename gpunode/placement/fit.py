@@ -1,8 +1,9 @@
 """Fit: whether a request can run on a node, on which GPUs, and what the node looks like after.
 
 The rules, one place for all callers:
-- a whole-GPU request takes healthy GPUs in `whole` or `fractional` mode with
-  nothing handed out;
+- a whole-GPU request takes healthy GPUs with nothing handed out: `whole` ones,
+  and `fractional` ones whose node also offers them whole (GpuState.serves_whole;
+  the agent's published record says it per GPU);
 - a fraction takes one healthy GPU in `fractional` mode with enough free compute
   share and, when asked by memory, enough free memory;
 - a MIG request takes one free instance of its profile on a healthy `mig` GPU;
@@ -24,8 +25,6 @@ from functools import lru_cache
 from gpunode.errors import InvalidState
 from gpunode.placement.model import MILLI_PER_GPU, GpuState, NodeState, Request
 
-_WHOLE_MODES = ("whole", "fractional")
-
 
 @lru_cache(maxsize=1024)
 def _model_words(model: str) -> frozenset[str]:
@@ -40,9 +39,32 @@ def model_matches(model: str, wanted: frozenset[str] | None) -> bool:
     return any(w.lower() in words for w in wanted)
 
 
+def takes_whole(gpu: GpuState) -> bool:
+    """Whole-GPU requests may land on the GPU, by its health and sharing mode (what is free aside).
+
+    `whole` GPUs, and `fractional` ones that their node also offers whole (serves_whole).
+    """
+    if not gpu.healthy:
+        return False
+    return gpu.sharing == "whole" or (gpu.sharing == "fractional" and gpu.serves_whole)
+
+
 def serves_whole(gpu: GpuState, models: frozenset[str] | None = None) -> bool:
     """The GPU can be handed out whole right now."""
-    return gpu.healthy and gpu.sharing in _WHOLE_MODES and gpu.fully_free and model_matches(gpu.model, models)
+    return takes_whole(gpu) and gpu.fully_free and model_matches(gpu.model, models)
+
+
+def _shared_only(node: NodeState, request: Request) -> int:
+    """Fully free fractional GPUs of the node that whole requests may not take (not offered whole)."""
+    return sum(
+        1
+        for g in node.gpus
+        if g.healthy
+        and g.sharing == "fractional"
+        and not g.serves_whole
+        and g.fully_free
+        and model_matches(g.model, request.gpu_models)
+    )
 
 
 def fits_fraction(gpu: GpuState, request: Request) -> bool:
@@ -95,7 +117,9 @@ def unfit_reason(node: NodeState, request: Request) -> str | None:
         return f"no GPU of model {'|'.join(sorted(request.gpu_models))}"
     found = candidate_gpus(node, request)
     if kind == "whole" and len(found) < request.gpus:
-        return f"insufficient whole GPUs: {len(found)} free, {request.gpus} requested"
+        shared = _shared_only(node, request)
+        why = f"; {shared} more free but shared by memory only (not offered whole)" if shared else ""
+        return f"insufficient whole GPUs: {len(found)} free, {request.gpus} requested{why}"
     if kind == "fraction" and not found:
         want = []
         if request.gpu_milli:

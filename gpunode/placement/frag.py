@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from gpunode.errors import InvalidRequest
-from gpunode.placement.fit import allocatable_share, model_matches
+from gpunode.placement.fit import allocatable_share, model_matches, takes_whole
 from gpunode.placement.model import MILLI_PER_GPU, GpuState, NodeState
 
 FGD_MAX_SCORE = 100
@@ -230,11 +230,12 @@ def node_pressure(nodes: Sequence[NodeCapacity], demand: Sequence[TargetPod]) ->
 def serves_target(gpu: GpuState, pod: TargetPod) -> bool:
     """Whether the GPU could serve the shape by health, model and sharing mode (free share aside).
 
-    Whole-GPU shapes use `whole` or `fractional` GPUs; fractional shapes only `fractional` ones.
+    Whole-GPU shapes use the GPUs whole requests may take (fit.takes_whole: `whole` ones and
+    `fractional` ones also offered whole); fractional shapes only `fractional` ones.
     """
     if not gpu.healthy or not model_matches(gpu.model, pod.gpu_models):
         return False
-    return gpu.sharing in ("whole", "fractional") if pod.whole else gpu.sharing == "fractional"
+    return takes_whole(gpu) if pod.whole else gpu.sharing == "fractional"
 
 
 def fragmentation(node: NodeState, workload: TargetWorkload) -> int:

@@ -33,6 +33,10 @@ class GpuState:
     memory. A GPU whose memory_total_bytes is 0 has no known memory size: it
     takes compute-share and whole-GPU requests, but no request by memory.
     mig_free maps a MIG profile to the number of free instances of it.
+    serves_whole says whether a whole-GPU request may take a `fractional` GPU
+    when it is fully free (its node also offers it whole); `whole` GPUs always
+    serve whole requests and MIG and time-sliced ones never, whatever it says.
+    True by default: a modelled GPU (the trace simulator's) serves both.
     """
 
     uuid: str
@@ -46,6 +50,7 @@ class GpuState:
     healthy: bool = True
     mig_free: Mapping[str, int] = field(default_factory=lambda: EMPTY_MAPPING)
     sharing: Sharing = Sharing.FRACTIONAL
+    serves_whole: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mig_free", _freeze_mapping(self.mig_free))

@@ -4,9 +4,10 @@ The agent publishes per GPU what is assigned (gpunode.contract.nodestate);
 placement decides on what is free (GpuState, NodeState). These functions turn
 one into the other with a single rule, used by the extender for every node it
 reads and by the agent for its own GetPreferredAllocation, so both sides
-decide on the same picture: free = capacity - assigned (never below zero), and
-a MIG profile counts its unassigned instances (a profile whose instances are
-all held stays listed, with 0). Pure functions; no I/O.
+decide on the same picture: free = capacity - assigned (never below zero), a
+MIG profile counts its unassigned instances (a profile whose instances are
+all held stays listed, with 0), and whether a GPU serves whole-GPU requests
+is what the record says (servesWhole). Pure functions; no I/O.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def gpu_state(record: GpuRecord) -> GpuState:
         healthy=record.healthy,
         mig_free=mig_free,
         sharing=record.sharing,
+        serves_whole=record.serves_whole,
     )
 
 
@@ -82,6 +84,7 @@ def gpu_record(gpu: GpuState, *, pods: Sequence[str] = ()) -> GpuRecord:
         memory_assigned_bytes=gpu.memory_total_bytes - gpu.memory_free_bytes,
         healthy=gpu.healthy,
         sharing=gpu.sharing,
+        serves_whole=gpu.serves_whole,
         mig=mig,
         nvlink_peers=tuple(sorted(gpu.nvlink_peers)),
         numa_node=gpu.numa_node,

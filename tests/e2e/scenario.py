@@ -14,7 +14,10 @@ pod's assignment every SAMPLE_S:
    16 connections with the scheduler's certificate). 12 fit; the other 4 binds must be refused.
 2. Through kube-scheduler, all at once: whole GPUs, MIG instances, a burst of 20 fractional pods
    created together, one pod that fits no GPU and one with an invalid request (two MIG profiles), and
-   whole-GPU and fractional pods for the real node, which run in its containerd.
+   whole-GPU and fractional pods for the real node, which run in its containerd. Two nodes (the H100
+   node and the real one) have both whole GPUs and GPUs shared in memory units; a whole-GPU pod pinned
+   to each is placed while its shared GPUs are all fully free (before the fractions exist), and must
+   get a GPU the node offers whole (whole_offered).
 3. 32 simultaneous TLS connections to the extender, each sending a filter: all answered 200.
 
 Figures (Figures): agreement rate (pods whose allocated GPUs equal the assigned ones), over-commit
@@ -83,13 +86,19 @@ CHART_VALUES = {
     }
 }
 FRACTIONAL = {"fractional": {"devices": "all", "unit": "1Gi"}}
+# Whole GPUs: 4 T4s, the A100 without MIG, and GPUs 6 and 7 of the H100 node, whose GPUs 0-5 are shared
+# in memory units (advertised only as gpunode.io/gpu-memory, published with servesWhole false).
 NODES: dict[str, dict[str, Any]] = {
     "e2e-t4-whole": {"profile": "t4"},
     "e2e-a100-mig": {"profile": "a100-mig", "flags": {"migStrategy": "mixed"}},
     "e2e-t4-frac": {"profile": "t4", "agent": FRACTIONAL},
-    "e2e-h100-frac": {"profile": "dgx-h100", "agent": FRACTIONAL},
+    "e2e-h100-mixed": {
+        "profile": "dgx-h100",
+        "agent": {"fractional": {"devices": [0, 1, 2, 3, 4, 5], "unit": "1Gi"}},
+    },
 }
-RACE_NODE, RACE_OTHER, RACE_PODS, RACE_GIB = "e2e-t4-frac", "e2e-h100-frac", 16, 4
+RACE_NODE, RACE_OTHER, RACE_PODS, RACE_GIB = "e2e-t4-frac", "e2e-h100-mixed", 16, 4
+MIXED_NODE, MIXED_WHOLE = "e2e-h100-mixed", "whole-h100"  # a whole-GPU pod pinned there, placed first
 MIG_1G, MIG_2G, MIG_3G = "nvidia.com/mig-1g.10gb", "nvidia.com/mig-2g.20gb", "nvidia.com/mig-3g.40gb"
 
 
@@ -372,7 +381,9 @@ def _simultaneous_filters(cluster: Cluster, count: int = 32) -> list[int]:
 def _scheduled_pods() -> dict[str, dict[str, str]]:
     """The pods kube-scheduler places: name -> limits."""
     pods: dict[str, dict[str, str]] = {}
-    for i in range(2):  # with the 2-GPU pod, 4 of the 5 whole GPUs: room whatever the order
+    # Whole GPUs first, so they are placed while every shared GPU is fully free. 5 of the 7 whole GPUs:
+    # whatever nodes the 3 single GPUs take, 2 of the 4 left are on one node for the 2-GPU pod.
+    for i in range(3):
         pods[f"whole-{i}"] = {GPU_RESOURCE: "1"}
     pods["whole-two"] = {GPU_RESOURCE: "2"}
     for i in range(4):
@@ -394,10 +405,17 @@ UNFIT = {
 }
 
 
+def _assigned(admin: Api, pod: str) -> bool:
+    """Whether the extender has written its GPU assignment on the pod."""
+    got = admin.get(f"/api/v1/namespaces/{NAMESPACE}/pods/{pod}")
+    return ASSIGNMENT_ANNOTATION in got["metadata"].get("annotations", {})
+
+
 def _real_pods(
     cluster: Cluster, admin: Api, pods: dict[str, dict[str, str]], after: dict[str, Any] | None = None
 ) -> None:
-    """Create pods for the real node once the extender knows its state and the pods `after` are assigned."""
+    """Create pods for the real node once the extender knows its state and the pods `after` are assigned
+    (by the extender: they were placed before these exist)."""
     assert cluster.real is not None
     probe = real_pod("probe", {GPU_MEMORY_RESOURCE: "1"})
     probe["metadata"].update(namespace=NAMESPACE, uid="probe-uid")
@@ -408,12 +426,8 @@ def _real_pods(
         what=f"the extender's filter passing {name}",
     )
 
-    def assigned(pod: str) -> bool:
-        got = admin.get(f"/api/v1/namespaces/{NAMESPACE}/pods/{pod}")
-        return ASSIGNMENT_ANNOTATION in got["metadata"].get("annotations", {})
-
     for earlier in after or {}:
-        eventually(partial(assigned, earlier), timeout_s=WAIT_S, what=f"{earlier} assigned")
+        eventually(partial(_assigned, admin, earlier), timeout_s=WAIT_S, what=f"{earlier} assigned")
     for pod, limits in pods.items():
         create_pod(admin, NAMESPACE, real_pod(pod, limits))
 
@@ -426,6 +440,10 @@ def run_scenario(cluster: Cluster) -> Outcome:
     started = time.monotonic()
     try:
         _race(cluster, admin, outcome)
+        pinned = pod_body(MIXED_WHOLE, limits={GPU_RESOURCE: "1"})
+        pinned["spec"]["nodeSelector"] = {"kubernetes.io/hostname": MIXED_NODE}
+        create_pod(admin, NAMESPACE, pinned)
+        eventually(partial(_assigned, admin, MIXED_WHOLE), timeout_s=WAIT_S, what=f"{MIXED_WHOLE} assigned")
         scheduled = _scheduled_pods()
         with concurrent.futures.ThreadPoolExecutor(20) as pool:  # the burst: created together
             list(
@@ -435,14 +453,14 @@ def run_scenario(cluster: Cluster) -> Outcome:
             )
         real = REAL_PODS if cluster.real is not None else {}
         if cluster.real is not None:
-            _real_pods(cluster, admin, REAL_FRACTIONS)
+            _real_pods(cluster, admin, REAL_WHOLE)
         for name, (limits, text) in UNFIT.items():
             create_pod(admin, NAMESPACE, pod_body(name, limits=limits))
             outcome.unfit[name] = text
         outcome.connections = _simultaneous_filters(cluster)
         if cluster.real is not None:
-            _real_pods(cluster, admin, REAL_WHOLE, after=REAL_FRACTIONS)
-        outcome.fit = [*outcome.race_bound, *scheduled, *real]
+            _real_pods(cluster, admin, REAL_FRACTIONS, after=REAL_WHOLE)
+        outcome.fit = [*outcome.race_bound, MIXED_WHOLE, *scheduled, *real]
 
         def done(annotated: bool) -> bool:
             pods = {
@@ -528,6 +546,35 @@ def agreement(cluster: Cluster, outcome: Outcome) -> tuple[int, int, list[str]]:
     return agree, len(outcome.fit), differ
 
 
+def whole_offered(cluster: Cluster, outcome: Outcome) -> tuple[int, list[str]]:
+    """(whole-GPU pods placed on nodes that also share GPUs in memory units, the whole-GPU pods assigned a
+    GPU whose node does not offer it whole), from the nodes' published servesWhole."""
+    offered: dict[tuple[str, str], bool] = {}
+    mixed: set[str] = set()
+    for node in cluster.cp.api().get("/api/v1/nodes")["items"]:
+        name = node["metadata"]["name"]
+        text = node["metadata"].get("annotations", {}).get(NODE_STATE_ANNOTATION)
+        if name in cluster.node_names and text:
+            for g in decode(text, node=name).gpus:
+                offered[(name, g.uuid)] = g.serves_whole
+                if g.sharing == "fractional" and not g.serves_whole:
+                    mixed.add(name)
+    on_mixed, wrong = 0, []
+    for name in outcome.fit:
+        pod = outcome.pods[name]
+        if GPU_RESOURCE not in pod["spec"]["containers"][0]["resources"].get("limits", {}):
+            continue
+        node = pod["spec"].get("nodeName", "")
+        assigned = pod["metadata"].get("annotations", {}).get(ASSIGNMENT_ANNOTATION, "").split(",")
+        on_mixed += node in mixed
+        wrong += [
+            f"{name}: {node} {uuid} is not offered whole"
+            for uuid in assigned
+            if not offered.get((node, uuid))
+        ]
+    return on_mixed, wrong
+
+
 def figures(cluster: Cluster, outcome: Outcome) -> dict[str, Any]:
     """The scenario's figures, for the JSON report."""
     agree, compared, _ = agreement(cluster, outcome)
@@ -543,6 +590,8 @@ def figures(cluster: Cluster, outcome: Outcome) -> dict[str, Any]:
         "agreement": f"{agree}/{compared}",
         "overcommit_samples": len(outcome.violations),
         "samples": outcome.samples,
+        "whole_pods_on_mixed_nodes": whole_offered(cluster, outcome)[0],
+        "whole_pods_on_gpus_not_offered_whole": len(whole_offered(cluster, outcome)[1]),
         "wall_s": round(outcome.wall_s, 1),
         "race_bound": len(outcome.race_bound),
         "race_refused": len(outcome.race_refused),

@@ -29,10 +29,10 @@ from tests.e2e.procs import Proc, free_port
 
 WAIT_S = 180.0
 REAL_TAINT = {"key": "gpunode.io/e2e-real-kubelet", "value": "true", "effect": "NoSchedule"}
-# name -> limits. Fractions of the two shared GPUs first: two 8 GiB pods cannot share a 15 GiB GPU, so
-# both shared GPUs hold one. Then two whole GPUs, all the node has whole, created once the fractions are
-# assigned: the extender counts a fully free shared GPU as a candidate for a whole-GPU pod, but the node
-# offers only GPUs 2 and 3 as nvidia.com/gpu, so the whole pods must not find a shared GPU free.
+# name -> limits. Two whole GPUs, all the node has whole, placed first, while the shared GPUs 0 and 1
+# are still fully free: the node offers only GPUs 2 and 3 as nvidia.com/gpu and publishes servesWhole
+# false for 0 and 1, so the extender must assign 2 and 3. Then the fractions of the two shared GPUs:
+# two 8 GiB pods cannot share a 15 GiB GPU, so both shared GPUs hold one.
 REAL_FRACTIONS: dict[str, dict[str, str]] = {
     "real-frac-0": {GPU_MEMORY_RESOURCE: "8"},
     "real-frac-1": {GPU_MEMORY_RESOURCE: "8"},

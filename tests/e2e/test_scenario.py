@@ -52,6 +52,17 @@ def test_every_pod_that_fits_is_bound_and_gets_the_assigned_gpu(ran: dict[str, A
     assert agree == compared, "\n".join(differ)
 
 
+def test_whole_gpu_pods_get_only_gpus_their_node_offers_whole(ran: dict[str, Any]) -> None:
+    """On nodes that share some GPUs in memory units (published servesWhole false), a whole-GPU pod placed
+    while those GPUs were fully free got one of the GPUs the node advertises as nvidia.com/gpu."""
+    cluster, outcome = ran["cluster"], ran["outcome"]
+    on_mixed, wrong = scenario.whole_offered(cluster, outcome)
+    assert wrong == []
+    pinned = outcome.pods[scenario.MIXED_WHOLE]
+    assert pinned["spec"]["nodeName"] == scenario.MIXED_NODE
+    assert on_mixed >= 1 + (len(scenario.REAL_WHOLE) if cluster.real is not None else 0)
+
+
 def test_concurrent_binds_take_exactly_the_room_there_is(ran: dict[str, Any]) -> None:
     outcome = ran["outcome"]
     # 4 x 15 GiB GPUs, 4 GiB pods: 3 per GPU. The other binds are refused with the extender's reason.
@@ -103,4 +114,5 @@ def test_no_component_logged_an_error(ran: dict[str, Any]) -> None:
 def test_the_figures_are_written(ran: dict[str, Any]) -> None:
     written = json.loads(Path(ran["tmp"], "scenario-figures.json").read_text())
     assert written["agreement_rate"] == 1.0 and written["overcommit_samples"] == 0
+    assert written["whole_pods_on_gpus_not_offered_whole"] == 0 and written["whole_pods_on_mixed_nodes"] >= 1
     assert written["filter_count"] > 0 and written["bind_count"] > 0

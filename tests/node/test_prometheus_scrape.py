@@ -11,19 +11,13 @@ query its HTTP API.
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
-import threading
-import time
-import urllib.parse
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,12 +29,12 @@ from gpunode.config.metrics import MetricsConfig
 from gpunode.node.devices.simnode.backend import SimBackend
 from gpunode.node.inventory import Inventory, build_inventory, region_key
 from gpunode.node.kubelet.podresources import ContainerDevices, PodAttribution
-from gpunode.node.metrics import MetricsCollector, MetricsServer
+from gpunode.node.metrics import MetricsCollector
 from tests.fakes import CappedProcess
 from tests.fakes.podresources import PodResourcesStandIn
+from tests.shared.prometheus import PROMETHEUS, Prometheus, ServingThread, needs_prometheus, values
 
 DATA = Path(__file__).resolve().parents[1] / "data"
-PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
 GIB = 2**30
 
@@ -48,18 +42,9 @@ GIB = 2**30
 importlib.import_module("gpunode._memcap")
 memcap = importlib.import_module("gpunode.node.memcap")
 
-needs_prometheus = pytest.mark.skipif(
-    PROMETHEUS is None, reason="the prometheus binary is not installed (apt-get install -y prometheus)"
-)
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="promtool is not installed (apt-get install -y prometheus)"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -78,119 +63,6 @@ class Node:
     @property
     def gpus(self) -> Any:
         return self.backend.gpus()
-
-
-class ServingThread:
-    """Runs the collectors and endpoints of several nodes on one event loop in a thread, as the agent does."""
-
-    def __init__(self, nodes: list[Node]) -> None:
-        self.nodes = nodes
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="metrics-under-test", daemon=True)
-        self.servers: list[MetricsServer] = []
-        self.tasks: list[asyncio.Task[None]] = []
-
-    def start(self) -> None:
-        self.thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(60)
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(60)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(30)
-        self.loop.close()
-
-    def call(self, fn: Callable[[], Any]) -> Any:
-        async def run() -> Any:
-            return fn()
-
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30)
-
-    async def _start(self) -> None:
-        for node in self.nodes:
-            server = MetricsServer(node.collector, "127.0.0.1:0")
-            await server.start()
-            node.port = server.port
-            self.servers.append(server)
-            ready = asyncio.Event()
-            self.tasks.append(asyncio.create_task(node.collector.run(ready=ready)))
-            await ready.wait()
-
-    async def _stop(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        for server in self.servers:
-            await server.stop()
-
-
-class Prometheus:
-    """A real Prometheus server on loopback with a temporary data directory."""
-
-    def __init__(self, targets: list[int], workdir: Path) -> None:
-        self.port = free_port()
-        self.workdir = workdir
-        config = workdir / "prometheus.yml"
-        config.write_text(
-            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n"
-            "scrape_configs:\n  - job_name: gpunode\n    static_configs:\n"
-            f"      - targets: [{', '.join(repr(f'127.0.0.1:{p}') for p in targets)}]\n"
-        )
-        self.log = open(workdir / "prometheus.log", "wb")  # noqa: SIM115 - closed in stop()
-        assert PROMETHEUS is not None
-        self.proc = subprocess.Popen(
-            [
-                PROMETHEUS,
-                f"--config.file={config}",
-                f"--storage.tsdb.path={workdir / 'data'}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
-                "--log.level=warn",
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-
-    def api(self, path: str, **params: str) -> Any:
-        url = f"http://127.0.0.1:{self.port}/api/v1/{path}?{urllib.parse.urlencode(params)}"
-        with urllib.request.urlopen(url, timeout=10) as r:
-            doc = json.load(r)
-        assert doc["status"] == "success", doc
-        return doc["data"]
-
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        data = self.api("query", query=expr)
-        assert data["resultType"] == "vector", data
-        return list(data["result"])
-
-    def wait_until(self, what: str, check: Callable[[], bool], timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"prometheus exited: {(self.workdir / 'prometheus.log').read_text()[-2000:]}"
-                )
-            try:
-                if check():
-                    return
-            except (OSError, AssertionError):
-                pass
-            time.sleep(0.2)
-        raise AssertionError(
-            f"timed out waiting for {what}; log: {(self.workdir / 'prometheus.log').read_text()[-2000:]}"
-        )
-
-
-def values(result: list[dict[str, Any]]) -> list[float]:
-    return [float(r["value"][1]) for r in result]
 
 
 # -- the two nodes --------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from gpunode.node.inventory import build_inventory
 from gpunode.node.kubelet.podresources import ContainerDevices
 from gpunode.node.publish import node_gpu_state
 from gpunode.node.state import Snapshot
+from gpunode.placement import Request, TargetPod, TargetWorkload, place, unfit_reason
 from gpunode.placement.published import node_state
 from tests.agentrunner import RunningAgent, make_config
 from tests.fakes.apiserver import ApiServerStandIn
@@ -300,3 +301,39 @@ def test_preferred_allocation_sees_what_the_node_publishes() -> None:
 
     whole_view = placement_node(snap, resource=GPU_RESOURCE, offered=[])
     assert [g.milli_free for g in whole_view.gpus] == [1000, 1000, 0]  # GPU 2 not offered: held
+
+
+def test_fractional_gpus_are_published_as_not_serving_whole_requests() -> None:
+    """A GPU the agent shares in memory units is advertised only as units, never as nvidia.com/gpu, so its
+    record says that whole-GPU requests do not take it; the extender, reading the annotation, then offers
+    a whole-GPU pod only the GPUs the node advertises whole, and says why when they are too few."""
+    gpus = [hand_gpu(0), hand_gpu(1), hand_gpu(2), hand_gpu(3)]
+    text = """
+gpunode: {fractional: {devices: [0, 1], unit: 10Gi}}
+sharing: {timeSlicing: {renameByDefault: true, resources: [{name: nvidia.com/gpu, replicas: 2, devices: [3]}]}}
+"""
+    snap = snapshot_of(gpus, text)
+    assert {d.gpu_uuid for d in snap.inventory.by_resource(GPU_RESOURCE)} == {gpus[2].uuid}
+    by_index = published(snap, {})
+    assert [by_index[i].sharing for i in range(4)] == [
+        Sharing.FRACTIONAL,
+        Sharing.FRACTIONAL,
+        Sharing.WHOLE,
+        Sharing.TIME_SLICED,
+    ]
+    assert [by_index[i].serves_whole for i in range(4)] == [False, False, True, False]
+    text_out = encode(node_gpu_state(snap, node=NODE, holders={}))
+    assert [g["servesWhole"] for g in json.loads(text_out)["gpus"]] == [False, False, True, False]
+
+    view = node_state(decode(text_out, node=NODE), cpu_milli_free=64_000, memory_free_bytes=2**36)
+    assert all(g.fully_free for g in view.gpus)
+    for policy in ("gpunode", "bestfit", "packing", "spread"):
+        workload = TargetWorkload(
+            (TargetPod(cpu_milli=0, gpu_milli=1000, gpus=1, gpu_models=None, weight=1),)
+        )
+        choice = place([view], Request(gpus=1), policy=policy, workload=workload)
+        assert choice is not None and choice.gpu_uuids == (gpus[2].uuid,), policy
+    assert unfit_reason(view, Request(gpus=2)) == (
+        "insufficient whole GPUs: 1 free, 2 requested; 2 more free but shared by memory only (not offered whole)"
+    )
+    assert unfit_reason(view, Request(gpu_memory_bytes=10 * GIB)) is None  # the units still serve fractions

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import jsonschema
@@ -18,7 +19,7 @@ from gpunode.contract.nodestate import (
     load_schema,
 )
 from gpunode.errors import GpunodeError, NodeStateError
-from gpunode.placement import GpuState, NodeState
+from gpunode.placement import GpuState, NodeState, Request, candidate_gpus, unfit_reason
 from gpunode.placement.published import node_state, published_state
 
 GIB = 2**30
@@ -169,6 +170,11 @@ _DELETE = object()
             mutate("gpus.2.mig.0.assigned", "no"), "assigned: expected true or false", id="mig-flag"
         ),
         pytest.param(mutate("gpus.0.pods", [""]), "non-empty strings", id="empty-pod"),
+        pytest.param(mutate("gpus.0.servesWhole", "no"), "expected true or false", id="serves-whole-type"),
+        pytest.param(
+            mutate("gpus.1.servesWhole", False), "cannot be false for a whole GPU", id="whole-not-whole"
+        ),
+        pytest.param(mutate("gpus.2.servesWhole", True), "cannot be true for a mig GPU", id="mig-whole"),
     ],
 )
 def test_bad_annotations_raise_a_clear_error(text: str, message: str) -> None:
@@ -197,9 +203,46 @@ def test_oversized_and_non_utf8_text_is_refused() -> None:
 
 def test_schema_refuses_what_decode_refuses() -> None:
     schema = load_schema()
-    for path, value in (("version", "v2"), ("gpus.0.health", "Sick"), ("gpus.0.milliCapacity", 2000)):
+    for path, value in (
+        ("version", "v2"),
+        ("gpus.0.health", "Sick"),
+        ("gpus.0.milliCapacity", 2000),
+        ("gpus.0.servesWhole", "no"),
+        ("gpus.1.servesWhole", False),
+        ("gpus.2.servesWhole", True),
+    ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(json.loads(mutate(path, value)), schema)
+
+
+def test_serves_whole_is_published_and_defaults_to_the_safe_reading() -> None:
+    """servesWhole round-trips; an annotation without it (an agent from before the field) means a
+    fractional GPU takes no whole-GPU request while a whole GPU still does, and the placement view
+    carries it: a whole request does not fit a free GPU shared by memory only, and says why."""
+    state = sample_state()
+    shared = replace(state.gpus[0], milli_assigned=0, memory_assigned_bytes=0, pods=(), serves_whole=False)
+    free_whole = replace(state.gpus[1], healthy=True)
+    state = replace(state, gpus=(shared, free_whole, state.gpus[2]))
+    d = json.loads(encode(state))
+    assert [g["servesWhole"] for g in d["gpus"]] == [False, True, False]
+    jsonschema.validate(d, load_schema())
+    assert decode(encode(state)) == state
+    for g in d["gpus"]:
+        del g["servesWhole"]
+    old = decode(json.dumps(d))
+    assert [g.serves_whole for g in old.gpus] == [False, True, False]
+    jsonschema.validate(d, load_schema())
+    view = node_state(old, cpu_milli_free=1, memory_free_bytes=1)
+    assert not view.gpus[0].serves_whole and view.gpus[0].fully_free
+    assert candidate_gpus(view, Request(gpus=1)) == (view.gpus[1],)
+    reason = unfit_reason(view, Request(gpus=2))
+    assert reason == (
+        "insufficient whole GPUs: 1 free, 2 requested; 1 more free but shared by memory only (not offered whole)"
+    )
+    # Stated true, a fractional GPU that is fully free takes a whole request.
+    d["gpus"][0]["servesWhole"] = True
+    view = node_state(decode(json.dumps(d)), cpu_milli_free=1, memory_free_bytes=1)
+    assert unfit_reason(view, Request(gpus=2)) is None
 
 
 def test_annotation_key() -> None:

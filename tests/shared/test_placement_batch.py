@@ -29,15 +29,18 @@ GIB = 2**30
 MODELS = ("G2", "T4", "P100")
 
 
-def random_cluster(rng: random.Random, n: int = 10) -> list[NodeState]:
+def random_cluster(rng: random.Random, n: int = 10, offers: random.Random | None = None) -> list[NodeState]:
     """Nodes the batch form covers: one model each; fractional GPUs with or without a memory size, or whole-mode
-    ones; unhealthy, MIG and time-sliced GPUs mixed in."""
+    ones; unhealthy, MIG and time-sliced GPUs mixed in. Fractional GPUs serve whole requests on some nodes,
+    on others not (as an agent publishes them), and on others GPU by GPU, drawn from `offers` (without it,
+    every fractional GPU serves whole requests too)."""
     nodes = []
     for i in range(n):
         count = rng.choice([0, 1, 2, 4, 8, 8])
         model = rng.choice(MODELS)
         mode = rng.choice(["fractional", "fractional", "whole"])
         sized = rng.random() < 0.5
+        offered_whole = offers.choice(["all", "none", "some"]) if offers else "all"
         gpus = []
         for j in range(count):
             sharing = mode if rng.random() < 0.85 else rng.choice(["mig", "time-sliced"])
@@ -60,6 +63,8 @@ def random_cluster(rng: random.Random, n: int = 10) -> list[NodeState]:
                     healthy=rng.random() < 0.9,
                     sharing=sharing,
                     mig_free={"1g.10gb": 2} if sharing == "mig" else {},
+                    serves_whole=offered_whole == "all"
+                    or (offered_whole == "some" and bool(offers and offers.random() < 0.5)),
                 )
             )
         nodes.append(
@@ -119,7 +124,7 @@ def random_request(rng: random.Random) -> Request:
 @given(seed=st.integers(min_value=0, max_value=2**32 - 1))
 def test_batch_scores_equal_per_node_scores(seed: int) -> None:
     rng = random.Random(seed)
-    nodes = random_cluster(rng)
+    nodes = random_cluster(rng, offers=random.Random(seed + 1))
     workload = random_workload(rng, nodes)
     cluster = ClusterArrays(nodes, workload=workload)
     compared = 0
@@ -159,7 +164,7 @@ def test_batch_scores_equal_per_node_scores(seed: int) -> None:
 @given(seed=st.integers(min_value=0, max_value=2**32 - 1))
 def test_batch_never_over_allocates(seed: int) -> None:
     rng = random.Random(seed)
-    nodes = random_cluster(rng, n=6)
+    nodes = random_cluster(rng, n=6, offers=random.Random(seed + 1))
     cluster = ClusterArrays(nodes, workload=random_workload(rng, nodes))
     gen = np.random.default_rng(seed)
     for _ in range(40):
@@ -227,3 +232,42 @@ def test_batch_refuses_requests_it_does_not_cover() -> None:
         cluster.scores(Request(gpus=1), "fgd")  # no workload given
     with pytest.raises(InvalidRequest):
         cluster.scores(Request(gpus=1), "tetris")
+
+
+def test_whole_requests_never_take_a_gpu_shared_by_memory_only() -> None:
+    """A node's fully free fractional GPUs that it does not offer whole (serves_whole False, as its agent
+    publishes them) take no whole-GPU request, in the batch form as in the per-node functions; the
+    whole GPUs of another node do."""
+    shared = NodeState(
+        name="shared",
+        gpus=tuple(gpu(j, serves_whole=False) for j in range(4)),
+        cpu_milli_free=64_000,
+        memory_free_bytes=2**36,
+    )
+    offered = NodeState(
+        name="offered",
+        gpus=(gpu(0), gpu(1, serves_whole=False)),  # GPU 0 also offered whole, GPU 1 not
+        cpu_milli_free=64_000,
+        memory_free_bytes=2**36,
+    )
+    workload = TargetWorkload(
+        (
+            TargetPod(cpu_milli=0, gpu_milli=1000, gpus=1, gpu_models=None, weight=1),
+            TargetPod(cpu_milli=0, gpu_milli=300, gpus=1, gpu_models=None, weight=1),
+        )
+    )
+    cluster = ClusterArrays([shared, offered], workload=workload)
+    for request in (Request(gpus=1), Request(gpus=2)):
+        feasible = cluster.feasible_in(request, np.arange(2))
+        assert list(feasible) == [fits(shared, request), fits(offered, request)] == [False, request.gpus == 1]
+        for policy in DETERMINISTIC:
+            picked = cluster.choose(request, policy, rng=np.random.default_rng(0))
+            expected = place([shared, offered], request, policy=policy, workload=workload)
+            if request.gpus == 2:
+                assert picked is None and expected is None
+                continue
+            assert picked is not None and expected is not None
+            assert (cluster.names[picked.node], picked.gpus) == ("offered", (0,))
+            assert expected.node == "offered" and expected.gpu_uuids == ("g0",)
+    # A fraction still lands on the GPUs shared by memory.
+    assert cluster.choose(Request(gpu_milli=300), "bestfit", rng=np.random.default_rng(0)) is not None

@@ -22,9 +22,10 @@ from gpunode.cluster.extender.kubeapi import (
     refresh_nodes_periodically,
 )
 from gpunode.cluster.extender.nodes import NodeCache
+from gpunode.cluster.extender.promfeed import PromFeed
 from gpunode.cluster.extender.server import DEFAULT_MAX_BODY_BYTES, serve_extender
 from gpunode.cluster.extender.workload import WorkloadTracker
-from gpunode.contract.names import EXTENDER_ROLE_LABEL, GIB
+from gpunode.contract.names import EXTENDER_ROLE_LABEL, GIB, NODE_SERIES_LABEL
 from gpunode.contract.reader import parse_bytes, parse_duration
 from gpunode.errors import ConfigError, GpunodeError, PlacementError
 from gpunode.infra.kube import SERVICE_ACCOUNT_DIR, ElectionConfig
@@ -140,6 +141,34 @@ def register_extender_cli(
     )
     p.add_argument("--leader-elect-retry-period", default="2s", help="time between renewals and attempts")
     p.add_argument(
+        "--prometheus-url",
+        default="",
+        help="Prometheus scraping the agents (e.g. http://prometheus.monitoring:9090): prioritize adds an "
+        "energy and a load term from their power, utilisation and memory series (default: off)",
+    )
+    p.add_argument("--prometheus-refresh", default="15s", help="how often the figures are queried")
+    p.add_argument("--prometheus-timeout", default="5s", help="bound on each query, answer read in full")
+    p.add_argument(
+        "--prometheus-max-age",
+        default="1m",
+        help="figures older than this are stale: prioritize scores without the terms (and counts it)",
+    )
+    p.add_argument(
+        "--prometheus-node-label", default=NODE_SERIES_LABEL, help="the series' label naming the node"
+    )
+    p.add_argument(
+        "--energy-weight",
+        type=float,
+        default=0.5,
+        help="weight (0..100, policy 1) of preferring nodes already drawing power, so idle ones stay idle",
+    )
+    p.add_argument(
+        "--load-weight",
+        type=float,
+        default=0.2,
+        help="weight (0..100, policy 1) of preferring nodes with low GPU utilisation and memory used",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=("debug", "info", "warning", "error"),
@@ -215,9 +244,20 @@ def build_extender(args: argparse.Namespace) -> tuple[Extender, KubeApi | None]:
             bound_reservation_max_age_s=parse_duration(
                 args.bound_reservation_max_age, where="--bound-reservation-max-age"
             ),
+            energy_weight=args.energy_weight,
+            load_weight=args.load_weight,
         )
     except PlacementError as exc:
         raise ConfigError(str(exc)) from exc
+    feed = None
+    if args.prometheus_url:  # started by run_extender_cli, not here
+        feed = PromFeed(
+            args.prometheus_url,
+            node_label=args.prometheus_node_label,
+            refresh_s=parse_duration(args.prometheus_refresh, where="--prometheus-refresh"),
+            timeout_s=parse_duration(args.prometheus_timeout, where="--prometheus-timeout"),
+            max_age_s=parse_duration(args.prometheus_max_age, where="--prometheus-max-age"),
+        )
     max_age_s = parse_duration(args.node_state_max_age, where="--node-state-max-age")
     seed = None
     if args.workload_csv is not None:
@@ -244,6 +284,7 @@ def build_extender(args: argparse.Namespace) -> tuple[Extender, KubeApi | None]:
         binder=binder,
         # names-only mode: a node created since the last refresh is listed at once, not failed
         node_lister=api.list_nodes if refreshing and api is not None else None,
+        load_feed=feed,
     )
     return extender, api
 
@@ -338,8 +379,14 @@ def run_extender_cli(args: argparse.Namespace) -> int:
                 raise exc
 
     log.debug("gpunode extender: policy %s, asked to listen on %s:%d", args.policy, host, port)
+    feed = extender.load_feed if isinstance(extender.load_feed, PromFeed) else None
+    if feed is not None:
+        feed.start()
     try:
         asyncio.run(main())
     except GpunodeError:
         raise
+    finally:
+        if feed is not None:
+            feed.stop()
     return 0

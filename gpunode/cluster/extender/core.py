@@ -29,6 +29,7 @@ A pod with an unreadable or implausible quantity fails its own filter and is nev
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ from gpunode.cluster.extender.binding import (
 from gpunode.cluster.extender.decide import NodeLocks, decide_and_reserve
 from gpunode.cluster.extender.nodes import NodeCache, NodeView, OnDemandRefresh
 from gpunode.cluster.extender.pods import pod_key, request_from_pod
+from gpunode.cluster.extender.promfeed import FeedMetrics, LoadFeed, blend
 from gpunode.cluster.extender.reservations import (
     DEFAULT_BOUND_TTL_S,
     Reservation,
@@ -75,6 +77,7 @@ log = logging.getLogger(__name__)
 MAX_EXTENDER_PRIORITY = 10  # extenderv1.MaxExtenderPriority
 _CACHE_LIMIT = 500_000  # cached verdicts before the caches are dropped and rebuilt
 _UNSET: Any = object()
+MAX_WEIGHT = 100.0  # of the energy and load terms, against the policy's 1
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,9 @@ class ExtenderConfig:
     long a provisional reservation lasts; bound_reservation_max_age_s the most seconds a bound pod's
     reservation stays while the node's annotation does not list the pod (and the pod exists);
     provisional_reservations makes filter (when one node passes) and prioritize reserve; bind binds
-    only pods whose spec.schedulerName is in scheduler_names.
+    only pods whose spec.schedulerName is in scheduler_names. energy_weight and load_weight (0..100)
+    weigh the energy and load terms against the policy's score (weight 1) at prioritize, when the
+    Extender has a load feed.
     """
 
     policy: str = "gpunode"
@@ -121,9 +126,14 @@ class ExtenderConfig:
     provisional_reservations: bool = True
     scheduler_names: frozenset[str] = frozenset({DEFAULT_SCHEDULER})
     bound_reservation_max_age_s: float = DEFAULT_BOUND_TTL_S
+    energy_weight: float = 0.5
+    load_weight: float = 0.2
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
+        for weight in (self.energy_weight, self.load_weight):
+            if not (math.isfinite(weight) and 0 <= weight <= MAX_WEIGHT):
+                raise InvalidRequest(f"energy and load weights must be in 0..{MAX_WEIGHT}, got {weight}")
         if (
             self.memory_unit_bytes <= 0
             or self.reservation_ttl_s <= 0
@@ -146,9 +156,13 @@ class Extender:
         workload: WorkloadTracker | None = None,
         binder: Binder | None = None,
         node_lister: Callable[[], Iterable[object]] | None = None,
+        load_feed: LoadFeed | None = None,
     ) -> None:
-        """`node_lister` (names-only mode): lists every Node when a request names nodes not yet cached."""
+        """`node_lister` (names-only mode): lists every Node when a request names nodes not yet cached;
+        `load_feed`: figures for the energy and load terms of prioritize (none: the policy alone)."""
         self.config = config or ExtenderConfig()
+        self.load_feed = load_feed
+        self.metrics = load_feed.metrics if load_feed is not None else FeedMetrics()
         # `is None`, not `or`: an empty cache or reservation book has len() 0 and is falsy.
         self.nodes = NodeCache() if nodes is None else nodes
         self.reservations = (
@@ -337,6 +351,11 @@ class Extender:
             if scored is not None:
                 raw[pos] = scored[0]
         scored_at = np.flatnonzero(~np.isnan(raw))
+        if len(scored_at) and self.load_feed is not None:
+            hosts = [views[i].name for i in scored_at]
+            raw = blend(
+                raw, scored_at, hosts, self.load_feed, self.config.energy_weight, self.config.load_weight
+            )
         best = views[int(scored_at[raw[scored_at].argmax()])] if len(scored_at) else None
         scores = _scale_array(raw)
         result = [{"Host": v.name, "Score": int(s)} for v, s in zip(views, scores, strict=True) if v.name]

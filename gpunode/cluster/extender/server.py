@@ -35,8 +35,10 @@ behind binds that wait for it.
 With a `gate` (ha.Leadership, --leader-elect), a replica that is not the leader answers every
 verb with 503, Retry-After and a closed connection, and /healthz and /readyz say its role.
 
-With `health_port`, a second, plain-HTTP server answers /healthz and /readyz only
-(kubelet probes present no client certificate), on `health_host`.
+With `health_port`, a second, plain-HTTP server answers /healthz, /readyz and /metrics only
+(kubelet probes and Prometheus present no client certificate), on `health_host`. GET /metrics
+(on either server) gives the extender's own metrics in the Prometheus text format
+(promfeed.FeedMetrics: scores made without the energy and load terms, failed refreshes).
 
 start()/stop() run the server on its own event loop in a thread (tests, the
 benchmark); open()/close() run it on the caller's loop, as serve_extender()
@@ -54,12 +56,14 @@ from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
+from prometheus_client import generate_latest
 
 from gpunode.cluster.extender.core import Extender
 from gpunode.errors import BadRequest, ListenError, PlacementError
 from gpunode.infra.http import HttpServer, ServerThread, closing
 
 log = logging.getLogger(__name__)
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
 WORKERS = 8  # the Extender serialises on its lock; more threads only let binds wait on the API together
 MAX_PENDING = 256  # requests read, queued or running at once (kube-scheduler opens dozens at a time)
@@ -203,11 +207,18 @@ class ExtenderServer:
 
     async def _handle_health(self, request: web.Request) -> web.StreamResponse:
         verb = request.path.rstrip("/").lstrip("/")
-        if verb not in ("healthz", "readyz"):
-            return _json(404, {"Error": f"no such path {request.path_qs}; this port serves healthz, readyz"})
+        if verb not in ("healthz", "readyz", "metrics"):
+            return _json(
+                404, {"Error": f"no such path {request.path_qs}; this port serves healthz, readyz, metrics"}
+            )
         if request.method not in ("GET", "HEAD"):
             return _json(405, {"Error": f"{verb} takes GET"}, allow="GET, HEAD")
-        return _json(200, self._health())
+        return self._metrics() if verb == "metrics" else _json(200, self._health())
+
+    def _metrics(self) -> web.Response:
+        """The extender's own metrics (the Prometheus feed's: fallback, failures, age) in the text format."""
+        body = generate_latest(self.extender.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     def _health(self) -> dict[str, object]:
         """/healthz and /readyz: a standby is healthy and ready too (its Service routes by label)."""
@@ -222,10 +233,10 @@ class ExtenderServer:
             return closing(_json(403, {"Error": refusal}))
         verb = self._verb(request.path)
         reading = request.method in ("GET", "HEAD")
-        if verb in ("healthz", "readyz"):
+        if verb in ("healthz", "readyz", "metrics"):
             if not reading:
                 return _json(405, {"Error": f"{verb} takes GET"}, allow="GET, HEAD")
-            return _json(200, self._health())
+            return self._metrics() if verb == "metrics" else _json(200, self._health())
         if verb not in VERBS:
             if request.method == "POST":
                 return _json(

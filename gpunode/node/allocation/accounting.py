@@ -15,6 +15,9 @@ The rules, per sharing mode of the GPU:
   memory); the compute share follows memory, rounded down;
 - time-sliced: the held share of the replicas is the compute share; memory is the
   held replicas' caps when they are capped, else the same share of the memory.
+A GPU serves whole-GPU requests (servesWhole) when the node advertises it whole,
+as one nvidia.com/gpu device: a fractional GPU, advertised only in memory units,
+does not.
 Pure functions; no I/O.
 """
 
@@ -23,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from gpunode.contract.names import MILLI_PER_GPU, Sharing
+from gpunode.contract.names import GPU_RESOURCE, MILLI_PER_GPU, Sharing
 from gpunode.contract.nodestate import GpuRecord, MigInstance
 from gpunode.node.devices.base import Gpu
 from gpunode.node.inventory import AdvertisedDevice
@@ -66,6 +69,11 @@ def assigned_on(
     return Assigned(milli=MILLI_PER_GPU, memory_bytes=total) if held else Assigned(milli=0, memory_bytes=0)
 
 
+def offered_whole(devices: Sequence[AdvertisedDevice]) -> bool:
+    """Whether one GPU's advertised devices offer it whole: as one nvidia.com/gpu device of its own."""
+    return any(d.kind == "gpu" and d.resource == GPU_RESOURCE for d in devices)
+
+
 def gpu_records(snapshot: Snapshot, holders: Mapping[str, str]) -> tuple[GpuRecord, ...]:
     """One GpuRecord per GPU of the snapshot, in inventory order.
 
@@ -90,6 +98,7 @@ def gpu_records(snapshot: Snapshot, holders: Mapping[str, str]) -> tuple[GpuReco
                 memory_assigned_bytes=assigned.memory_bytes,
                 healthy=gpu.uuid not in snapshot.unhealthy,
                 sharing=mode,
+                serves_whole=offered_whole(devices),
                 mig=assigned.mig,
                 nvlink_peers=tuple(sorted(p for p in gpu.nvlink_peers if p != gpu.uuid)),
                 numa_node=gpu.numa_node,

@@ -16,6 +16,7 @@ Endpoints (a GPU is named by its UUID or its index; bodies are JSON objects):
     POST /faults/probe-delay   {"gpu": 0, "seconds": 30}
     POST /gpus/remove          {"gpu": 0}
     POST /gpus/add             {"index": 3?, "model": "h100"?}
+    POST /gpus/activity        {"gpu": 0, "ratio": 0.9}  (0..1; null: follow the processes again)
 
 Ranges: a GPU index 0..255 (a UUID up to 128 characters), an XID code
 1..2**32-1, an ECC count 1..1,000,000, a probe delay 0..86400 s (finite: NaN and
@@ -376,6 +377,14 @@ def _remove(backend: SimBackend, body: SectionReader) -> dict[str, Any]:
     return {"event": _event_json(backend.remove_gpu(uuid))}
 
 
+def _activity(backend: SimBackend, body: SectionReader) -> dict[str, Any]:
+    uuid = _gpu(backend, body)
+    ratio = body.number("ratio", None, minimum=0.0, maximum=1.0)
+    body.finish()
+    backend.set_activity(uuid, ratio)
+    return {"gpu": uuid, "ratio": ratio}
+
+
 def _add(backend: SimBackend, body: SectionReader) -> dict[str, Any]:
     index = index_field(body, "index")
     model = name_field(body, "model")
@@ -394,4 +403,5 @@ _ROUTES: dict[str, tuple[str, _Action]] = {
     "/faults/probe-delay": ("POST", _probe_delay),
     "/gpus/remove": ("POST", _remove),
     "/gpus/add": ("POST", _add),
+    "/gpus/activity": ("POST", _activity),
 }
