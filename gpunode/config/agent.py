@@ -33,6 +33,7 @@ from gpunode.config.health import (
     parse_health_config,
     parse_remediation_config,
 )
+from gpunode.config.idle import IdleConfig, parse_idle_config
 from gpunode.config.metrics import MetricsConfig, parse_metrics_config
 from gpunode.config.reader import load_yaml
 from gpunode.config.sharing import (
@@ -100,6 +101,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     remediation: RemediationConfig = field(default_factory=RemediationConfig)
+    idle: IdleConfig = field(default_factory=IdleConfig)  # flag pods whose GPUs stay idle (node.idle)
     # Setting -> the environment variable or flag that set it (settings from the file are absent).
     origins: Mapping[str, str] = field(default_factory=dict)
 
@@ -207,6 +209,7 @@ def _parse_gpunode(own: SectionReader, cfg: Config) -> Config:
         metrics=parse_metrics_config(own.raw("metrics", {}), own.key_path("metrics")),
         health=parse_health_config(own.raw("health", {}), own.key_path("health")),
         remediation=parse_remediation_config(own.raw("remediation", {}), own.key_path("remediation")),
+        idle=parse_idle_config(own.raw("idle", {}), own.key_path("idle")),
     )
     own.finish()
     return cfg

@@ -34,6 +34,7 @@ ASSIGNMENT_ANNOTATION = "gpunode.io/gpu-assigned"  # Pod: the GPUs the extender 
 ALLOCATED_ANNOTATION = "gpunode.io/gpu-allocated"  # Pod: the GPUs the node gave it (assignment carried out)
 GPU_MILLI_ANNOTATION = "gpunode.io/gpu-milli"  # Pod: the compute share it asks for
 GPU_MODEL_ANNOTATION = "gpunode.io/gpu-model"  # Pod: the GPU models it accepts, `|`-separated
+GPU_IDLE_ANNOTATION = "gpunode.io/gpu-idle-since"  # Pod: RFC 3339 time its GPUs went idle (node.idle)
 
 # -- labels -------------------------------------------------------------------------------------
 

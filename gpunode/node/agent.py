@@ -36,6 +36,7 @@ from gpunode.node.parts import (
     add_gauge,
     build_assignments,
     build_health,
+    build_idle_watch,
     build_metrics,
     build_publisher,
     build_region_keeper,
@@ -227,6 +228,9 @@ class Agent:
             sup.start("metrics endpoint", self.metrics_endpoint.run(gates["metrics endpoint"]))
         self._start_publisher(sup)
         self._start_region_keeper(sup)
+        idle = build_idle_watch(self.config, self.backend, self.state, self.metrics)
+        if idle is not None:
+            sup.start("idle GPU watch", idle.run())
         interval = sdnotify.watchdog_interval_s()
         if interval is not None:
             sup.start("watchdog", sdnotify.run_watchdog(interval_s=interval))
@@ -306,7 +310,7 @@ class Agent:
                 log.error("reload refused, keeping the running configuration: %s (hint: %s)", exc, exc.hint)
                 continue
             sdnotify.notify("RELOADING=1")
-            for section in ("health", "remediation", "metrics"):
+            for section in ("health", "remediation", "metrics", "idle"):
                 if getattr(config, section) != getattr(self.config, section):
                     log.warning(
                         "SIGHUP: gpunode.%s changed; it takes effect when the agent restarts", section

@@ -2,7 +2,7 @@
 
 Health checks and remediation, the metrics collector and its endpoint, the
 memory-cap region keeper, the node-state publisher, the book of the extender's
-GPU assignments and the simulated node's control socket. Each part's modules are imported only when it is built, so a
+GPU assignments, the idle-GPU watch and the simulated node's control socket. Each part's modules are imported only when it is built, so a
 node that does not use it never loads them. The Agent (agent.py) starts what
 these return under its supervisor (supervise.py) and keeps them.
 
@@ -165,6 +165,32 @@ def build_assignments(config: Config, state: DeviceState, plugins: Any, publishe
     if metrics is not None:
         metrics.registry.register(book.collector())
     return book
+
+
+def build_idle_watch(config: Config, backend: Backend, state: DeviceState, metrics: Any) -> Any:
+    """The watch that flags pods whose GPUs stay idle (gpunode.node.idle), with its series in the
+    metrics registry; None unless gpunode.idle.enabled."""
+    from gpunode.infra.kube import KubeClient
+    from gpunode.node.idle import IdleWatch
+    from gpunode.node.kubelet.podresources import list_container_devices
+
+    if not config.idle.enabled:
+        return None
+    rem_cfg = config.remediation
+    socket_path = str(config.pod_resources_socket)
+    watch = IdleWatch(
+        config=config.idle,
+        backend=backend,
+        inventory=lambda: state.snapshot().inventory,
+        list_containers=lambda: list_container_devices(socket_path, timeout_s=5.0),
+        client_factory=lambda: KubeClient.from_environment(
+            kubeconfig=rem_cfg.kubeconfig, request_timeout_s=rem_cfg.request_timeout_s
+        ),
+        node_name=config.node_name,
+    )
+    if metrics is not None:
+        metrics.registry.register(watch.collector())
+    return watch
 
 
 async def serve_sim_control(config: Config, backend: Backend, ready: asyncio.Event | None = None) -> None:

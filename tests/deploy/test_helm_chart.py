@@ -530,6 +530,10 @@ RBAC_CASES = {
                                               {"pods": {"get"}, "pods/eviction": {"create"}}),
     "remediation-off": ({"remediation": {"mode": "off"}}, {"nodes": {"patch"}, "pods": ASSIGNMENTS}),
     "nothing-to-ask": ({"remediation": {"mode": "off"}, "nodeState": {"enabled": False}}, None),
+    "idle-only": ({"remediation": {"mode": "off"}, "nodeState": {"enabled": False}, "idle": {"enabled": True}},
+                  {"pods": {"get", "patch"}, "events": {"create"}}),
+    "idle-off-asks-nothing": ({"remediation": {"mode": "off"}, "nodeState": {"enabled": False},
+                               "idle": {"enabled": False, "for": "1h"}}, None),
 }  # fmt: skip
 
 

@@ -136,6 +136,8 @@ configuration turns on: see docs/health.md (RBAC) and gpunode/publish.py.
   events create         remediation.postEvents (dry-run Events too)
   nodes patch           the gpunode.io/gpu-state annotation (nodeState.enabled) and the
                         gpunode.io/unhealthy-gpus annotation (remediation.markNode, not dry-run)
+  pods get, patch and   idle.enabled: read and set gpunode.io/gpu-idle-since on pods whose GPUs
+  events create         stay idle, post their GPUIdle Event (gpunode/node/idle.py)
 */}}
 {{- define "gpunode.agentRules" -}}
 {{- $own := default (dict) (get .Values.config "gpunode") }}
@@ -147,6 +149,7 @@ configuration turns on: see docs/health.md (RBAC) and gpunode/publish.py.
 {{- $markNode := ne (toString (get $rem "markNode")) "false" }}
 {{- $delete := eq (toString (get $rem "deleteAfterDeadline")) "true" }}
 {{- $publish := ne (toString (get $nodeState "enabled")) "false" }}
+{{- $idle := eq (toString (get (default (dict) (get $own "idle")) "enabled")) "true" }}
 {{- if $kube }}
 - apiGroups: [""]
   resources: ["pods"]
@@ -171,6 +174,14 @@ configuration turns on: see docs/health.md (RBAC) and gpunode/publish.py.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch", "patch"]
+{{- end }}
+{{- if $idle }}
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "patch"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
 {{- end }}
 {{- end }}
 
