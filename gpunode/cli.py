@@ -252,6 +252,12 @@ def _register_extender(sub: Subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _register_queue(sub: Subparsers) -> argparse.ArgumentParser:
+    from gpunode.cluster.queuectl.cli import register_queue_cli
+
+    return register_queue_cli(sub)
+
+
 def _register_simulate(sub: Subparsers) -> argparse.ArgumentParser:
     from gpunode.cluster.tracesim.simulate import register_simulate_cli, run_simulate_cli
 
@@ -285,6 +291,7 @@ COMMANDS: dict[str, Command] = {
     "extender": Command(
         "run the kube-scheduler extender (filter, prioritize, bind) for GPU placement", _register_extender
     ),
+    "queue": Command("run the queue controller: admission, gangs, preemption with notice", _register_queue),
     "simulate": Command(
         "replay an openb trace through the placement policies (FGD paper protocol)", _register_simulate
     ),

@@ -23,7 +23,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("command", ["agent", "devices", "doctor", "sim", "health", "extender", "simulate"])
+@pytest.mark.parametrize(
+    "command", ["agent", "devices", "doctor", "sim", "health", "extender", "queue", "simulate"]
+)
 def test_every_subcommand_has_a_runner(command: str) -> None:
     parser = cli.build_parser(command)
     sub = next(a for a in parser._actions if a.dest == "command")
@@ -35,7 +37,16 @@ def test_every_subcommand_has_a_runner(command: str) -> None:
 
 
 def test_the_table_names_every_subcommand() -> None:
-    assert list(cli.COMMANDS) == ["agent", "devices", "doctor", "sim", "health", "extender", "simulate"]
+    assert list(cli.COMMANDS) == [
+        "agent",
+        "devices",
+        "doctor",
+        "sim",
+        "health",
+        "extender",
+        "queue",
+        "simulate",
+    ]
 
 
 # Runs the CLI in a fresh interpreter and reports what it printed and which modules it imported.

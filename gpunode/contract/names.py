@@ -35,6 +35,14 @@ ALLOCATED_ANNOTATION = "gpunode.io/gpu-allocated"  # Pod: the GPUs the node gave
 GPU_MILLI_ANNOTATION = "gpunode.io/gpu-milli"  # Pod: the compute share it asks for
 GPU_MODEL_ANNOTATION = "gpunode.io/gpu-model"  # Pod: the GPU models it accepts, `|`-separated
 GPU_IDLE_ANNOTATION = "gpunode.io/gpu-idle-since"  # Pod: RFC 3339 time its GPUs went idle (node.idle)
+# The queue controller (gpunode.cluster.queuectl): which queue and gang a pod belongs to, and what it decided
+QUEUE_LABEL = "gpunode.io/queue"  # Pod: the leaf queue it waits in
+GANG_LABEL = "gpunode.io/gang"  # Pod: the gang (admitted all at once) it is a member of, within its namespace
+GANG_SIZE_LABEL = "gpunode.io/gang-size"  # Pod: how many members its gang has
+RUNTIME_ANNOTATION = "gpunode.io/runtime-estimate"  # Pod: expected runtime (30m, 2h) for backfill
+QUEUE_ADMITTED_ANNOTATION = "gpunode.io/queue-admitted"  # Pod: the admission (JSON: job, node, GPUs)
+PREEMPTION_NOTICE_ANNOTATION = "gpunode.io/preemption-notice"  # Pod: JSON: deadline, preemptor, reason
+QUEUE_REASON_ANNOTATION = "gpunode.io/queue-reason"  # Pod: why it waits (also an Event)
 
 # -- labels -------------------------------------------------------------------------------------
 

@@ -113,6 +113,16 @@ class NodeArrays:
         if self.workload is not None:
             self._refresh_aggregates(np.array([i]))
 
+    def replace_nodes(self, nodes: Sequence[NodeState]) -> None:
+        """replace_node for several distinct nodes, their aggregates refreshed in one vectorised pass."""
+        rows = [self._index[node.name] for node in nodes]
+        for i, node in zip(rows, nodes, strict=True):
+            self._load_row(i, node)
+            self._templates[i] = node
+            self.version[i] += 1
+        if self.workload is not None and rows:
+            self._refresh_aggregates(np.array(rows, dtype=np.int64))
+
     # ----- the typical shapes and per-node aggregates -------------------------------------------------
 
     def _init_shapes(self, workload: TargetWorkload) -> None:

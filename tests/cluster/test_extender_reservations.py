@@ -154,6 +154,19 @@ def test_a_name_the_annotation_already_listed_does_not_end_the_new_pods_reservat
     assert bound.extender.reservations.get("uid-a2") is None
 
 
+def test_a_node_refresh_listing_the_pod_ends_its_reservation_before_any_request(bound: Bound) -> None:
+    # Bound, then listed by the agent's next annotation that only the node refresh sees, then deleted:
+    # the annotation without it must leave the GPU free at once, not held again by the reservation.
+    n1 = v1_node("n1", gpu_state("n1", [1000]))
+    bound.bind(gpu_pod("a", "uid-a"), n1)
+    bound.extender.refresh_nodes([v1_node("n1", gpu_state("n1", [0], generation=2, pods={0: ["team-a/a"]}))])
+    assert bound.extender.reservations.get("uid-a") is None
+    bound.extender.refresh_nodes([v1_node("n1", gpu_state("n1", [1000], generation=3))])
+    assert filter_names(
+        bound.extender, gpu_pod("b", "uid-b"), v1_node("n1", gpu_state("n1", [1000], generation=3))
+    )[0] == ["n1"]
+
+
 def test_a_deleted_pods_reservation_is_released_by_the_check(bound: Bound) -> None:
     n1 = v1_node("n1", gpu_state("n1", [1000, 1000]))
     a, c = gpu_pod("a", "uid-a"), gpu_pod("c", "uid-c")

@@ -22,6 +22,7 @@ REAL_NODE = "e2e-node-1"  # the Node a real kubelet registers (tests/e2e/node.py
 E2E_USERS: dict[str, User] = {
     "extender": service_account_user(chart.NAMESPACE, f"{chart.RELEASE}-gpunode-extender"),
     "agent": service_account_user(chart.NAMESPACE, f"{chart.RELEASE}-gpunode-agent"),
+    "queue": service_account_user(chart.NAMESPACE, f"{chart.RELEASE}-gpunode-queue"),
     "nobody": User("e2e-nobody"),
     "node": node_user(REAL_NODE),
 }

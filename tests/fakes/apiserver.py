@@ -24,6 +24,7 @@ gpunode can see of an API server, nothing more.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import re
@@ -147,8 +148,8 @@ class _Handler(BaseHTTPRequestHandler):
                         if selected(o, query)
                     ]
                     since = owner._state.version
-                    for line in lines:
-                        self._chunk(json.dumps(line).encode() + b"\n")
+                    if lines:
+                        self._chunk(b"".join(json.dumps(line).encode() + b"\n" for line in lines))
             while not self.server.closing and time.monotonic() < deadline:
                 with owner._cond:
                     st = owner._state
@@ -158,11 +159,11 @@ class _Handler(BaseHTTPRequestHandler):
                         )
                         self._chunk(json.dumps({"type": "ERROR", "object": gone}).encode() + b"\n")
                         break
+                    first = bisect.bisect_right(st.history, since, key=lambda e: e[0])  # versions ascend
                     lines = [
                         {"type": t, "object": o}
-                        for v, t, k, o in st.history
-                        if v > since
-                        and k == kind
+                        for _, t, k, o in st.history[first:]
+                        if k == kind
                         and (t != "BOOKMARK" or bookmarks)
                         and (namespace is None or o["metadata"].get("namespace") == namespace)
                         and (t == "BOOKMARK" or selected(o, query))
@@ -170,8 +171,8 @@ class _Handler(BaseHTTPRequestHandler):
                     since = st.version
                     if not lines:
                         owner._cond.wait(0.05)
-                for line in lines:
-                    self._chunk(json.dumps(line).encode() + b"\n")
+                if lines:  # one chunk for what arrived together
+                    self._chunk(b"".join(json.dumps(line).encode() + b"\n" for line in lines))
             self._chunk(b"")
         except OSError:
             self.close_connection = True  # the client went away

@@ -23,6 +23,7 @@ from gpunode.cluster.extender.kubeapi import (
 )
 from gpunode.cluster.extender.nodes import NodeCache
 from gpunode.cluster.extender.promfeed import PromFeed
+from gpunode.cluster.extender.queued import QueueNamespaces
 from gpunode.cluster.extender.server import DEFAULT_MAX_BODY_BYTES, serve_extender
 from gpunode.cluster.extender.workload import WorkloadTracker
 from gpunode.contract.names import EXTENDER_ROLE_LABEL, GIB, NODE_SERIES_LABEL
@@ -169,6 +170,12 @@ def register_extender_cli(
         help="weight (0..100, policy 1) of preferring nodes with low GPU utilisation and memory used",
     )
     p.add_argument(
+        "--queue-config",
+        type=Path,
+        help="the queue controller's configuration file: GPU pods of its `namespaces:` are held until "
+        "admitted (pods labelled gpunode.io/queue are held without it); re-read when it changes",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=("debug", "info", "warning", "error"),
@@ -285,6 +292,7 @@ def build_extender(args: argparse.Namespace) -> tuple[Extender, KubeApi | None]:
         # names-only mode: a node created since the last refresh is listed at once, not failed
         node_lister=api.list_nodes if refreshing and api is not None else None,
         load_feed=feed,
+        queue_namespaces=QueueNamespaces(args.queue_config).get if args.queue_config else dict,
     )
     return extender, api
 

@@ -51,6 +51,7 @@ from gpunode.cluster.extender.decide import NodeLocks, decide_and_reserve
 from gpunode.cluster.extender.nodes import NodeCache, NodeView, OnDemandRefresh
 from gpunode.cluster.extender.pods import pod_key, request_from_pod
 from gpunode.cluster.extender.promfeed import FeedMetrics, LoadFeed, blend
+from gpunode.cluster.extender.queued import Hold, hold_filter, hold_filter_again, hold_scores, queue_hold
 from gpunode.cluster.extender.reservations import (
     DEFAULT_BOUND_TTL_S,
     Reservation,
@@ -157,11 +158,14 @@ class Extender:
         binder: Binder | None = None,
         node_lister: Callable[[], Iterable[object]] | None = None,
         load_feed: LoadFeed | None = None,
+        queue_namespaces: Callable[[], Mapping[str, str]] = dict,
     ) -> None:
         """`node_lister` (names-only mode): lists every Node when a request names nodes not yet cached;
-        `load_feed`: figures for the energy and load terms of prioritize (none: the policy alone)."""
+        `load_feed`: figures for the energy and load terms of prioritize (none: the policy alone);
+        `queue_namespaces`: the namespaces whose GPU pods the queue controller holds (queued.py)."""
         self.config = config or ExtenderConfig()
         self.load_feed = load_feed
+        self.queue_namespaces = queue_namespaces
         self.metrics = load_feed.metrics if load_feed is not None else FeedMetrics()
         # `is None`, not `or`: an empty cache or reservation book has len() 0 and is falsy.
         self.nodes = NodeCache() if nodes is None else nodes
@@ -186,8 +190,16 @@ class Extender:
     # ----- shared steps ---------------------------------------------------------------------------
 
     def refresh_nodes(self, nodes: Iterable[object]) -> int:
-        """Feed Node objects into the cache used when kube-scheduler sends only node names."""
-        return self.nodes.update(nodes)
+        """Feed Node objects into the cache used when kube-scheduler sends only node names.
+
+        Reservations that the fresh annotations list end here too, not only at the next request naming
+        their node: a pod deleted before such a request would otherwise keep its GPUs reserved until the
+        next reservation check (kubeapi.check_reservations), and a queued pod admitted onto them meanwhile
+        would fail filter and wait for kube-scheduler's next retry."""
+        count = self.nodes.update(nodes)
+        for view in self.nodes.get_many(sorted(self.reservations.nodes())):
+            live_on(view, self.reservations)
+        return count
 
     def _views(self, args: ExtenderArgs) -> list[NodeView]:
         if args.node_objects is not None:
@@ -203,6 +215,10 @@ class Extender:
         except InvalidRequest as exc:
             raise BadRequest(str(exc)) from exc
         return uid, key, request_from_pod(pod, memory_unit_bytes=self.config.memory_unit_bytes)
+
+    def _hold(self, pod: Mapping[str, Any]) -> Hold | None:
+        """The queue controller's hold on a GPU pod (None: no queue governs it)."""
+        return queue_hold(pod, self.queue_namespaces())
 
     def _state(self, view: NodeView, uid: str) -> NodeState | None:
         return apply_reservations(view, self.reservations, skip_pod=uid)
@@ -271,8 +287,10 @@ class Extender:
         """Answer /filter: an ExtenderFilterResult dict for ExtenderArgs `body`.
 
         Nodes the pod does not fit go to FailedNodes with the reason; an invalid GPU request fails every node
-        in FailedAndUnresolvableNodes. A pod without a GPU request passes every node. Raises BadRequest when
-        `body` is not valid ExtenderArgs.
+        in FailedAndUnresolvableNodes. A pod without a GPU request passes every node. A queued pod fails every
+        node until admitted, then passes only its admission's node (queued.py); its reasons go to both maps
+        (kube-scheduler 1.20 reads only FailedNodes, later ones prefer the unresolvable entry, so its own
+        preemption does not act for the pod). Raises BadRequest when `body` is not valid ExtenderArgs.
         """
         args = parse_args(body)
         failed: dict[str, str] = {}
@@ -290,6 +308,12 @@ class Extender:
             self.filtered.record(uid, key, None, passing)
             return filter_result(args, passing, failed, unresolvable)
         self.workload.observe(request)
+        if (hold := self._hold(args.pod)) is not None:
+            passing, failed = hold_filter(hold, views, request, self.reservations, uid=uid, key=key)
+            if not passing and hold.admitted is not None:
+                passing, failed = self._hold_filter_again(hold, args, views, request, uid=uid, key=key)
+            self.filtered.record(uid, key, request, passing)
+            return filter_result(args, passing, failed, dict(failed))
         ctx = self._context(uid)
         positions, fits, _ = self._batch(views, request, ctx)
         passes = np.zeros(len(views), dtype=bool)
@@ -307,6 +331,20 @@ class Extender:
             # kube-scheduler skips prioritize when one node is left: reserve here instead.
             self._reserve_provisionally(views[int(np.flatnonzero(passes)[0])], uid, key, request, ctx)
         return filter_result(args, passing, failed, unresolvable)
+
+    def _hold_filter_again(
+        self, hold: Hold, args: ExtenderArgs, views: list[NodeView], request: Request, *, uid: str, key: str
+    ) -> tuple[list[str], dict[str, str]]:
+        names, on_demand, binder = args.node_names, self.on_demand, self.binder
+        try:
+            return hold_filter_again(
+                hold, views, request, self.reservations, uid=uid, key=key,
+                fresh_views=(lambda: on_demand.get_many_fresh(names)) if names and on_demand else None,
+                read_pod=(lambda ns, name: binder.read_pod(namespace=ns, name=name)) if binder else None,
+            )  # fmt: skip
+        except KubeError as exc:
+            log.warning("queued pod %s: its node looked at anew: %s (hint: %s)", key, exc, exc.hint)
+            return hold_filter(hold, views, request, self.reservations, uid=uid, key=key)
 
     def _batch(
         self, views: list[NodeView], request: Request, ctx: _Context
@@ -340,6 +378,8 @@ class Extender:
             return [{"Host": v.name, "Score": 0} for v in views if v.name]
         if request is None:
             return [{"Host": v.name, "Score": 0} for v in views if v.name]
+        if (hold := self._hold(args.pod)) is not None:  # the admission's node only; filter reserved its GPUs
+            return hold_scores(hold, views, MAX_EXTENDER_PRIORITY)
         ctx = self._context(uid)
         positions, fits, values = self._batch(views, request, ctx)
         raw = np.full(len(views), np.nan)
@@ -411,6 +451,13 @@ class Extender:
             return refuse(args, verdict)
         uid, node, key, request = verdict.uid, args.node, args.key, verdict.request
         made: Reservation | None = None
+        planned: tuple[str, ...] | None = None
+        if request is not None and (hold := self._hold(pod or {})) is not None:
+            if hold.admitted is None:
+                return refuse(args, f"pod {key} waits in queue {hold.queue}: {hold.reason}")
+            if hold.admitted.node != node:
+                return refuse(args, f"the queue controller admitted pod {key} to node {hold.admitted.node}")
+            planned = hold.admitted.gpus
         if request is not None:
             policy = self.config.policy
             workload = self.workload.workload()
@@ -426,6 +473,7 @@ class Extender:
                 request=request,
                 policy=policy,
                 workload=workload,
+                gpus=planned,
             )
             if isinstance(decided, str):
                 return {"Error": decided}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 
 from gpunode.cluster.extender.nodes import NodeCache
+from gpunode.cluster.extender.queued import marked_fit
 from gpunode.cluster.extender.reservations import Reservation, Reservations, apply_reservations
 from gpunode.placement import Request, TargetWorkload, score_node, unfit_reason
 
@@ -46,12 +47,15 @@ def decide_and_reserve(
     request: Request,
     policy: str,
     workload: TargetWorkload | None,
+    gpus: tuple[str, ...] | None = None,
 ) -> Reservation | str:
     """Reserve GPUs of `node` for the pod (a final reservation), or say why not (the bind's Error).
 
     The state the decision sees counts every live reservation on the node but the pod's own
     provisional one; a pod that already holds a final reservation (a bind of it in progress or
-    done) is refused, so two binds of one pod cannot both go ahead.
+    done) is refused, so two binds of one pod cannot both go ahead. `gpus`: the GPUs the queue
+    controller's admission names; exactly these are reserved, or the bind is refused when they no
+    longer take the pod (the controller re-plans), never others.
     """
     with locks.of(node):
         view = nodes.get(node)
@@ -61,16 +65,22 @@ def decide_and_reserve(
         held = reservations.final_of(uid)
         if held is not None:
             return f"pod {key} is already being bound (GPUs reserved on node {held.node})"
-        if (why := unfit_reason(state, request)) is not None:
+        if gpus is not None:
+            if (why := marked_fit(state, request, node, gpus)) is not None:
+                return f"pod {key}: {why}"
+            chosen = gpus
+        elif (why := unfit_reason(state, request)) is not None:
             return f"pod {key} no longer fits node {node}: {why}"
-        choice = score_node(state, request, policy=policy, workload=workload)
-        if choice is None:
-            return f"pod {key} no longer fits node {node}: no GPU choice"
+        else:
+            choice = score_node(state, request, policy=policy, workload=workload)
+            if choice is None:
+                return f"pod {key} no longer fits node {node}: no GPU choice"
+            chosen = choice.gpu_uuids
         return reservations.reserve(
             pod_uid=uid,
             pod_key=key,
             node=node,
-            gpu_uuids=choice.gpu_uuids,
+            gpu_uuids=chosen,
             request=request,
             final=True,
             annotation=view.fingerprint,

@@ -233,10 +233,24 @@ class OnDemandRefresh:
             now = self._clock()
             if self._last is not None and now - self._last < self.min_interval_s:
                 return self.cache.get_many(names)
-            self._last = now
-            try:
-                self.cache.update(self.lister())
-                self.refreshes += 1
-            except GpunodeError as exc:
-                log.warning("node refresh for unknown nodes failed: %s (hint: %s)", exc, exc.hint)
+            self._list(now, "unknown nodes")
         return self.cache.get_many(names)
+
+    def get_many_fresh(self, names: Iterable[str]) -> list[NodeView]:
+        """The views of these nodes from a list started after this call (one list serves the calls waiting
+        for it): for a decision the cache's age may have made wrong (a queued pod admitted onto GPUs
+        freed since the last refresh)."""
+        names = list(names)
+        asked = self._clock()
+        with self._lock:
+            if self._last is None or self._last < asked:
+                self._list(self._clock(), "a queue admission")
+        return self.cache.get_many(names)
+
+    def _list(self, now: float, why: str) -> None:
+        self._last = now
+        try:
+            self.cache.update(self.lister())
+            self.refreshes += 1
+        except GpunodeError as exc:
+            log.warning("node refresh for %s failed: %s (hint: %s)", why, exc, exc.hint)

@@ -8,6 +8,7 @@ API:
     QueueConfig.ancestors(name), .leaves_under(name), .limit(name)
     QueueConfig.fair_share (FairShareSettings), .preemption (PreemptionSettings), .backfill
     (BackfillSettings), .gang_timeout_s, .energy_weight, .placement_policy
+    QueueConfig.namespaces: dict[str, str]          namespace -> the leaf queue its unlabelled pods wait in
     QueueSpec: name, parent, children, guarantee (Amounts), weight, borrow_limit (Amounts | None),
     priority, where
 
@@ -15,7 +16,8 @@ The simulator and the live controller read the same file. Every mistake is refus
 one QueueConfigError naming the key and the fix: an unknown key (with the closest known
 one), a duplicate or unknown queue name, a cycle of `parent:` references, children
 guaranteed more than their parent, a weight that is not positive, a negative quota, a
-borrowing limit where nothing can be borrowed, bad units, a half-life that is not positive.
+borrowing limit where nothing can be borrowed, bad units, a half-life that is not positive,
+a namespace that is no DNS-1123 label or is mapped to a queue that is unknown or not a leaf.
 
 Queues are given as a tree (`children:`) or as a flat list with `parent:` references, or
 both. A guarantee is given per resource: `gpu` in GPUs (fractions down to 0.001),
@@ -33,6 +35,7 @@ from functools import cached_property
 from pathlib import Path
 
 from gpunode.cluster.queueing.model import GPU, GPU_MEMORY, MODEL_PREFIX, Amounts, add
+from gpunode.cluster.queueing.namespaces import read_namespaces
 from gpunode.config.reader import load_yaml
 from gpunode.contract.names import MILLI_PER_GPU
 from gpunode.contract.reader import MAX_DURATION_S, SectionReader, excerpt, format_bytes
@@ -111,6 +114,7 @@ class QueueConfig:
     gang_timeout_s: float = 1800.0
     energy_weight: float = 0.0
     placement_policy: str = "gpunode"
+    namespaces: dict[str, str] = field(default_factory=dict)
 
     @cached_property
     def leaves(self) -> tuple[str, ...]:
@@ -220,6 +224,7 @@ def parse_queue_config(data: object, where: str) -> QueueConfig:
     placement = top.section("placement")
     policy = placement.choice("policy", BATCH_POLICIES, "gpunode")
     placement.finish()
+    namespaces = read_namespaces(top, {n: q.children for n, q in queues.items()})
     top.finish()
     return QueueConfig(
         queues=queues,
@@ -229,6 +234,7 @@ def parse_queue_config(data: object, where: str) -> QueueConfig:
         gang_timeout_s=gang_timeout_s,
         energy_weight=energy_weight,
         placement_policy=policy,
+        namespaces=namespaces,
     )
 
 

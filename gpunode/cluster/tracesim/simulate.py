@@ -215,7 +215,7 @@ def run_simulation(spec: SimulationSpec, *, progress: bool | None = None) -> lis
         spec.trace_dir, spec.pods, node_file=spec.node_file
     )  # fail fast, in this process, on a bad trace
     tasks = [(p, s) for p in spec.policies for s in spec.seeds]
-    bar = _progress_bar(len(tasks), f"simulate {spec.pods}", progress)
+    bar = progress_bar(len(tasks), f"simulate {spec.pods}", progress)
     results: dict[tuple[str, int], SeedResult] = {}
     args = (str(spec.trace_dir), spec.pods, spec.node_file)
     try:
@@ -242,7 +242,7 @@ class _NoBar:
         pass
 
 
-def _progress_bar(total: int, desc: str, progress: bool | None) -> Any:
+def progress_bar(total: int, desc: str, progress: bool | None) -> Any:
     """A tqdm bar on stderr; none when progress is off (or auto without a terminal or without tqdm).
 
     Progress asked for (True) without tqdm installed is MissingExtra naming the `plot` extra.
@@ -381,7 +381,17 @@ def register_simulate_cli(
     parser.add_argument(
         "--pods", default="default", help="pod list variant (default, gpushare40, ...) or a CSV path"
     )
-    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated policies")
+    parser.add_argument(
+        "--mode",
+        choices=("place", "time"),
+        default="place",
+        help="place: placement only, no departures (default); time: queueing policies over time",
+    )
+    parser.add_argument(
+        "--policies",
+        help=f"comma-separated policies (place: default {','.join(DEFAULT_POLICIES)}; "
+        "time: presets, default all)",
+    )
     parser.add_argument("--seeds", default="42-51", help="seeds, e.g. 42-51 or 42,43")
     parser.add_argument(
         "--ratio", type=float, default=DEFAULT_RATIO, help="arrivals as a multiple of GPU capacity"
@@ -392,15 +402,26 @@ def register_simulate_cli(
         "--node-file", default=DEFAULT_NODE_FILE, help="node list CSV name in the trace folder"
     )
     parser.add_argument("--progress", choices=("auto", "on", "off"), default="auto", help="progress bar")
+    parser.add_argument("--load", default="0.9", help="time: offered load(s) L, e.g. 0.9 or 0.9,1.2")
+    parser.add_argument("--rules", type=Path, help="time: simulator rules YAML (default: built-in rules)")
+    parser.add_argument(
+        "--queues", type=Path, help="time: queue configuration YAML (default: examples/sim-queues.yaml)"
+    )
     return parser
 
 
 def run_simulate_cli(args: argparse.Namespace) -> int:
     """Run `gpunode simulate`; prints the summary as JSON on stdout, returns the exit code."""
+    if args.mode == "time":
+        from gpunode.cluster.timesim.cli import run_time_cli
+
+        return run_time_cli(args)
     spec = SimulationSpec(
         trace_dir=args.trace_dir,
         pods=args.pods,
-        policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
+        policies=tuple(
+            p.strip() for p in (args.policies or ",".join(DEFAULT_POLICIES)).split(",") if p.strip()
+        ),
         seeds=parse_seeds(args.seeds),
         ratio=args.ratio,
         jobs=args.jobs,

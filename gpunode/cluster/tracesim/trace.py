@@ -92,7 +92,8 @@ def pod_list_path(trace_dir: Path, pods: str) -> Path:
     return find_csv(trace_dir, f"openb_pod_list_{pods}.csv")
 
 
-def _read_rows(path: Path, required: Sequence[str]) -> list[tuple[int, dict[str, str]]]:
+def read_rows(path: Path, required: Sequence[str]) -> list[tuple[int, dict[str, str]]]:
+    """The rows of a CSV with (line number, row); a missing column or an unreadable file is a TraceError."""
     try:
         with path.open(newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)
@@ -107,7 +108,8 @@ def _read_rows(path: Path, required: Sequence[str]) -> list[tuple[int, dict[str,
         raise TraceError(f"{path}: not a CSV file: {exc}") from exc
 
 
-def _int_field(path: Path, line: int, row: dict[str, str], key: str) -> int:
+def int_field(path: Path, line: int, row: dict[str, str], key: str) -> int:
+    """A non-negative integer column (empty: 0); anything else is a TraceError naming the line."""
     raw = (row.get(key) or "").strip()
     try:
         value = int(float(raw)) if raw else 0
@@ -121,8 +123,8 @@ def _int_field(path: Path, line: int, row: dict[str, str], key: str) -> int:
 def load_nodes(path: Path) -> tuple[TraceNode, ...]:
     """Read a node list CSV. GPU nodes need a model; a node with 0 GPUs may leave it empty."""
     nodes = []
-    for line, row in _read_rows(path, NODE_COLUMNS):
-        gpus = _int_field(path, line, row, "gpu")
+    for line, row in read_rows(path, NODE_COLUMNS):
+        gpus = int_field(path, line, row, "gpu")
         model = (row.get("model") or "").strip()
         if model.lower() == "nan":
             model = ""
@@ -133,8 +135,8 @@ def load_nodes(path: Path) -> tuple[TraceNode, ...]:
         nodes.append(
             TraceNode(
                 name=(row.get("sn") or "").strip() or f"node-{line}",
-                cpu_milli=_int_field(path, line, row, "cpu_milli"),
-                memory_bytes=_int_field(path, line, row, "memory_mib") * MIB,
+                cpu_milli=int_field(path, line, row, "cpu_milli"),
+                memory_bytes=int_field(path, line, row, "memory_mib") * MIB,
                 gpus=gpus,
                 model=model,
             )
@@ -144,33 +146,34 @@ def load_nodes(path: Path) -> tuple[TraceNode, ...]:
     return tuple(nodes)
 
 
+def pod_from_row(path: Path, line: int, row: dict[str, str]) -> TracePod:
+    """One pod list row as a TracePod (gpu_milli above 1000 clipped to 1000; num_gpu 0 makes a CPU pod)."""
+    num_gpu = int_field(path, line, row, "num_gpu")
+    gpu_milli = min(int_field(path, line, row, "gpu_milli"), MILLI_PER_GPU)
+    if num_gpu > 8:
+        raise TraceError(f"{path}:{line}: num_gpu above 8 cannot fit any node, got {num_gpu}")
+    if num_gpu == 0 or gpu_milli == 0:
+        num_gpu, gpu_milli = 0, 0
+    if num_gpu > 1 and gpu_milli < MILLI_PER_GPU:
+        raise TraceError(f"{path}:{line}: a multi-GPU pod must ask for whole GPUs, got {gpu_milli} milli")
+    spec = (row.get("gpu_spec") or "").strip()
+    models = frozenset(m for m in spec.split("|") if m and m.lower() != "nan")
+    return TracePod(
+        name=(row.get("name") or "").strip() or f"pod-{line}",
+        cpu_milli=int_field(path, line, row, "cpu_milli"),
+        memory_bytes=int_field(path, line, row, "memory_mib") * MIB,
+        num_gpu=num_gpu,
+        gpu_milli=gpu_milli,
+        gpu_models=models if (models and num_gpu) else None,
+    )
+
+
 def load_pods(path: Path) -> tuple[TracePod, ...]:
-    """Read a pod list CSV. gpu_milli above 1000 is clipped to 1000; num_gpu 0 makes a CPU pod."""
-    pods = []
-    for line, row in _read_rows(path, POD_COLUMNS):
-        num_gpu = _int_field(path, line, row, "num_gpu")
-        gpu_milli = min(_int_field(path, line, row, "gpu_milli"), MILLI_PER_GPU)
-        if num_gpu > 8:
-            raise TraceError(f"{path}:{line}: num_gpu above 8 cannot fit any node, got {num_gpu}")
-        if num_gpu == 0 or gpu_milli == 0:
-            num_gpu, gpu_milli = 0, 0
-        if num_gpu > 1 and gpu_milli < MILLI_PER_GPU:
-            raise TraceError(f"{path}:{line}: a multi-GPU pod must ask for whole GPUs, got {gpu_milli} milli")
-        spec = (row.get("gpu_spec") or "").strip()
-        models = frozenset(m for m in spec.split("|") if m and m.lower() != "nan")
-        pods.append(
-            TracePod(
-                name=(row.get("name") or "").strip() or f"pod-{line}",
-                cpu_milli=_int_field(path, line, row, "cpu_milli"),
-                memory_bytes=_int_field(path, line, row, "memory_mib") * MIB,
-                num_gpu=num_gpu,
-                gpu_milli=gpu_milli,
-                gpu_models=models if (models and num_gpu) else None,
-            )
-        )
+    """Read a pod list CSV (each row as pod_from_row reads it)."""
+    pods = tuple(pod_from_row(path, line, row) for line, row in read_rows(path, POD_COLUMNS))
     if not pods:
         raise TraceError(f"{path}: no pods")
-    return tuple(pods)
+    return pods
 
 
 def target_workload(pods: Sequence[TracePod], popularity: float = TYPICAL_POPULARITY) -> TargetWorkload:

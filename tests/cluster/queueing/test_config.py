@@ -334,6 +334,31 @@ MISTAKES: list[tuple[str, dict[str, Any], str]] = [
         "q.yaml: placement.policy: expected one of fgd, bestfit, packing, spread, random, dotprod, gpunode, "
         "got 'best'",
     ),
+    (
+        "namespace-not-dns1123",
+        {**base(), "namespaces": {"Team_A": "team-a"}},
+        "q.yaml: namespaces.Team_A: 'Team_A' is not a valid namespace name",
+    ),
+    (
+        "namespace-too-long",
+        {**base(), "namespaces": {"n" * 64: "team-a"}},
+        f"q.yaml: namespaces.{'n' * 64}: '{'n' * 56}... is not a valid namespace name",
+    ),
+    (
+        "namespace-unknown-queue",
+        {**base(), "namespaces": {"team-a-ns": "team-z"}},
+        "q.yaml: namespaces.team-a-ns: no queue is named 'team-z'",
+    ),
+    (
+        "namespace-non-leaf-queue",
+        {**base(), "namespaces": {"team-a-ns": "org"}},
+        "q.yaml: namespaces.team-a-ns: org is not a leaf queue (it has children: team-a, team-b)",
+    ),
+    (
+        "namespaces-not-a-mapping",
+        {**base(), "namespaces": ["team-a-ns"]},
+        "q.yaml: namespaces: expected a mapping, got list ['team-a-ns']",
+    ),
 ]
 
 
@@ -353,6 +378,13 @@ def test_each_mistake_is_refused_with_its_own_message(data: Any, message: str) -
 def test_the_mistakes_table_has_one_message_per_case() -> None:
     messages = [m for _, _, m in MISTAKES]
     assert len(set(messages)) == len(messages)
+
+
+def test_namespaces_map_to_leaf_queues() -> None:
+    assert parse_queue_config(base(), "q.yaml").namespaces == {}
+    data = {**base(), "namespaces": {"team-a-ns": "team-a", "0-lab": "other", "b": "team-b"}}
+    cfg = parse_queue_config(data, "q.yaml")
+    assert cfg.namespaces == {"team-a-ns": "team-a", "0-lab": "other", "b": "team-b"}
 
 
 def test_too_deep_a_tree_is_refused() -> None:

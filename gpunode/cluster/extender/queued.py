@@ -1,0 +1,284 @@
+"""Queued pods: which pods the queue controller holds, and its admission mark, read alike by both sides.
+
+A GPU pod belongs to a queue when it carries the label gpunode.io/queue or its
+namespace is mapped to a queue (the queue configuration's `namespaces:`; the
+extender reads the controller's file with --queue-config, QueueNamespaces). Such a pod waits until the controller writes
+gpunode.io/queue-admitted on it: JSON {"job", "uid", "node", "gpus", "at"}. The mark
+counts only when its "uid" is the pod's own UID: a pod created with a mark already on
+it cannot know the UID the API server will give it, so a tenant cannot admit itself.
+
+The extender holds a waiting pod by failing its filter on every node, with the
+controller's gpunode.io/queue-reason as the reason kube-scheduler puts in the pod's
+events (bounded and cleaned: the pod's owner can write that annotation too, and
+gains nothing by it but a misleading message on their own pod). An admitted pod
+passes filter only on the node of its mark, and bind reserves exactly the GPUs the
+mark names (admitted_filter, marked_fit): the controller's plan wins over the
+extender's own choice. This module is the one place both sides read these marks;
+gpunode.cluster.queuectl imports it. No I/O but QueueNamespaces' reading of its file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+import unicodedata
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from gpunode.cluster.extender.nodes import NodeView
+from gpunode.cluster.extender.reservations import Reservations, apply_reservations, gone_reason
+from gpunode.cluster.queueing.config import load_queue_config
+from gpunode.contract.names import QUEUE_ADMITTED_ANNOTATION, QUEUE_LABEL, QUEUE_REASON_ANNOTATION
+from gpunode.errors import InvalidState, QueueConfigError
+from gpunode.placement import NodeState, Request, apply_request
+
+log = logging.getLogger(__name__)
+
+WAITING_REASON = "waiting for admission by the queue controller"
+MAX_REASON = 200  # characters of the controller's reason shown in the pod's events
+MAX_MARK = 64 * 1024  # characters of a JSON mark read at all
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """The admission written on one pod: its job and where the plan puts it."""
+
+    job: str
+    node: str
+    gpus: tuple[str, ...]
+    at: float
+
+
+def parse_time(text: object) -> float | None:
+    """RFC 3339 text -> seconds since the epoch; None when absent or unreadable."""
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def json_mark(text: object) -> Mapping[str, Any] | None:
+    """An annotation holding a JSON object, or None when absent, too long or not one."""
+    if not isinstance(text, str) or len(text) > MAX_MARK:
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    return data if isinstance(data, Mapping) else None
+
+
+def read_admitted(text: object, uid: str) -> Admitted | None:
+    """The admission annotation, or None when absent or not the controller's (then the pod is not admitted)."""
+    data = json_mark(text)
+    if data is None or not uid or data.get("uid") != uid:
+        return None
+    job, node, gpus, at = data.get("job"), data.get("node"), data.get("gpus"), parse_time(data.get("at"))
+    if not isinstance(job, str) or not isinstance(node, str) or not isinstance(gpus, list):
+        return None
+    if not all(isinstance(g, str) for g in gpus):
+        return None
+    return Admitted(job=job, node=node, gpus=tuple(gpus), at=at or 0.0)
+
+
+def queue_of(pod: Mapping[str, Any], namespaces: Mapping[str, str]) -> str | None:
+    """The queue a pod names (label first, then its namespace's mapping), or None."""
+    meta = pod.get("metadata") or {}
+    if not isinstance(meta, Mapping):
+        return None
+    labels = meta.get("labels") or {}
+    queue = labels.get(QUEUE_LABEL) if isinstance(labels, Mapping) else None
+    if isinstance(queue, str) and queue:
+        return queue
+    return namespaces.get(str(meta.get("namespace") or "default"))
+
+
+def clean_reason(text: object) -> str:
+    """The controller's waiting reason fit for an event: one line of printable text, at most MAX_REASON
+    characters; WAITING_REASON when absent or empty."""
+    if not isinstance(text, str):
+        return WAITING_REASON
+    text = text[: MAX_REASON * 4]
+    kept = "".join(" " if unicodedata.category(c)[0] in "CZ" else c for c in text)
+    line = " ".join(kept.split())
+    if len(line) > MAX_REASON:
+        line = line[: MAX_REASON - 3].rstrip() + "..."
+    return line or WAITING_REASON
+
+
+@dataclass(frozen=True)
+class Hold:
+    """What the queue says about a GPU pod: `admitted` (go where it says) or `reason` (wait)."""
+
+    queue: str
+    admitted: Admitted | None
+    reason: str  # "" when admitted
+
+
+def queue_hold(pod: Mapping[str, Any], namespaces: Mapping[str, str]) -> Hold | None:
+    """The queue's hold on a GPU pod, None when no queue governs it (then it is scheduled as any pod).
+
+    Call only for pods that ask for GPUs (request_from_pod is not None): the controller queues those only.
+    """
+    queue = queue_of(pod, namespaces)
+    if queue is None:
+        return None
+    meta = pod.get("metadata") or {}
+    notes = meta.get("annotations") if isinstance(meta, Mapping) else None
+    notes = notes if isinstance(notes, Mapping) else {}
+    uid = meta.get("uid") if isinstance(meta, Mapping) else None
+    admitted = read_admitted(notes.get(QUEUE_ADMITTED_ANNOTATION), uid if isinstance(uid, str) else "")
+    if admitted is not None:
+        return Hold(queue=queue, admitted=admitted, reason="")
+    return Hold(queue=queue, admitted=None, reason=clean_reason(notes.get(QUEUE_REASON_ANNOTATION)))
+
+
+def marked_fit(state: NodeState, request: Request, node: str, gpus: tuple[str, ...]) -> str | None:
+    """Why the GPUs an admission names on `node` no longer take the pod in this state; None when they do."""
+    try:
+        apply_request(state, request, gpus)
+    except InvalidState as exc:
+        return (
+            f"the queue controller's plan (node {node}, GPUs {','.join(gpus) or 'none'}) no longer fits: "
+            f"{exc}; waiting for the queue controller to re-plan"
+        )
+    return None
+
+
+def admitted_filter(
+    views: Iterable[NodeView], admitted: Admitted, request: Request, reservations: Reservations, uid: str
+) -> tuple[NodeView | None, dict[str, str]]:
+    """(the node of the admission when the pod still fits its GPUs there, else None; every other node with
+    why it fails). The node's live reservations count, but the pod's own."""
+    chosen: NodeView | None = None
+    failed: dict[str, str] = {}
+    for view in views:
+        if not view.name:
+            continue
+        if view.name != admitted.node:
+            failed[view.name] = f"the queue controller admitted this pod to node {admitted.node}"
+            continue
+        state = apply_reservations(view, reservations, skip_pod=uid)
+        if state is None:
+            failed[view.name] = view.reason or "no usable GPU state"
+        elif (why := marked_fit(state, request, admitted.node, admitted.gpus)) is not None:
+            failed[view.name] = why
+        else:
+            chosen = view
+    return chosen, failed
+
+
+class QueueNamespaces:
+    """The `namespaces:` map of the queue controller's configuration file, re-read when the file changes.
+
+    Raises QueueConfigError at construction for a bad file; later, a bad or unreadable file is logged and
+    the map read before stays (as the controller keeps its running configuration). Thread safe.
+    """
+
+    def __init__(
+        self, path: str | Path, *, check_every_s: float = 10.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.path = Path(path)
+        self.check_every_s = check_every_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._digest, self._refused = self._read_digest(), b""
+        self._map: Mapping[str, str] = load_queue_config(self.path).namespaces
+        self._checked = clock()
+
+    def _read_digest(self) -> bytes:
+        try:
+            return hashlib.sha256(self.path.read_bytes()).digest()
+        except OSError:
+            return b""
+
+    def get(self) -> Mapping[str, str]:
+        """The namespace -> queue map (checked against the file at most every check_every_s seconds)."""
+        now = self._clock()
+        if now - self._checked < self.check_every_s or not self._lock.acquire(blocking=False):
+            return self._map  # someone else is checking: the map in hand is good enough
+        try:
+            self._checked = now
+            digest = self._read_digest()
+            if digest and digest != self._digest and digest != self._refused:
+                try:
+                    self._map = load_queue_config(self.path).namespaces
+                    self._digest = digest
+                    log.info(
+                        "queue configuration %s re-read: %d namespace(s) mapped", self.path, len(self._map)
+                    )
+                except QueueConfigError as exc:
+                    self._refused = digest
+                    log.warning("queue configuration refused, the namespace map read before stays: %s", exc)
+            return self._map
+        finally:
+            self._lock.release()
+
+
+def hold_filter(
+    hold: Hold, views: list[NodeView], request: Request, reservations: Reservations, *, uid: str, key: str
+) -> tuple[list[str], dict[str, str]]:
+    """Filter of a queued pod: (the nodes that pass, the others with why). Waiting: none passes, every node
+    shows the controller's reason. Admitted: the admission's node alone, where the plan's GPUs are then
+    reserved (provisionally, until bind) so that no other pod takes them meanwhile."""
+    if hold.admitted is None:
+        return [], {v.name: hold.reason for v in views if v.name}
+    chosen, failed = admitted_filter(views, hold.admitted, request, reservations, uid)
+    if chosen is None:
+        return [], failed
+    reservations.reserve(
+        pod_uid=uid,
+        pod_key=key,
+        node=chosen.name,
+        gpu_uuids=hold.admitted.gpus,
+        request=request,
+        final=False,
+        annotation=chosen.fingerprint,
+    )
+    return [chosen.name], failed
+
+
+def hold_filter_again(
+    hold: Hold,
+    views: list[NodeView],
+    request: Request,
+    reservations: Reservations,
+    *,
+    uid: str,
+    key: str,
+    fresh_views: Callable[[], list[NodeView]] | None,
+    read_pod: Callable[[str, str], Mapping[str, Any] | None] | None,
+) -> tuple[list[str], dict[str, str]]:
+    """hold_filter once more for an admitted pod whose plan failed, with what may lag behind looked at anew.
+
+    The controller admits onto GPUs the nodes' annotations show free, and kube-scheduler retries the pod once
+    for that, at once: the extender's view may be older. So the nodes come from a fresh list (`fresh_views`,
+    names-only mode), and the bound reservations on the admission's node whose pods are gone (read now with
+    `read_pod(namespace, name)`) are released: a pod deleted soon after its bind keeps its reservation until
+    the next periodic check otherwise. `read_pod` may raise KubeError (the caller's to answer)."""
+    assert hold.admitted is not None
+    if fresh_views is not None:
+        views = fresh_views()
+    on_node = [r for r in reservations.bound() if r.node == hold.admitted.node and r.pod_uid != uid]
+    for r in on_node:
+        if read_pod is None:
+            break
+        namespace, _, name = r.pod_key.partition("/")
+        why = gone_reason(read_pod(namespace, name), r)
+        if why is not None and reservations.release(r.pod_uid, only=r):
+            log.info("reservation of pod %s on node %s released: %s", r.pod_key, r.node, why)
+    return hold_filter(hold, views, request, reservations, uid=uid, key=key)
+
+
+def hold_scores(hold: Hold, views: Iterable[NodeView], best: int) -> list[dict[str, Any]]:
+    """Prioritize of a queued pod: `best` for the admission's node, 0 for every other node."""
+    planned = hold.admitted.node if hold.admitted is not None else None
+    return [{"Host": v.name, "Score": best if v.name == planned else 0} for v in views if v.name]

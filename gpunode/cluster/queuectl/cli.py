@@ -1,0 +1,141 @@
+"""`gpunode queue`: flags, the API client, leader election, the metrics server, and the controller's run."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import uuid
+from pathlib import Path
+from typing import Any
+
+from gpunode.cluster.queuectl.controller import QueueController
+from gpunode.cluster.queuectl.core import QueueCore
+from gpunode.cluster.queueing.config import load_queue_config
+from gpunode.contract.names import GIB
+from gpunode.contract.reader import parse_bytes, parse_duration
+from gpunode.errors import ConfigError
+from gpunode.infra.kube import ElectionConfig, KubeClient, LeaderElector, LeaseLock
+
+log = logging.getLogger(__name__)
+USER_AGENT = "gpunode-queue"
+
+
+def register_queue_cli(sub: Any) -> argparse.ArgumentParser:
+    """Add `gpunode queue` and its flags."""
+    p: argparse.ArgumentParser = sub.add_parser(
+        "queue", help="run the queue controller: admission, gangs, preemption with notice"
+    )
+    p.add_argument(
+        "--config", type=Path, required=True, help="queue configuration file (a mounted ConfigMap)"
+    )
+    p.add_argument("--config-reload", default="10s", help="how often the file is checked for changes")
+    p.add_argument(
+        "--memory-unit", default="1Gi", help="bytes per unit of gpunode.io/gpu-memory (as the extender)"
+    )
+    p.add_argument("--kube-api", default="", help="API server URL (default: in-cluster, else kubeconfig)")
+    p.add_argument("--kube-token-file", type=Path, help="bearer token file for --kube-api")
+    p.add_argument("--kube-ca-file", type=Path, help="CA bundle for --kube-api")
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig file (without --kube-api)")
+    p.add_argument("--resync", default="30s", help="reconcile at least this often")
+    p.add_argument("--metrics-listen", default=":9403", help="host:port of /metrics and /healthz ('' = off)")
+    p.add_argument("--leader-elect", action="store_true", help="only the replica holding the Lease acts")
+    p.add_argument(
+        "--leader-elect-namespace", default=os.environ.get("POD_NAMESPACE", ""), help="Lease namespace"
+    )
+    p.add_argument("--leader-elect-lease-name", default="gpunode-queue", help="name of the Lease")
+    p.add_argument("--leader-elect-identity", default="", help="this replica's name (default <pod>_<random>)")
+    p.add_argument("--leader-elect-lease-duration", default="15s", help="how long standbys wait for renewals")
+    p.add_argument(
+        "--leader-elect-renew-deadline", default="10s", help="leader steps down unrenewed after this"
+    )
+    p.add_argument("--leader-elect-retry-period", default="2s", help="time between renewals and attempts")
+    p.set_defaults(func=run_queue_cli)
+    return p
+
+
+def _listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"--metrics-listen: expected host:port such as :9403, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def build_controller(args: argparse.Namespace) -> QueueController:
+    """The controller the flags describe; ConfigError (or QueueConfigError) for a bad flag or file."""
+    config = load_queue_config(args.config)
+    unit = parse_bytes(args.memory_unit, where="--memory-unit") or GIB
+    if args.kube_api:
+        client = KubeClient.for_host(
+            args.kube_api, token_file=args.kube_token_file, ca_file=args.kube_ca_file, user_agent=USER_AGENT
+        )
+    else:
+        client = KubeClient.from_environment(kubeconfig=args.kubeconfig, user_agent=USER_AGENT)
+    identity = (
+        args.leader_elect_identity
+        or f"{os.environ.get('POD_NAME') or socket.gethostname()}_{uuid.uuid4().hex[:8]}"
+    )
+    elector = None
+    if args.leader_elect:
+        election = ElectionConfig(
+            namespace=args.leader_elect_namespace,
+            name=args.leader_elect_lease_name,
+            identity=identity,
+            lease_duration_s=parse_duration(
+                args.leader_elect_lease_duration, where="--leader-elect-lease-duration"
+            ),
+            renew_deadline_s=parse_duration(
+                args.leader_elect_renew_deadline, where="--leader-elect-renew-deadline"
+            ),
+            retry_period_s=parse_duration(
+                args.leader_elect_retry_period, where="--leader-elect-retry-period"
+            ),
+        )
+        elector = LeaderElector(LeaseLock(client, election.namespace, election.name), election)
+    return QueueController(
+        client,
+        QueueCore(config, memory_unit_bytes=unit),
+        config_path=args.config,
+        elector=elector,
+        resync_s=parse_duration(args.resync, where="--resync") or 30.0,
+        reload_s=parse_duration(args.config_reload, where="--config-reload") or 10.0,
+        identity=identity,
+    )
+
+
+def run_queue_cli(args: argparse.Namespace) -> int:
+    """Run `gpunode queue` until SIGINT/SIGTERM; returns the exit code."""
+    logging.basicConfig(
+        level=getattr(logging, str(getattr(args, "log_level", "info")).upper()),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+    )
+    listen = _listen(args.metrics_listen) if args.metrics_listen else None
+
+    async def main() -> None:
+        ctl = build_controller(args)
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        server = ctl.metrics.server(*listen) if listen is not None else None
+        if server is not None:
+            await server.start()
+        run = asyncio.create_task(ctl.run())
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait([run, stopping], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (run, stopping):
+                t.cancel()
+            await asyncio.gather(run, stopping, return_exceptions=True)
+            if server is not None:
+                await server.stop()
+            await ctl.client.close()
+        if run.done() and not run.cancelled() and (exc := run.exception()) is not None:
+            raise exc
+
+    asyncio.run(main())
+    return 0

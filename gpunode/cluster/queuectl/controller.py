@@ -1,0 +1,252 @@
+"""The live queue controller: watches, leadership, configuration reloads, and the writes QueueCore asks for.
+
+QueueController runs on one asyncio loop with one gpunode.infra.kube.KubeClient:
+
+- two list+watch streams (all pods, all Nodes) feed QueueCore; every replica
+  watches, so a standby that takes over has the cluster in memory already;
+- with an elector (a LeaderElector on a coordination.k8s.io Lease), only the
+  leader reconciles and writes, and each write is preceded by a leadership check;
+  losing the lead forgets the Scheduler, and the next leader rebuilds it from the
+  pods (their admission and notice annotations), so nothing is admitted twice;
+- a reconcile runs after changes (batched for `settle_s`), when a notice runs out,
+  and every `resync_s`; its writes: annotations and Events on pods, then
+  evictions through the Eviction API (policy/v1, policy/v1beta1 on servers without
+  it: KubeClient.evict_pod). A failed admission write makes the core rebuild from
+  what the pods say; a refused eviction (a PodDisruptionBudget) is tried again at the
+  next reconcile;
+- the queue configuration file is read again every `reload_s` when its content
+  changed (a ConfigMap volume swaps the file); a bad file is logged with its
+  message, counted, and the running configuration stays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Coroutine, Iterable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from lightkube.resources.core_v1 import Node, Pod
+
+from gpunode.cluster.queuectl.core import Actions, Annotate, PodRef, QueueCore
+from gpunode.cluster.queuectl.metrics import QueueMetrics
+from gpunode.cluster.queueing.config import load_queue_config
+from gpunode.errors import EvictionBlocked, GpunodeError, KubeError, KubeNotFound
+from gpunode.infra.kube import DELETED, SYNC, KubeClient, LeaderElector, ObjectRef
+
+log = logging.getLogger(__name__)
+
+
+def _json(obj: Any) -> dict[str, Any]:
+    out = msgspec.to_builtins(obj)
+    return out if isinstance(out, dict) else {}
+
+
+class QueueController:
+    """One replica of `gpunode queue` (see the module docstring)."""
+
+    def __init__(
+        self,
+        client: KubeClient,
+        core: QueueCore,
+        *,
+        config_path: Path | None = None,
+        elector: LeaderElector | None = None,
+        resync_s: float = 30.0,
+        settle_s: float = 0.2,
+        reload_s: float = 10.0,
+        identity: str = "",
+        max_in_flight: int = 32,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.client, self.core, self.elector = client, core, elector
+        self.config_path = config_path
+        self.resync_s, self.settle_s, self.reload_s = resync_s, settle_s, reload_s
+        self.identity = identity
+        self.max_in_flight = max(1, max_in_flight)
+        self.clock = clock
+        self.metrics = QueueMetrics(lambda: self.core, self.leading)
+        self.config_error = ""  # the last refused configuration's message ("" when the file is good)
+        self.reconciles = 0
+        self._changed = asyncio.Event()
+        self._synced: set[str] = set()
+        self._config_digest = self._digest() if config_path is not None else b""
+        self._was_leading = False
+
+    def leading(self) -> bool:
+        """Whether this replica may act now."""
+        return self.elector is None or self.elector.is_leader()
+
+    # ----- run -------------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Watch, lead (when elected) and reconcile until cancelled."""
+        tasks = [
+            asyncio.create_task(self._watch(Pod, "pods")),
+            asyncio.create_task(self._watch(Node, "nodes")),
+        ]
+        if self.config_path is not None:
+            tasks.append(asyncio.create_task(self._reload_loop()))
+        if self.elector is not None:
+            tasks.append(asyncio.create_task(self.elector.run()))
+        try:
+            await self._loop()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _watch(self, resource: type[Any], what: str) -> None:
+        stream = self.client.watch(resource)
+        async with contextlib.aclosing(stream):
+            async for event in stream:
+                if event.type == SYNC:
+                    items = [_json(o) for o in event.items]
+                    if what == "pods":
+                        self.core.replace_all(items, None)
+                    else:
+                        self.core.replace_all(None, items)
+                    self._synced.add(what)
+                elif event.object is not None:
+                    obj = _json(event.object)
+                    if what == "pods":
+                        self.core.pod_changed(obj, deleted=event.type == DELETED)
+                    else:
+                        self.core.node_changed(obj, deleted=event.type == DELETED)
+                self._changed.set()
+
+    async def _loop(self) -> None:
+        while True:
+            timeout = self.resync_s
+            deadline = self.core.next_deadline()
+            if deadline is not None:
+                timeout = min(timeout, max(0.0, deadline - self.clock()) + 0.05)
+            if self.elector is not None and not self.leading():
+                timeout = min(timeout, self.elector.config.retry_period_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._changed.wait()
+            await asyncio.sleep(self.settle_s)  # let a burst of watch events land first
+            self._changed.clear()
+            await self.reconcile_once()
+
+    async def reconcile_once(self) -> Actions | None:
+        """One reconcile and its writes, when both watches have listed and this replica leads."""
+        leading = self.leading()
+        if self._was_leading and not leading:
+            log.warning("queue controller %s no longer leads: its scheduler state is dropped", self.identity)
+            self.core.reset()
+        self._was_leading = leading
+        if not leading or self._synced != {"pods", "nodes"}:
+            return None
+        actions = self.core.reconcile(self.clock())
+        self.reconciles += 1
+        await self._apply(actions)
+        return actions
+
+    # ----- writes ----------------------------------------------------------------------------------------
+
+    async def _apply(self, actions: Actions) -> None:
+        now = self.clock()
+        for name in actions.admitted_jobs:
+            j = self.core.last_jobs.get(name)
+            if j is not None:
+                self.metrics.admissions.labels(j.queue).inc()
+                since = min((m.created for m in j.members), default=now)
+                self.metrics.wait.labels(j.queue).observe(max(0.0, now - since))
+        for victim, reason in actions.preempted_jobs:
+            j = self.core.last_jobs.get(victim)
+            self.metrics.preemptions.labels(j.queue if j else "", reason).inc()
+        by_pod: dict[str, list[Annotate]] = {}  # one pod's writes stay in order; pods go in parallel
+        for a in actions.annotate:
+            by_pod.setdefault(a.pod.key, []).append(a)
+        await self._bounded(self._annotate_pod(writes) for writes in by_pod.values())
+        if not self.leading():
+            return
+        await self._bounded(self._evict(ref) for ref in actions.evict)
+
+    async def _bounded(self, calls: Iterable[Coroutine[Any, Any, None]]) -> None:
+        """Run the calls with at most `max_in_flight` of them waiting on the API server at once (workers
+        take the next call as they finish one: calls are made only when a worker is free for them)."""
+        pending = iter(calls)
+
+        async def worker() -> None:
+            for call in pending:
+                await call
+
+        await asyncio.gather(*(worker() for _ in range(self.max_in_flight)))
+
+    async def _annotate_pod(self, writes: list[Annotate]) -> None:
+        """One pod's annotations and Events, in order; each write is preceded by a leadership check."""
+        for i, a in enumerate(writes):
+            if not self.leading():
+                for rest in writes[i:]:
+                    if rest.job:
+                        self.core.write_failed(rest.job)
+                return
+            try:
+                if a.annotations:
+                    await self.client.patch_pod_annotations(a.pod.namespace, a.pod.name, dict(a.annotations))
+                if a.event is not None and self.leading():
+                    await self.client.post_event(
+                        ObjectRef("Pod", a.pod.name, a.pod.namespace, a.pod.uid),
+                        reason=a.event[0],
+                        message=a.event[1],
+                        event_type="Warning" if a.warning else "Normal",
+                        host=self.identity,
+                    )
+            except KubeError as exc:
+                self.metrics.api_errors.labels("annotate").inc()
+                log.warning("queue controller: %s (hint: %s)", exc, exc.hint)
+                if a.job:
+                    self.core.write_failed(a.job)
+
+    async def _evict(self, ref: PodRef) -> None:
+        if not self.leading():
+            return
+        try:
+            await self.client.evict_pod(ref.namespace, ref.name, uid=ref.uid or None)
+        except (KubeNotFound, EvictionBlocked) as exc:
+            log.info("eviction of %s: %s", ref.key, exc)
+        except KubeError as exc:
+            self.metrics.api_errors.labels("evict").inc()
+            log.warning("queue controller: %s (hint: %s)", exc, exc.hint)
+
+    # ----- configuration ---------------------------------------------------------------------------------
+
+    def _digest(self) -> bytes:
+        assert self.config_path is not None
+        try:
+            return hashlib.sha256(self.config_path.read_bytes()).digest()
+        except OSError:
+            return b""
+
+    def reload_config(self) -> bool:
+        """Read the configuration file again if it changed; True when a new configuration was taken."""
+        digest = self._digest()
+        if digest == self._config_digest:
+            return False
+        self._config_digest = digest
+        assert self.config_path is not None
+        try:
+            config = load_queue_config(self.config_path)
+        except GpunodeError as exc:
+            self.config_error = str(exc)
+            self.metrics.config_refused.inc()
+            log.error("queue configuration refused, the running one stays: %s (hint: %s)", exc, exc.hint)
+            return False
+        self.config_error = ""
+        self.core.set_config(config)
+        log.info("queue configuration reloaded from %s", self.config_path)
+        self._changed.set()
+        return True
+
+    async def _reload_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.reload_s)
+            self.reload_config()

@@ -1,0 +1,351 @@
+"""The queue controller's decisions, without I/O: pods and nodes in, writes to make out.
+
+QueueCore keeps the pods and Nodes the watches report (v1 JSON) and, at each
+reconcile(now), turns them into jobs (jobs.py), keeps one Scheduler in step with
+them and runs its cycle. What to write comes back as Actions: the admission
+annotation for every member of an admitted job, preemption notices, evictions,
+why jobs still wait, and pods that cannot be queued (each reported once).
+
+The Scheduler is rebuilt from the pods (sched.build) at the start, after a
+configuration change and when the nodes' capacity changes; otherwise it follows
+them by its own calls: jobs that appear are submitted, jobs whose pods are gone
+finished, waiting jobs whose pods vanish withdrawn (victims stopping for them keep
+running: their notice is removed), jobs admitted by someone else adopted. A job whose
+notice ran out is "stopping": it is evicted (again at every reconcile while its pods
+remain, for a PodDisruptionBudget may refuse) and neither admitted nor counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpunode.cluster.extender.workload import WorkloadTracker
+from gpunode.cluster.queuectl.jobs import (
+    JobPods,
+    NoticeMark,
+    QueuedPod,
+    admitted_text,
+    group_jobs,
+    notice_text,
+    queued_pod,
+    rfc3339,
+)
+from gpunode.cluster.queuectl.nodes import ClusterView, cluster_view
+from gpunode.cluster.queuectl.sched import Running, adopt, build
+from gpunode.cluster.queueing.config import QueueConfig
+from gpunode.cluster.queueing.engine import Scheduler
+from gpunode.cluster.queueing.model import Decisions, Job
+from gpunode.contract.names import (
+    GIB,
+    PREEMPTION_NOTICE_ANNOTATION,
+    QUEUE_ADMITTED_ANNOTATION,
+    QUEUE_REASON_ANNOTATION,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PodRef:
+    """One pod to write to."""
+
+    namespace: str
+    name: str
+    uid: str
+
+    @property
+    def key(self) -> str:
+        """namespace/name."""
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True)
+class Annotate:
+    """Set annotations of one pod (None removes one), with an Event (reason, message) when given."""
+
+    pod: PodRef
+    annotations: Mapping[str, str | None]
+    event: tuple[str, str] | None = None
+    warning: bool = False
+    job: str = ""
+
+
+@dataclass
+class Actions:
+    """What one reconcile asks the API server for, in this order."""
+
+    annotate: list[Annotate] = field(default_factory=list)
+    evict: list[PodRef] = field(default_factory=list)
+    admitted_jobs: list[str] = field(default_factory=list)
+    preempted_jobs: list[tuple[str, str]] = field(default_factory=list)  # (victim, reason)
+
+
+def _ref(m: QueuedPod) -> PodRef:
+    return PodRef(m.namespace, m.name, m.uid)
+
+
+class QueueCore:
+    """The controller's state and decisions (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: QueueConfig,
+        *,
+        memory_unit_bytes: int = GIB,
+    ) -> None:
+        self.config = config
+        self.memory_unit_bytes = memory_unit_bytes
+        self.pods: dict[str, Mapping[str, Any]] = {}  # namespace/name -> v1 Pod
+        self.nodes: dict[str, Mapping[str, Any]] = {}
+        self.sched: Scheduler | None = None
+        self.workload = WorkloadTracker(memory_reference_bytes=80 * GIB)
+        self._observed: set[str] = set()
+        self.rebuilds = 0
+        self._now = 0.0
+        self.waiting_since: dict[str, float] = {}  # job -> when it was first seen waiting
+        self.last_jobs: dict[str, JobPods] = {}
+        self.view: ClusterView | None = None
+        self._signature: tuple[object, ...] | None = None
+        self._stale = True
+        self._reported: dict[str, str] = {}  # job -> the problem already reported
+        self._lost: set[str] = set()
+        self._pending: set[str] = set()  # the jobs submitted and still waiting in the scheduler
+        # written but perhaps not yet seen through the watch: read back from here until it is
+        self.written: dict[str, Running] = {}
+        self.noticed: dict[str, NoticeMark] = {}
+
+    # ----- inputs --------------------------------------------------------------------------------------
+
+    def set_config(self, config: QueueConfig) -> None:
+        """A new queue configuration: the next reconcile rebuilds the Scheduler with it."""
+        self.config, self._stale = config, True
+
+    def write_failed(self, job: str) -> None:
+        """Writing a job's admission or notice failed: forget it and rebuild from the pods next time."""
+        self.written.pop(job, None)
+        self.noticed.pop(job, None)
+        self._stale = True
+
+    def reset(self) -> None:
+        """Forget the Scheduler (on losing leadership): the next leader rebuilds from the API server."""
+        self.sched, self._stale = None, True
+        self.written.clear()
+        self.noticed.clear()
+
+    def pod_changed(self, pod: Mapping[str, Any], *, deleted: bool = False) -> None:
+        """A pod added, changed or deleted."""
+        meta = pod.get("metadata") or {}
+        key = f"{meta.get('namespace') or 'default'}/{meta.get('name')}"
+        if deleted:
+            self.pods.pop(key, None)
+        else:
+            self.pods[key] = pod
+
+    def node_changed(self, node: Mapping[str, Any], *, deleted: bool = False) -> None:
+        """A Node added, changed or deleted."""
+        name = str((node.get("metadata") or {}).get("name") or "")
+        if deleted:
+            self.nodes.pop(name, None)
+        else:
+            self.nodes[name] = node
+
+    def replace_all(
+        self, pods: Sequence[Mapping[str, Any]] | None, nodes: Sequence[Mapping[str, Any]] | None
+    ) -> None:
+        """A fresh list of pods and/or nodes (a watch's SYNC)."""
+        if pods is not None:
+            self.pods = {}
+            for p in pods:
+                self.pod_changed(p)
+        if nodes is not None:
+            self.nodes = {}
+            for n in nodes:
+                self.node_changed(n)
+
+    # ----- the reconcile --------------------------------------------------------------------------------
+
+    def next_deadline(self) -> float | None:
+        """When a notice runs out (reconcile then), or None."""
+        return self.sched.next_deadline() if self.sched is not None else None
+
+    def reconcile(self, now: float) -> Actions:
+        """Bring the Scheduler in step with the pods, run one cycle, and say what to write."""
+        now = self._now = max(now, self._now)  # the wall clock may step back; the scheduler's time may not
+        out = Actions()
+        queued = [
+            q
+            for pod in self.pods.values()
+            if (q := queued_pod(pod, self.config, memory_unit_bytes=self.memory_unit_bytes))
+        ]
+        for q in queued:
+            if q.request is not None and q.uid not in self._observed:
+                self._observed.add(q.uid)
+                self.workload.observe(q.request)
+        self._observed &= {q.uid for q in queued}
+        jobs = group_jobs(queued)
+        self.last_jobs = jobs
+        stopping = {n for n, j in jobs.items() if (nt := j.notice) is not None and nt.deadline <= now}
+        for name in sorted(stopping):
+            out.evict.extend(_ref(m) for m in jobs[name].members)
+        running: dict[str, Running] = {}
+        waiting: dict[str, Job] = {}
+        for name, j in jobs.items():
+            problem = j.problem
+            if problem:
+                if self._reported.get(name) != problem:
+                    self._reported[name] = problem
+                    out.annotate.extend(
+                        Annotate(_ref(m), {}, ("QueueRefused", problem), warning=True) for m in j.members
+                    )
+                continue
+            if name in stopping:
+                continue
+            if not j.admitted and name in self.written:
+                running[name] = self.written[name]
+                continue
+            self.written.pop(name, None)
+            notice = j.notice or self.noticed.get(name)
+            if j.notice is not None:
+                self.noticed.pop(name, None)
+            if j.admitted:
+                start = min((m.admitted.at for m in j.members if m.admitted is not None), default=now)
+                running[name] = Running(job=j.job(self.config), plan=j.plan(), start=start, notice=notice)
+            elif j.complete:
+                waiting[name] = j.job(self.config)
+                self.waiting_since.setdefault(name, now)
+        for gone in set(self.waiting_since) - set(waiting):
+            del self.waiting_since[gone]
+        for gone in (set(self.written) | set(self.noticed)) - set(jobs):
+            self.written.pop(gone, None)
+            self.noticed.pop(gone, None)
+        self._sync(running, waiting, now, out)
+        if self.sched is None:
+            return out
+        d = self.sched.cycle(now)
+        self._act(d, jobs, stopping, now, out)
+        return out
+
+    def _sync(self, running: dict[str, Running], waiting: dict[str, Job], now: float, out: Actions) -> None:
+        view = cluster_view(
+            self.nodes.values(), frozenset(m.key for j in self.last_jobs.values() for m in j.members)
+        )
+        self.view = view
+        sched = self.sched
+        if self._stale or sched is None or view.signature != self._signature:
+            if not view.nodes:
+                self.sched = None
+                return
+            self.sched, lost = build(
+                self.config,
+                view.nodes,
+                list(running.values()),
+                list(waiting.values()),
+                now,
+                self.workload.workload(),
+            )
+            self._lost = set(lost)
+            self._pending = set(waiting)
+            self._signature, self._stale = view.signature, False
+            self.rebuilds += 1
+            log.info(
+                "queue scheduler rebuilt: %d running, %d waiting jobs, %d nodes",
+                len(running),
+                len(waiting),
+                len(view.nodes),
+            )
+            return
+        for name in list(sched.running):
+            if name not in running:
+                sched.finished(name, now)
+        for name in sorted(
+            self._pending - set(waiting)
+        ):  # its pods were deleted, or it was admitted elsewhere
+            self._withdraw(name, now, out)
+        for name, r in running.items():
+            if name not in sched.running and name not in self._lost and not adopt(sched, r, now):
+                self._lost.add(name)
+        for name, job in waiting.items():
+            if name not in self._pending and name not in sched.running:
+                sched.submit(job, now)
+                self._pending.add(name)
+
+    def _withdraw(self, name: str, now: float, out: Actions) -> None:
+        """Take a job off the pending ones; victims stopping for it keep running: their notice is removed."""
+        assert self.sched is not None
+        self._pending.discard(name)
+        for victim in self.sched.withdraw(name, now):
+            self.noticed.pop(victim, None)
+            j = self.last_jobs.get(victim)
+            for m in j.members if j is not None else ():
+                out.annotate.append(
+                    Annotate(
+                        _ref(m),
+                        {PREEMPTION_NOTICE_ANNOTATION: None},
+                        ("PreemptionLifted", f"{name} no longer waits: the notice is lifted"),
+                        job=victim,
+                    )
+                )
+
+    def _act(
+        self, d: Decisions, jobs: dict[str, JobPods], stopping: set[str], now: float, out: Actions
+    ) -> None:
+        killed = set(d.kill)
+        for name in d.kill:  # requeued by the scheduler: its pods are being evicted, it does not wait
+            self._pending.add(name)
+            self._withdraw(name, now, out)
+        for a in d.admit:
+            self._pending.discard(a.job.name)
+            j = jobs.get(a.job.name)
+            if j is None or a.job.name in killed or a.job.name in stopping or j.admitted:
+                assert self.sched is not None
+                self.sched.finished(a.job.name, now)  # not ours to start (gone, stopping, or already held)
+                continue
+            for m, placement in zip(j.members, a.plan.pods, strict=False):
+                text = admitted_text(a.job.name, placement, now, m.uid)
+                gpus = ",".join(placement.gpus) or "no GPU"
+                out.annotate.append(
+                    Annotate(
+                        _ref(m),
+                        {QUEUE_ADMITTED_ANNOTATION: text, QUEUE_REASON_ANNOTATION: None},
+                        ("QueueAdmitted", f"admitted in {a.job.queue}: node {placement.node}, GPUs {gpus}"),
+                        job=a.job.name,
+                    )
+                )
+            out.admitted_jobs.append(a.job.name)
+            self.written[a.job.name] = Running(job=a.job, plan=a.plan, start=now, notice=None)
+        for n in d.notices:
+            j = jobs.get(n.victim)
+            if j is None:
+                continue
+            text = notice_text(n.deadline, n.preemptor, n.reason)
+            message = (
+                f"preempted ({n.reason}) to make room for {n.preemptor}: stop or checkpoint by "
+                f"{rfc3339(n.deadline)}; evicted then"
+            )
+            out.annotate.extend(
+                Annotate(
+                    _ref(m),
+                    {PREEMPTION_NOTICE_ANNOTATION: text},
+                    ("Preempting", message),
+                    warning=True,
+                    job=n.victim,
+                )
+                for m in j.members
+            )
+            out.preempted_jobs.append((n.victim, n.reason))
+            self.noticed[n.victim] = NoticeMark(deadline=n.deadline, preemptor=n.preemptor, reason=n.reason)
+        for name in d.kill:
+            j = jobs.get(name)
+            if j is not None and name not in stopping:
+                out.evict.extend(_ref(m) for m in j.members)
+        for w in [*d.waiting, *d.timed_out]:
+            j = jobs.get(w.job)
+            if j is None:
+                continue
+            out.annotate.extend(
+                Annotate(_ref(m), {QUEUE_REASON_ANNOTATION: w.reason}, ("Queued", w.reason))
+                for m in j.members
+            )

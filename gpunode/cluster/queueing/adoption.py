@@ -1,0 +1,126 @@
+"""Rebuilding and cancelling: the Scheduler's calls for a live controller (mixed into engine.Scheduler).
+
+adopt() puts a job admitted before a restart back among the running jobs, on
+its own plan; withdraw() takes a pending job whose pods were deleted off the
+queue. Split from engine.py to keep modules small.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from gpunode.cluster.queueing.model import Amounts, Decisions, Job, Plan, RunningJob, add, sub
+from gpunode.cluster.queueing.rooms import Nomination, Pending
+
+if TYPE_CHECKING:
+    from gpunode.cluster.queueing.capacity import ClusterCapacity
+
+
+class Adoption:
+    """adopt() and withdraw() of a Scheduler."""
+
+    if TYPE_CHECKING:
+        cap: ClusterCapacity
+        running: dict[str, RunningJob]
+        partial_gangs: set[str]
+        _pending: dict[str, Pending]
+        _pending_demand: dict[str, Amounts]
+        _nominated: dict[str, Nomination]
+        _notices: list[tuple[float, str]]
+        _preempt_failed: dict[str, tuple[int, int, float, float]]
+        _reserved: str | None
+        _version: int
+        _seq: Iterator[int]
+
+        def _advance(self, now: float) -> None: ...
+        def _start(
+            self,
+            p: Pending,
+            plan: Plan,
+            amounts: Amounts,
+            now: float,
+            d: Decisions,
+            units: list[tuple[str, Job, Plan]] | None = None,
+        ) -> None: ...
+        def _list_of(self, job: Job) -> list[Pending]: ...
+        def _drop_reservation(self) -> None: ...
+        def _exclusions(self) -> None: ...
+
+    def adopt(
+        self,
+        job: Job,
+        plan: Plan,
+        start: float,
+        now: float,
+        *,
+        notice_deadline: float | None = None,
+        preemptor: str | None = None,
+    ) -> RunningJob:
+        """Put an already admitted job (rebuilt after a restart) among the running jobs, on its own plan.
+
+        Its plan is held on the cluster (InvalidState, nothing held, when it no longer
+        fits) and its queue charged; no Decisions entry is made. With a notice, the job
+        is stopped at that deadline as any victim; with a preemptor too, the victim's
+        nodes are nominated to it (the room stays promised to that job once it is
+        submitted; victims adopted for the same preemptor add up).
+        """
+        if job.queue not in self._pending_demand:
+            raise ValueError(f"job {job.name}: no leaf queue is named {job.queue}")
+        if job.name in self._pending or job.name in self.running:
+            raise ValueError(f"job {job.name} is already pending or running")
+        self._advance(now)
+        self.cap.commit(job.name, job, plan)
+        amounts = self.cap.held(job.name)
+        p = Pending(job=job, demand=amounts, seq=next(self._seq), since=start, shape=-1)
+        self._pending[job.name] = p  # _start takes it off the pending jobs again
+        self._pending_demand[job.queue] = add(self._pending_demand[job.queue], amounts)
+        self._start(p, plan, amounts, start, Decisions(), units=[(job.name, job, plan)])
+        r = self.running[job.name]
+        if notice_deadline is not None:
+            r.notice_deadline = notice_deadline
+            r.preemptor = preemptor
+            heapq.heappush(self._notices, (notice_deadline, job.name))
+            if preemptor is not None:
+                nom = self._nominated.get(preemptor)
+                victims = (nom.victims if nom else ()) + (job.name,)
+                nodes = (nom.nodes if nom else frozenset()) | plan.nodes
+                deadline = max(notice_deadline, nom.deadline) if nom else notice_deadline
+                self._nominated[preemptor] = Nomination(victims=victims, nodes=nodes, deadline=deadline)
+                self._exclusions()
+        return r
+
+    def withdraw(self, name: str, now: float) -> tuple[str, ...]:
+        """A pending job leaves the queue (its pods were deleted); a job that is not pending is ignored.
+
+        Pods it held (no-gang presets) are released; a reservation or nomination it
+        held is dropped, and the notices of the victims that were stopping for it are
+        lifted: they keep running. Returns those victims' names (the driver tells them).
+        """
+        self._advance(now)
+        p = self._pending.pop(name, None)
+        if p is None:
+            return ()
+        lst = self._list_of(p.job)
+        del lst[bisect.bisect_left(lst, p.key, key=lambda x: x.key)]
+        self._pending_demand[p.job.queue] = sub(self._pending_demand[p.job.queue], p.demand)
+        for key, _, _ in p.held:
+            self.cap.release(key)
+            self._version += 1
+        p.held.clear()
+        self.partial_gangs.discard(name)
+        self._preempt_failed.pop(name, None)
+        if self._reserved == name:
+            self._drop_reservation()
+        lifted: list[str] = []
+        nom = self._nominated.pop(name, None)
+        if nom is not None:
+            for victim in nom.victims:
+                r = self.running.get(victim)
+                if r is not None and r.preemptor == name:
+                    r.notice_deadline = r.preemptor = None
+                    lifted.append(victim)
+            self._exclusions()
+        return tuple(lifted)

@@ -1,0 +1,466 @@
+"""The scheduling engine: who is admitted when, for every policy (presets.py switches it).
+
+How a driver uses it (the time simulator, later the live controller):
+
+    sched = Scheduler(config, cap, preset("gpunode"))   # cap: a ClusterCapacity nothing else commits to
+    sched.submit(job, now)           # a job arrives (names are unique; a killed victim is requeued by the
+                                     # scheduler itself, do not submit it again)
+    d = sched.cycle(now)             # after each batch of same-time events; time never goes back
+      d.admit:     start these jobs now, on Admission.plan (already held on cap)
+      d.notices:   tell these victims to stop by Notice.deadline (they may checkpoint until then); the
+                   driver must call cycle() again at that deadline (sched.next_deadline() says when)
+      d.kill:      victims whose notice ran out: the scheduler has already released them and put them
+                   back among the pending jobs (same Job, same arrival); stop them now
+      d.timed_out: gangs waiting longer than their timeout, each reported once, with the reason
+      d.waiting:   pending jobs whose waiting reason changed in this cycle (for events)
+    sched.finished(name, now)        # a running job completed: its GPUs are released
+    sched.killed(name, now)          # a running job stopped early (a victim that checkpointed before its
+                                     # deadline, or a failure): released and requeued; a name that is not
+                                     # running is ignored, so reporting a d.kill victim again is harmless
+    sched.checkpoint(name, t)        # a running job saved its state at t (less work lost if preempted)
+    sched.adopt(job, plan, start, now, notice_deadline=, preemptor=)   # an admitted job, after a restart
+    sched.withdraw(name, now)        # a pending job left (its pods were deleted)
+    sched.running: dict[str, RunningJob]; sched.pending_count; sched.allocated_by_queue()
+    sched.waiting() -> list[Waiting] (every pending job's current reason); sched.partial_gangs (kube)
+
+One cycle: stop victims whose notice ran out, admit preemptors whose room is
+free, then serve queues one admission at a time in the preset's order (fair
+share and DRF, Kueue's head order, or one global order), each queue's jobs by
+priority then arrival. A job is admitted when its queue's limits allow it and
+the cluster places every pod (gangs whole). The first job that does not fit
+(the head of line) may preempt, else gets a backfill reservation that every
+later admission must respect (end before it starts, or stay off its nodes).
+
+Speed: a pending job whose shape (its pods) failed to place at the current
+capacity epoch, with the same excluded nodes, is skipped without a trial
+(commits only take room away; only a release can make it fit); a job whose
+GPUs exceed the free GPUs is skipped; the queue's limit is checked before any
+placement; a queue that cannot admit is not walked again in the same cycle.
+Fair shares are recomputed only when they can have moved (ordering.py); notices
+and young jobs are heaps and running jobs are indexed by queue, so no cycle
+walks all running jobs; a failed victim search waits PREEMPT_RETRY_S (rooms.py).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+from collections.abc import Iterable
+from dataclasses import replace
+
+from gpunode.cluster.queueing.adoption import Adoption
+from gpunode.cluster.queueing.backfill import Reservation
+from gpunode.cluster.queueing.capacity import ClusterCapacity
+from gpunode.cluster.queueing.config import QueueConfig
+from gpunode.cluster.queueing.fairshare import UsageLedger
+from gpunode.cluster.queueing.model import (
+    GPU,
+    GPU_MEMORY,
+    Admission,
+    Amounts,
+    Decisions,
+    Job,
+    Plan,
+    RunningJob,
+    Waiting,
+    sub,
+)
+from gpunode.cluster.queueing.ordering import Ordering
+from gpunode.cluster.queueing.preempt import Unit
+from gpunode.cluster.queueing.presets import Preset
+from gpunode.cluster.queueing.quotas import QuotaBook, job_demand
+from gpunode.cluster.queueing.reasons import Reasons
+from gpunode.cluster.queueing.rooms import ALL, Nomination, Pending, Rooms
+from gpunode.contract.names import MILLI_PER_GPU
+
+# Victim searches per cycle (each walks the running jobs and makes placement trials); heads of other queues
+# search in later cycles. Notices take minutes, so this delays a preemption by a cycle, not a notice period.
+PREEMPTION_SEARCHES_PER_CYCLE = 1
+_ALL, _RES = 2, 1  # a failed shape: every job of it fails / those that would delay the reservation fail
+
+
+class Scheduler(Adoption, Rooms, Ordering):
+    """Admission for one cluster: queues, quotas, fair share, gangs, preemption and backfill."""
+
+    def __init__(self, config: QueueConfig, cap: ClusterCapacity, preset: Preset) -> None:
+        self.config = config
+        self.cap = cap
+        self.preset = preset
+        self.book = QuotaBook(config, preset.quotas)
+        self.running: dict[str, RunningJob] = {}
+        self.partial_gangs: set[str] = set()  # gangs that held GPUs with members still unplaced
+        self._lists: dict[str, list[Pending]] = {}
+        self._pending: dict[str, Pending] = {}
+        self._units: dict[str, list[tuple[str, Job, Plan]]] = {}
+        self._pending_demand: dict[str, Amounts] = {q: {} for q in config.leaves}
+        self._nominated: dict[str, Nomination] = {}
+        self._reserved: str | None = None
+        self._reservation: Reservation | None = None
+        self._reservation_stamp: tuple[int, int] | None = None
+        self._released_nodes: set[str] = set()
+        self._shapes: dict[tuple[object, ...], int] = {}
+        self._failed: dict[tuple[int, frozenset[str]], tuple[int, str]] = {}
+        self._preempt_failed: dict[str, tuple[int, int, float, float]] = {}
+        self._by_queue: dict[str, dict[str, RunningJob]] = {q: {} for q in config.leaves}
+        self._priorities: dict[str, dict[int, int]] = {
+            q: {} for q in config.leaves
+        }  # running jobs' priorities
+        self._timeouts: list[tuple[float, int, str]] = []
+        self._notices: list[tuple[float, str]] = []  # (deadline, victim) of notices, earliest first
+        self._young: list[tuple[float, str]] = []  # (start, name) of admissions, earliest first
+        self._seq = itertools.count()
+        self._version = 0  # bumped by every commit and release this scheduler makes
+        self._now = -float("inf")
+        self._ledger = UsageLedger.from_settings(config.fair_share) if preset.usage_memory else None
+        self._charged_to: float | None = None
+        capacity = cap.capacity()
+        self._capacity = capacity
+        self._memory_per_gpu = capacity.get(GPU_MEMORY, 0) * MILLI_PER_GPU // max(capacity.get(GPU, 0), 1)
+        pre = config.preemption
+        self.notice_s = pre.notice_s if preset.notice_s is None else preset.notice_s
+        self.min_runtime_s = pre.min_runtime_s if preset.min_runtime_s is None else preset.min_runtime_s
+        self.reclaim = preset.reclaim and pre.reclaim
+        self.priority_preemption = preset.priority_preemption and pre.priority
+        self.backfill = preset.backfill and config.backfill.enabled
+        self.default_runtime_s = config.backfill.default_runtime_s
+        self.shares: dict[str, Amounts] = {}
+        self._touched: list[Pending] = []
+        self.reasons = Reasons(self)
+
+    # ----- the driver's calls ---------------------------------------------------------------------------
+
+    def submit(self, job: Job, now: float) -> None:
+        """A job arrives; it waits until a cycle admits it."""
+        if job.queue not in self._pending_demand:
+            raise ValueError(f"job {job.name}: no leaf queue is named {job.queue}")
+        if job.name in self._pending or job.name in self.running:
+            raise ValueError(f"job {job.name} is already pending or running")
+        self._enqueue(job, now)
+
+    def finished(self, name: str, now: float) -> None:
+        """A running job completed: release what it holds."""
+        self._advance(now)
+        if name in self.running:
+            self._stop(name)
+
+    def killed(self, name: str, now: float) -> None:
+        """A running job stopped before completing: release it and requeue its job (ignored if not running)."""
+        self._advance(now)
+        if name in self.running:
+            job = self._stop(name).job
+            self._enqueue(job, now)
+
+    def checkpoint(self, name: str, t: float) -> None:
+        """A running job saved its state at t."""
+        r = self.running.get(name)
+        if r is not None:
+            r.last_checkpoint = t
+
+    @property
+    def pending_count(self) -> int:
+        """How many jobs wait."""
+        return len(self._pending)
+
+    def allocated_by_queue(self) -> dict[str, Amounts]:
+        """What each queue holds (leaves and inner queues), whatever the preset counts for quotas."""
+        return {q: dict(v) for q, v in self.book.allocated.items()}
+
+    def next_deadline(self) -> float | None:
+        """The earliest notice deadline still to come (the driver cycles again then), or None."""
+        return min((n.deadline for n in self._nominated.values()), default=None)
+
+    def running_in(self, queue: str) -> Iterable[RunningJob]:
+        """The running jobs of one leaf queue."""
+        return self._by_queue[queue].values()
+
+    def lowest_priority(self, queue: str) -> int | None:
+        """The lowest priority among the leaf's running jobs (None: it runs none)."""
+        return min(self._priorities[queue], default=None)
+
+    def units_of(self, r: RunningJob) -> list[Unit]:
+        """The capacity entries a running job holds (one per job; one per pod without gangs)."""
+        return self._units[r.job.name]
+
+    @property
+    def excluded_for_preemptors(self) -> frozenset[str]:
+        """Nodes already promised to preemptors: a new preemptor's room must be elsewhere."""
+        return self._excl_base
+
+    @property
+    def reservation(self) -> tuple[str, Reservation] | None:
+        """The head of line's backfill reservation: (job name, reservation), or None."""
+        if self._reserved is None or self._reservation is None:
+            return None
+        return self._reserved, self._reservation
+
+    def waiting(self) -> list[Waiting]:
+        """Every pending job with its current reason, queue by queue, in queue order."""
+        out: list[Waiting] = []
+        for lst in self._lists.values():
+            for i, p in enumerate(lst):
+                out.append(self.reasons.waiting(p, i + 1))
+        return out
+
+    # ----- one cycle -------------------------------------------------------------------------------------
+
+    def cycle(self, now: float) -> Decisions:
+        """Decide what starts, what gets a notice and what is stopped now (see the module docstring)."""
+        self._advance(now)
+        d = Decisions()
+        self._expire(now, d)
+        self._admit_nominated(now, d)
+        self._refresh_reservation(now)
+        order = self._orderer()
+        self._dead: dict[str, dict[int, int]] = {}
+        self._heads_tried: set[str] = set()
+        self._searches_left = PREEMPTION_SEARCHES_PER_CYCLE
+        cursors = dict.fromkeys(self._lists, 0)
+        exhausted: set[str] = set()
+        while True:
+            live = [q for q, lst in self._lists.items() if q not in exhausted and cursors[q] < len(lst)]
+            if not live:
+                break
+            for q in order(live, cursors):
+                if self._walk(q, cursors, now, d):
+                    break
+                exhausted.add(q)
+            else:
+                break
+        self.reasons.report(now, d)
+        return d
+
+    # ----- walking a queue -------------------------------------------------------------------------------
+
+    def _walk(self, q: str, cursors: dict[str, int], now: float, d: Decisions) -> bool:
+        """Admit the next admissible job of queue q (True), or find it has none now (False).
+
+        Within a cycle a shape that failed stays failed (commits only take room away and
+        allocations only grow), so its other jobs are passed over without a trial: all of
+        them after a quota failure or one without the reservation's nodes excluded, those
+        ending after the reservation's start after one with them excluded. Preemption and
+        the reservation are tried for the queue's first job that does not fit, once per cycle.
+        """
+        lst = self._lists[q]
+        dead = self._dead.setdefault(q, {})
+        dead_get, nominated = dead.get, self._nominated
+        res = self._reservation
+        start = res.start if res is not None else 0.0
+        i = cursors[q]
+        n = len(lst)
+        while i < n:  # the skips are this loop's hot path: _ends_after inlined
+            p = lst[i]
+            level = dead_get(p.shape)
+            if level is not None and (
+                level == _ALL
+                or (res is not None and now + p.runtime > start and self._reserved != p.job.name)
+            ):
+                i += 1
+                continue
+            if p.job.name in nominated:
+                p.why = self.reasons.nominated(self._nominated[p.job.name])
+                i += 1
+                continue
+            verdict = self._try(p, now, d)
+            self._touched.append(p)
+            if verdict == "admitted":
+                lst.pop(i)
+                cursors[q] = i
+                return True
+            if verdict == "capacity" and q not in self._heads_tried:
+                self._heads_tried.add(q)
+                if self._searches_left > 0 and self._preempt(p, now, d):
+                    i += 1
+                    n = len(lst)  # a notice of 0 s stops and requeues victims at once
+                    continue
+                self._reserve(p, now)
+                res = self._reservation
+                start = res.start if res is not None else 0.0
+            if self.preset.head_blocks and verdict != "never":
+                break
+            if p.job.name != self._reserved and p.held == []:
+                limited = verdict == "capacity" and self._ends_after(p, now, res)
+                dead[p.shape] = _RES if limited else _ALL
+            i += 1
+        cursors[q] = i
+        return False
+
+    def _ends_after(self, p: Pending, now: float, res: Reservation | None) -> bool:
+        """Would p still run when the reservation starts (so it must keep off the reserved nodes)?"""
+        if res is None or self._reserved == p.job.name:
+            return False
+        return now + p.runtime > res.start
+
+    def _try(self, p: Pending, now: float, d: Decisions) -> str:
+        """Try to admit p now: "admitted", "quota", "capacity" or "never"."""
+        job = p.job
+        over = self.book.over_limit(job.queue, {GPU: p.demand.get(GPU, 0)})
+        if over is not None:
+            p.why = self.reasons.over_quota(p, *over)
+            return "quota"
+        if not self.preset.gang:
+            return self._try_pods(p, now, d)
+        if not self.cap.fits_empty(job):
+            p.why = self.reasons.never_fits(p)
+            return "never"
+        exclude = self._exclusion(p, now)
+        key = (p.shape, exclude)
+        failed = self._failed.get(key)
+        if failed is not None and failed[0] == self.cap.epoch:
+            p.why = failed[1]
+            return "capacity"
+        plan = None
+        if p.demand.get(GPU, 0) <= self._free_gpu():
+            plan = self.cap.plan(job, exclude_nodes=exclude)
+        if plan is None:
+            p.why = self.reasons.no_room(p, exclude)
+            self._failed[key] = (self.cap.epoch, p.why)
+            return "capacity"
+        amounts = self.cap.amounts(job, plan)
+        over = self.book.over_limit(job.queue, amounts)
+        if over is not None:
+            p.why = self.reasons.over_quota(p, *over)
+            return "quota"
+        self._start(p, plan, amounts, now, d)
+        return "admitted"
+
+    def _try_pods(self, p: Pending, now: float, d: Decisions) -> str:
+        """kube-scheduler's way: place the job's remaining pods one by one; each placed pod is held."""
+        job = p.job
+        exclude = self._exclusion(p, now)
+        while len(p.held) < len(job.pods):
+            i = len(p.held)
+            pod_job = replace(job, name=f"{job.name}/{i}", pods=(job.pods[i],))
+            key = (self._shape_of(pod_job.pods), exclude)
+            failed = self._failed.get(key)
+            if failed is not None and failed[0] == self.cap.epoch:
+                plan = None
+            else:
+                plan = self.cap.plan(pod_job, exclude_nodes=exclude)
+            if plan is None:
+                self._failed[key] = (self.cap.epoch, "")
+                p.why = self.reasons.pods_placed(p)
+                return "capacity"
+            self.cap.commit(pod_job.name, pod_job, plan)
+            self._version += 1
+            p.held.append((pod_job.name, pod_job, plan))
+            if len(p.held) < len(job.pods) and job.gang:
+                self.partial_gangs.add(job.name)
+        plan = Plan(pods=tuple(pl.pods[0] for _, _, pl in p.held))
+        units = list(p.held)
+        p.held.clear()
+        self._start(p, plan, self.cap.amounts(job, plan), now, d, units=units)
+        return "admitted"
+
+    def _exclusion(self, p: Pending, now: float) -> frozenset[str]:
+        """Nodes p must stay off: room promised to other preemptors and, unless p ends before it starts,
+        the reserved room of the head of line."""
+        if p.job.name in self._nominated:
+            nodes = {n for name, nom in self._nominated.items() if name != p.job.name for n in nom.nodes}
+            return frozenset(nodes)
+        return self._excl_res if self._ends_after(p, now, self._reservation) else self._excl_base
+
+    # ----- state changes ---------------------------------------------------------------------------------
+
+    def _enqueue(self, job: Job, now: float) -> None:
+        p = Pending(
+            job=job,
+            demand=job_demand(job, self._memory_per_gpu),
+            seq=next(self._seq),
+            since=now,
+            shape=self._shape_of(job.pods),
+            runtime=self.default_runtime_s if job.runtime_estimate is None else job.runtime_estimate,
+        )
+        self._pending[job.name] = p
+        lst = self._lists.setdefault(ALL if self.preset.order == "global" else job.queue, [])
+        bisect.insort(lst, p, key=lambda x: x.key)
+        acc = self._pending_demand[job.queue]
+        for k, v in p.demand.items():
+            acc[k] = acc.get(k, 0) + v
+        if job.gang:
+            timeout = self.config.gang_timeout_s if job.gang_timeout is None else job.gang_timeout
+            heapq.heappush(self._timeouts, (now + timeout, p.seq, job.name))
+
+    def _start(
+        self,
+        p: Pending,
+        plan: Plan,
+        amounts: Amounts,
+        now: float,
+        d: Decisions,
+        units: list[tuple[str, Job, Plan]] | None = None,
+    ) -> None:
+        job = p.job
+        borrowed = not self.book.within_guarantee(job.queue, amounts)
+        if units is None:
+            self.cap.commit(job.name, job, plan)
+            units = [(job.name, job, plan)]
+        self._version += 1
+        self._units[job.name] = units
+        self.book.charge(job.queue, amounts)
+        self._order_charge(job.queue, amounts, 1)
+        del self._pending[job.name]
+        self._preempt_failed.pop(job.name, None)
+        self._pending_demand[job.queue] = sub(self._pending_demand[job.queue], p.demand)
+        r = self.running[job.name] = RunningJob(
+            job=job, start=now, plan=plan, usage=amounts, borrowed=borrowed
+        )
+        self._by_queue[job.queue][job.name] = r
+        count = self._priorities[job.queue]
+        count[job.priority] = count.get(job.priority, 0) + 1
+        heapq.heappush(self._young, (now, job.name))
+        d.admit.append(Admission(job=job, plan=plan, borrowed=borrowed))
+        if self._reserved == job.name:
+            self._drop_reservation()
+
+    def _stop(self, name: str) -> RunningJob:
+        r = self.running.pop(name)
+        del self._by_queue[r.job.queue][name]
+        count = self._priorities[r.job.queue]
+        count[r.job.priority] -= 1
+        if not count[r.job.priority]:
+            del count[r.job.priority]
+        self._released_nodes |= r.plan.nodes
+        for key, _, _ in self._units.pop(name):
+            self.cap.release(key)
+        self._version += 1
+        self.book.charge(r.job.queue, r.usage, -1)
+        self._order_charge(r.job.queue, r.usage, -1)
+        if r.preemptor is not None:
+            nom = self._nominated.get(r.preemptor)
+            if nom is not None and all(v not in self.running for v in nom.victims):
+                nom.deadline = min(nom.deadline, self._now)
+        return r
+
+    def _advance(self, now: float) -> None:
+        """Move time to `now`: charge every leaf's allocation since the last call to the usage ledger."""
+        if now < self._now:
+            raise ValueError(f"time went back: {now} after {self._now}")
+        if self._ledger is not None and self._charged_to is not None and now > self._charged_to:
+            for leaf in self.config.leaves:
+                held = self.book.allocated[leaf]
+                if any(held.values()):
+                    self._ledger.charge(leaf, held, self._charged_to, now)
+        self._charged_to = now
+        self._now = now
+
+    # ----- order and reports -----------------------------------------------------------------------------
+
+    def _list_of(self, job: Job) -> list[Pending]:
+        return self._lists[ALL if self.preset.order == "global" else job.queue]
+
+    def _free_gpu(self) -> int:
+        stamp = (self.cap.epoch, self._version)
+        if self._free_stamp != stamp:
+            self._free_cache = self.cap.free().get(GPU, 0)
+            self._free_stamp = stamp
+        return self._free_cache
+
+    _free_stamp: tuple[int, int] | None = None
+    _free_cache = 0
+
+    def _shape_of(self, pods: tuple[object, ...]) -> int:
+        shape = self._shapes.get(pods)
+        if shape is None:
+            shape = self._shapes[pods] = len(self._shapes)
+        return shape

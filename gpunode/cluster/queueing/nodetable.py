@@ -1,0 +1,114 @@
+"""The node table under queueing.capacity: forkable arrays, the allocations on a node, and rebuilds.
+
+VersionedArrays is a placement.batch.ClusterArrays whose node versions are drawn
+from one counter shared by an original and its forks, so a version names one node
+state and the forks can share the score caches. rebuild() gives a node's state
+from its initial state and the allocations it holds: releasing a job is rebuilding
+its nodes without it, so a release is an exact undo.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+
+from gpunode.placement.batch import ClusterArrays
+from gpunode.placement.fit import apply_request
+from gpunode.placement.frag import TargetWorkload
+from gpunode.placement.model import NodeState, Request
+
+
+class VersionedArrays(ClusterArrays):
+    """ClusterArrays whose node versions are unique among an original and its forks.
+
+    A version then names one node state, so the score caches (keyed by version) can
+    be shared between an original and its forks without ever serving a stale score.
+    """
+
+    def __init__(
+        self, nodes: Sequence[NodeState], *, workload: TargetWorkload | None, stamps: Iterator[int]
+    ) -> None:
+        super().__init__(nodes, workload=workload)
+        self._stamps = stamps
+
+    def replace_node(self, node: NodeState) -> None:
+        """As ClusterArrays.replace_node, with a version no other state of the node has had."""
+        self.replace_nodes((node,))
+
+    def replace_nodes(self, nodes: Sequence[NodeState]) -> None:
+        """As ClusterArrays.replace_nodes, with versions no other state of the nodes has had."""
+        super().replace_nodes(nodes)
+        for node in nodes:
+            self.version[self._index[node.name]] = next(self._stamps)
+
+    def fork(self) -> VersionedArrays:
+        """A copy with its own state arrays and node list; caches and constant lookups are shared."""
+        new = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, np.ndarray):
+                setattr(new, name, value.copy())
+        new._templates = list(self._templates)
+        return new
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One pod of an admitted job on a node."""
+
+    job: str
+    request: Request
+    gpus: tuple[str, ...]
+
+
+_T = TypeVar("_T")
+
+
+def _with(obj: _T, **changes: object) -> _T:
+    """dataclasses.replace without re-running validation: for values apply_request already checked.
+
+    Every allocation rebuild() applies was applied by apply_request when its job was
+    committed, so the sums stay within the ranges GpuState and NodeState check; a
+    release rebuilds thousands of GPU states, and re-validating them dominated its cost.
+    """
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__)
+    new.__dict__.update(changes)
+    return new
+
+
+def rebuild(base: NodeState, allocs: Sequence[Allocation]) -> NodeState:
+    """The initial state with these allocations applied: what apply_request gives one by one, in one pass."""
+    if any(a.request.kind == "mig" for a in allocs):
+        for a in allocs:
+            base = apply_request(base, a.request, a.gpus)
+        return base
+    cpu = sum(a.request.cpu_milli for a in allocs)
+    mem = sum(a.request.memory_bytes for a in allocs)
+    whole = {u for a in allocs if a.request.kind == "whole" for u in a.gpus}
+    frac: dict[str, tuple[int, int]] = {}
+    for a in allocs:
+        if a.request.kind == "fraction":
+            m, b = frac.get(a.gpus[0], (0, 0))
+            frac[a.gpus[0]] = (m + a.request.gpu_milli, b + a.request.gpu_memory_bytes)
+    gpus = tuple(
+        _with(g, milli_free=0, memory_free_bytes=0)
+        if g.uuid in whole
+        else _with(
+            g,
+            milli_free=g.milli_free - frac[g.uuid][0],
+            memory_free_bytes=g.memory_free_bytes - frac[g.uuid][1],
+        )
+        if g.uuid in frac
+        else g
+        for g in base.gpus
+    )
+    return _with(
+        base,
+        gpus=gpus,
+        cpu_milli_free=base.cpu_milli_free - cpu,
+        memory_free_bytes=base.memory_free_bytes - mem,
+    )

@@ -1,0 +1,275 @@
+"""Preemption: which running jobs to stop so that a pending job fits, losing the least work.
+
+choose_victims() takes the running jobs the engine found eligible (for reclaim:
+borrowed work of queues above their guarantee; for priority: jobs of strictly
+lower priority), drops those it must not touch (not preemptible, already under
+notice, younger than the minimum runtime), orders the rest by the work they
+would lose (GPU-seconds since their last checkpoint, or since their start), then
+by fewest pods, then by name, and releases them one by one on a fork of the
+cluster until the preemptor plans: once over all candidates, and once per node
+over the candidates on that node; the set losing the least work wins. A victim whose loss would take its queue
+below its guarantee is passed over. Victims that turn out not to be needed are
+then given back (most lost work first), so the final set is minimal in that
+sense: dropping any one of them leaves the preemptor without a placement.
+
+Nothing here changes the cluster: every what-if runs inside ClusterCapacity.trial(), which undoes it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from gpunode.cluster.queueing.model import GPU, Amounts, Job, Plan, RunningJob
+from gpunode.cluster.queueing.quotas import QuotaBook
+
+if TYPE_CHECKING:
+    from gpunode.cluster.queueing.engine import Pending, Scheduler
+
+# The most candidates one preemption attempt considers (those losing the least work): bounds the
+# placement trials a single decision may make on a large cluster.
+MAX_CANDIDATES = 256
+MAX_NODES = 4  # the most nodes the node-by-node search tries (those whose cheapest candidate loses least)
+MAX_VICTIMS = 32  # the most jobs one search releases before it gives up (each release rebuilds a node)
+NODE_GPU_MILLI = 8000  # what a node's own free GPUs can add at most (8 GPUs), for the quick check
+
+Unit = tuple[str, Job, Plan]  # a capacity key, the (sub-)job committed under it and its placement
+
+
+class Forkable(Protocol):
+    """The part of ClusterCapacity preemption uses."""
+
+    def trial(self) -> AbstractContextManager[Forkable]:
+        """A block whose commits and releases are undone on exit."""
+        ...
+
+    def release(self, job_name: str) -> None:
+        """Give back what the job holds."""
+        ...
+
+    def commit(self, job_name: str, job: Job, plan: Plan) -> None:
+        """Hold what the plan places."""
+        ...
+
+    def plan(self, job: Job, *, exclude_nodes: frozenset[str] = frozenset()) -> Plan | None:
+        """A placement for every pod of the job, or None."""
+        ...
+
+    def free(self) -> Amounts:
+        """What is free, per resource."""
+        ...
+
+
+@dataclass(frozen=True)
+class Victims:
+    """The jobs to stop and where the preemptor will go once they have."""
+
+    jobs: tuple[RunningJob, ...]
+    plan: Plan
+
+
+def eligible(r: RunningJob, now: float, min_runtime_s: float) -> bool:
+    """May this job be preempted at all now: preemptible, not under notice, past its minimum runtime."""
+    return r.job.preemptible and r.notice_deadline is None and now - r.start >= min_runtime_s
+
+
+def victim_order(r: RunningJob, now: float) -> tuple[float, int, str]:
+    """The order victims are taken in: least lost work, then fewest pods, then name."""
+    return (r.lost_work(now), len(r.job.pods), r.job.name)
+
+
+def choose_victims(
+    preemptor: Job,
+    demand: Amounts,
+    candidates: Sequence[RunningJob],
+    cap: Forkable,
+    book: QuotaBook,
+    now: float,
+    *,
+    min_runtime_s: float,
+    units: Callable[[RunningJob], Sequence[Unit]],
+    exclude_nodes: frozenset[str] = frozenset(),
+) -> Victims | None:
+    """The least-loss set of candidates whose stopping lets `preemptor` place; None if there is none.
+
+    For a one-pod preemptor, node by node first (only the candidates on one node,
+    as kube-scheduler does; this finds the room one node can give when the
+    cheapest victims are spread over many), on the MAX_NODES nodes whose cheapest
+    candidate loses least; then, if none works (or for a gang), over all
+    candidates at once. Among the sets found the one losing the least work wins
+    (then fewest pods, then names). demand: what the preemptor will hold
+    (a quick check that enough could be freed before any placement trial).
+    units(r): the capacity entries a running job holds. exclude_nodes: nodes the
+    preemptor must not use (room already promised to other preemptors).
+    """
+    pool = sorted(
+        (r for r in candidates if eligible(r, now, min_runtime_s)), key=lambda r: victim_order(r, now)
+    )
+    pool = pool[:MAX_CANDIDATES]
+    if not pool:
+        return None
+    found: list[Victims | None] = []
+    if len(preemptor.pods) == 1:
+        by_node: dict[str, list[RunningJob]] = {}
+        for r in pool:
+            for node in sorted(r.plan.nodes):
+                by_node.setdefault(node, []).append(r)
+        need = demand.get(GPU, 0)
+        nodes = sorted(
+            (n for n, rs in by_node.items() if sum(r.usage.get(GPU, 0) for r in rs) + NODE_GPU_MILLI >= need),
+            key=lambda n: (min(r.lost_work(now) for r in by_node[n]), n),
+        )
+        for node in nodes[:MAX_NODES]:
+            found.append(_greedy(preemptor, demand, by_node[node], cap, book, now, units, exclude_nodes))
+    if not any(found):
+        found.append(_greedy(preemptor, demand, pool, cap, book, now, units, exclude_nodes))
+    results = [v for v in found if v is not None]
+    if not results:
+        return None
+    return min(
+        results,
+        key=lambda v: (
+            sum(r.lost_work(now) for r in v.jobs),
+            sum(len(r.job.pods) for r in v.jobs),
+            tuple(r.job.name for r in v.jobs),
+        ),
+    )
+
+
+def _greedy(
+    preemptor: Job,
+    demand: Amounts,
+    pool: Sequence[RunningJob],
+    cap: Forkable,
+    book: QuotaBook,
+    now: float,
+    units: Callable[[RunningJob], Sequence[Unit]],
+    exclude_nodes: frozenset[str],
+) -> Victims | None:
+    """Release pool's jobs in order on a fork until the preemptor plans, then give back the unneeded."""
+    need_gpu = demand.get(GPU, 0)
+    free_gpu = cap.free().get(GPU, 0)
+    if free_gpu + sum(r.usage.get(GPU, 0) for r in pool) < need_gpu:
+        return None
+    with cap.trial() as fork:
+        return _release_until_placed(
+            preemptor, pool, fork, book, now, units, exclude_nodes, need_gpu, free_gpu
+        )
+
+
+def _release_until_placed(
+    preemptor: Job,
+    pool: Sequence[RunningJob],
+    fork: Forkable,
+    book: QuotaBook,
+    now: float,
+    units: Callable[[RunningJob], Sequence[Unit]],
+    exclude_nodes: frozenset[str],
+    need_gpu: int,
+    free_gpu: int,
+) -> Victims | None:
+    chosen: list[RunningJob] = []
+    plan: Plan | None = None
+    for r in pool:
+        if len(chosen) >= MAX_VICTIMS:
+            break
+        if not book.may_take(preemptor.queue, [(v.job.queue, v.usage) for v in (*chosen, r)]):
+            continue
+        for key, _, _ in units(r):
+            fork.release(key)
+        chosen.append(r)
+        free_gpu += r.usage.get(GPU, 0)
+        if free_gpu < need_gpu:
+            continue
+        plan = fork.plan(preemptor, exclude_nodes=exclude_nodes)
+        if plan is not None:
+            break
+    if plan is None:
+        return None
+    # Give back the victims not needed, the costliest first; each stays stopped only if the preemptor
+    # would no longer place without it.
+    for r in sorted(chosen, key=lambda v: victim_order(v, now), reverse=True):
+        if len(chosen) == 1:
+            break
+        for key, job, held in units(r):
+            fork.commit(key, job, held)
+        again = fork.plan(preemptor, exclude_nodes=exclude_nodes)
+        if again is not None:
+            chosen.remove(r)
+            plan = again
+        else:
+            for key, _, _ in units(r):
+                fork.release(key)
+    return Victims(jobs=tuple(sorted(chosen, key=lambda v: victim_order(v, now))), plan=plan)
+
+
+def preemption_for(sched: Scheduler, p: Pending, now: float) -> tuple[Victims, dict[str, str]] | None:
+    """The victims the engine's rules allow for pending job p, and each one's reason; None if none work.
+
+    reclaim: candidates are the jobs of other leaves that p may reclaim from
+    (QuotaBook.may_reclaim: where the two chains part, p's side stays within its
+    guarantee after admitting p and the other side borrows; so siblings under one
+    parent reclaim from each other even when the parent itself holds more than its
+    guarantee) and, with reclaim_fair_share, of queues above their fair share
+    while p's stays within its own. priority:
+    candidates are jobs of strictly lower priority (only p's own queue when the
+    preset says so). choose_victims then keeps every queue at or above its guarantee.
+    """
+    leaf = p.job.queue
+    book = sched.book
+    reclaim = sched.reclaim and book.mode != "none"
+    over_share: set[str] = set()
+    if sched.reclaim and sched.preset.reclaim_fair_share and sched.shares:
+        share = sched.shares.get(leaf, {}).get(GPU, 0)
+        if book.allocated[leaf].get(GPU, 0) + p.demand.get(GPU, 0) <= share:
+            over_share = {
+                q for q in sched.config.leaves if book.allocated[q].get(GPU, 0) > sched.shares[q].get(GPU, 0)
+            }
+    reasons: dict[str, str] = {}
+    keyed: list[tuple[float, int, str, RunningJob]] = []
+    reclaimable = {
+        q: q != leaf and ((reclaim and book.may_reclaim(leaf, p.demand, q)) or q in over_share)
+        for q in sched.config.leaves
+    }
+    lower = sched.priority_preemption
+    within = sched.preset.within_queue_only
+    priority = p.job.priority
+    min_runtime = sched.min_runtime_s
+    queues = []  # the leaves whose running jobs may hold a candidate: reclaimable, or some lower priority
+    for q in sched.config.leaves:
+        lowest = sched.lowest_priority(q)
+        if reclaimable[q] or (
+            lower and (q == leaf or not within) and lowest is not None and lowest < priority
+        ):
+            queues.append(q)
+    for r in (r for q in queues for r in sched.running_in(q)):
+        job = r.job
+        if not job.preemptible or r.notice_deadline is not None or now - r.start < min_runtime:
+            continue
+        q = job.queue
+        if reclaimable[q]:
+            reasons[job.name] = "reclaim"
+        elif lower and job.priority < priority and (q == leaf or not within):
+            reasons[job.name] = "priority"
+        else:
+            continue
+        since = r.start if r.last_checkpoint is None else max(r.start, r.last_checkpoint)
+        keyed.append(((now - since) * r.usage.get(GPU, 0), len(job.pods), job.name, r))
+    if not keyed:
+        return None
+    candidates = [item[3] for item in heapq.nsmallest(MAX_CANDIDATES, keyed, key=lambda item: item[:3])]
+    victims = choose_victims(
+        p.job,
+        p.demand,
+        candidates,
+        sched.cap,
+        book,
+        now,
+        min_runtime_s=sched.min_runtime_s,
+        units=sched.units_of,
+        exclude_nodes=sched.excluded_for_preemptors,
+    )
+    return None if victims is None else (victims, reasons)

@@ -1,0 +1,131 @@
+"""Why a job waits, in sentences a person reads (and the live controller posts as Kubernetes events).
+
+Every reason starts with where the job stands ("queued in team-a, position 12:")
+and says what it waits for: its queue's quota, room for its GPUs (with the
+reservation it holds, if any), members of a gang that do not fit, victims
+being stopped for it, or that it can never fit this cluster.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from gpunode.cluster.queueing.model import GPU, Decisions, Waiting
+from gpunode.cluster.queueing.quotas import describe
+
+if TYPE_CHECKING:
+    from gpunode.cluster.queueing.backfill import Reservation
+    from gpunode.cluster.queueing.engine import Nomination, Pending, Scheduler
+
+
+def _gpus(milli: int) -> str:
+    return describe(GPU, milli)
+
+
+def _t(t: float) -> str:
+    return f"t={t:.0f}s"
+
+
+class Reasons:
+    """Builds the waiting reasons for one scheduler."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+
+    def waiting(self, p: Pending, position: int, *, timed_out: bool = False) -> Waiting:
+        """The Waiting record of p: "queued in Q, position N: why"."""
+        queue = p.job.queue
+        why = p.why or "not considered yet"
+        if timed_out:
+            timeout = self.sched.config.gang_timeout_s if p.job.gang_timeout is None else p.job.gang_timeout
+            why = f"waited longer than the gang timeout ({timeout:.0f}s): {why}"
+        return Waiting(
+            job=p.job.name,
+            queue=queue,
+            position=position,
+            reason=f"queued in {queue}, position {position}: {why}",
+        )
+
+    def report(self, now: float, d: Decisions) -> None:
+        """Add to d the gangs past their timeout (once each) and the pending jobs whose reason changed."""
+        sched = self.sched
+        timeouts = sched._timeouts
+        while timeouts and timeouts[0][0] <= now:
+            _, seq, name = heapq.heappop(timeouts)
+            p = sched._pending.get(name)
+            if p is not None and p.seq == seq:
+                d.timed_out.append(self.waiting(p, self.position(p), timed_out=True))
+        touched, sched._touched = sched._touched, []
+        for p in touched:
+            if p.why != p.reported_why and p.job.name in sched._pending:
+                p.reported_why = p.why
+                d.waiting.append(self.waiting(p, self.position(p)))
+
+    def position(self, p: Pending) -> int:
+        """p's 1-based position in its queue."""
+        lst = self.sched._list_of(p.job)
+        return bisect.bisect_left(lst, p.key, key=lambda x: x.key) + 1
+
+    def over_quota(self, p: Pending, queue: str, resource: str) -> str:
+        """The job would take `queue` past its limit in `resource`."""
+        held = self.sched.book.allocated[queue].get(resource, 0)
+        limit = self.sched.config.limit(queue) or {}
+        return (
+            f"{queue} is over its quota: it holds {describe(resource, held)} of at most "
+            f"{describe(resource, limit.get(resource, 0))}"
+        )
+
+    def never_fits(self, p: Pending) -> str:
+        """The job does not fit even the empty cluster."""
+        job = p.job
+        what = f"gang of {len(job.pods)}" if job.gang else "job"
+        return f"{what} asking for {_gpus(job.gpu_milli)} can never fit this cluster, even when it is empty"
+
+    def no_room(self, p: Pending, exclude: frozenset[str]) -> str:
+        """No placement now: for a gang, how many members would fit; else the GPUs it waits for."""
+        job = p.job
+        sched = self.sched
+        behind = ""
+        res = sched.reservation
+        if res is not None and res[0] != job.name and exclude & res[1].nodes:
+            behind = f"; it may not delay {res[0]}, reserved from {_t(res[1].start)}"
+        if job.gang:
+            fit = self._members_fitting(p, exclude)
+            fits = {0: "no member fits now", 1: "only 1 member fits"}.get(fit, f"only {fit} members fit")
+            return f"gang of {len(job.pods)}: {fits}{behind}"
+        return f"waiting for {_gpus(job.gpu_milli)}: no node has room now{behind}"
+
+    def _members_fitting(self, p: Pending, exclude: frozenset[str]) -> int:
+        """The largest k such that the first k members place together (binary search on plans)."""
+        job = p.job
+        lo, hi = 0, len(job.pods) - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.sched.cap.plan(replace(job, pods=job.pods[:mid]), exclude_nodes=exclude) is not None:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def pods_placed(self, p: Pending) -> str:
+        """Pods placed one by one (no gangs): how many hold GPUs so far."""
+        job = p.job
+        if len(job.pods) == 1:
+            return f"waiting for {_gpus(job.gpu_milli)}: no node has room now"
+        return f"{len(p.held)} of {len(job.pods)} pods placed; the others wait for room"
+
+    def reserved(self, p: Pending, res: Reservation) -> str:
+        """The head of line: when its reservation starts."""
+        return (
+            f"waiting for {_gpus(p.job.gpu_milli)}; reserved from {_t(res.start)} on {len(res.nodes)} nodes"
+        )
+
+    def nominated(self, nom: Nomination) -> str:
+        """Victims are being stopped for the job."""
+        n = len(nom.victims)
+        return (
+            f"preempting {n} job{'' if n == 1 else 's'} for it; starts when they stop, by {_t(nom.deadline)}"
+        )

@@ -1,0 +1,218 @@
+"""Room for the head of line: pending-job records, preemption notices and nominations, backfill reservations.
+
+Rooms is the part of the Scheduler (engine.py) that makes room for a job that
+does not fit: it gives victims their notice and nominates the preemptor to the
+nodes it will use (no other job may take them meanwhile), stops victims whose
+notice ran out and admits their preemptor, and keeps the one backfill
+reservation of the head of line current. Split from engine.py to keep modules small.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
+
+from gpunode.cluster.queueing.backfill import Reservation, reserve
+from gpunode.cluster.queueing.model import Amounts, Decisions, Job, Notice, Plan, RunningJob
+from gpunode.cluster.queueing.preempt import preemption_for
+
+if TYPE_CHECKING:
+    from gpunode.cluster.queueing.capacity import ClusterCapacity
+    from gpunode.cluster.queueing.engine import Scheduler
+    from gpunode.cluster.queueing.presets import Preset
+    from gpunode.cluster.queueing.reasons import Reasons
+
+ALL = "*"  # the one list of the "global" order
+# After a failed victim search a job searches again this much later at the soonest (simulated or real
+# seconds): a search walks the running jobs and makes placement trials, and most fail the same way in
+# the next cycle. Against a notice period of minutes it delays a preemption by well under one.
+PREEMPT_RETRY_S = 30.0
+
+
+@dataclass
+class Pending:
+    """A job waiting for admission, with what the engine remembers about it."""
+
+    job: Job
+    demand: Amounts
+    seq: int
+    since: float
+    shape: int
+    runtime: float = 0.0  # what backfill expects it to run: its estimate, or the configured default
+    held: list[tuple[str, Job, Plan]] = field(default_factory=list)  # pods placed so far (no-gang mode)
+    why: str = ""
+    reported_why: str = ""
+
+    @property
+    def key(self) -> tuple[int, float, int]:
+        """Order within a queue: higher priority first, then earlier arrival, then submission order."""
+        return (-self.job.priority, self.job.arrival, self.seq)
+
+
+@dataclass
+class Nomination:
+    """Room being freed for a preemptor: its victims and the nodes it will use."""
+
+    victims: tuple[str, ...]
+    nodes: frozenset[str]
+    deadline: float
+
+
+class Rooms:
+    """Preemption, nomination and reservation state of a Scheduler (mixed into it)."""
+
+    if TYPE_CHECKING:
+        cap: ClusterCapacity
+        running: dict[str, RunningJob]
+        reasons: Reasons
+        reclaim: bool
+        priority_preemption: bool
+        backfill: bool
+        notice_s: float
+        min_runtime_s: float
+        default_runtime_s: float
+        _pending: dict[str, Pending]
+        _lists: dict[str, list[Pending]]
+        _version: int
+        preset: Preset
+
+        def _try(self, p: Pending, now: float, d: Decisions) -> str: ...
+        def _stop(self, name: str) -> RunningJob: ...
+        def _enqueue(self, job: Job, now: float) -> None: ...
+        def _list_of(self, job: Job) -> list[Pending]: ...
+
+    _nominated: dict[str, Nomination]
+    _preempt_failed: dict[str, tuple[int, int, float, float]]
+    _reserved: str | None = None
+    _reservation: Reservation | None = None
+    _reservation_stamp: tuple[int, int] | None = None
+    _excl_base: frozenset[str] = frozenset()
+    _released_nodes: set[str]
+    _searches_left: int
+    _excl_res: frozenset[str] = frozenset()
+    _notices: list[tuple[float, str]]
+    _young: list[tuple[float, str]]
+
+    def _preempt(self, p: Pending, now: float, d: Decisions) -> bool:
+        """Give notices to the victims that make room for p (nominating it to that room); True if any."""
+        if not (self.reclaim or self.priority_preemption) or (not self.preset.gang and p.held):
+            return False
+        stamp = (self.cap.epoch, self._version)
+        failed = self._preempt_failed.get(p.job.name)
+        # The same search fails again until the cluster changes or a running job passes its minimum runtime;
+        # after a failure the job searches again PREEMPT_RETRY_S later at the soonest.
+        if failed is not None and (now < failed[3] or (failed[:2] == stamp and now < failed[2])):
+            return False
+        self._searches_left -= 1
+        chosen = preemption_for(cast("Scheduler", self), p, now)
+        if chosen is None:
+            self._preempt_failed[p.job.name] = (*stamp, self._youngest_ripens(now), now + PREEMPT_RETRY_S)
+            return False
+        victims, reasons = chosen
+        deadline = now + self.notice_s
+        for r in victims.jobs:
+            r.notice_deadline = deadline
+            heapq.heappush(self._notices, (deadline, r.job.name))
+            r.preemptor = p.job.name
+            d.notices.append(Notice(r.job.name, p.job.name, deadline, reasons[r.job.name]))
+        self._nominated[p.job.name] = Nomination(
+            victims=tuple(r.job.name for r in victims.jobs), nodes=victims.plan.nodes, deadline=deadline
+        )
+        self._exclusions()
+        if self._reserved == p.job.name:
+            self._drop_reservation()
+        p.why = self.reasons.nominated(self._nominated[p.job.name])
+        if self.notice_s <= 0:
+            self._expire(now, d)
+            self._admit_nominated(now, d)
+        return True
+
+    def _reserve(self, p: Pending, now: float) -> None:
+        """Make p the head of line with a backfill reservation, when backfill is on and none is held."""
+        if not self.backfill or self._reserved is not None:
+            return
+        res = reserve(p.job, list(self.running.values()), self.cap, now, self.default_runtime_s)
+        if res is None or res.nodes & self._excl_base:  # room promised to a preemptor is not reservable
+            return
+        self._reserved, self._reservation = p.job.name, res
+        self._reservation_stamp = (self.cap.epoch, self._version)
+        self._exclusions()
+        p.why = self.reasons.reserved(p, res)
+
+    def _refresh_reservation(self, now: float) -> None:
+        """Recompute the head of line's reservation after releases; drop it once the job is gone."""
+        released, self._released_nodes = self._released_nodes, set()
+        name = self._reserved
+        if name is None:
+            return
+        p = self._pending.get(name)
+        if p is None or name in self._nominated:
+            self._drop_reservation()
+            return
+        res = self._reservation
+        if res is not None and (now < res.start or not released & res.nodes):
+            # Releases only bring the start closer and backfill never pushes it back, so the reservation
+            # holds until its start; past it (estimates ran over), it is recomputed once some of its nodes
+            # free up. The head itself is tried in every cycle and starts as soon as it fits anywhere.
+            return
+        res = reserve(p.job, list(self.running.values()), self.cap, now, self.default_runtime_s)
+        if res is None or res.nodes & self._excl_base:
+            self._drop_reservation()
+            return
+        self._reservation = res
+        self._reservation_stamp = (self.cap.epoch, self._version)
+        self._exclusions()
+        p.why = self.reasons.reserved(p, res)
+
+    def _drop_reservation(self) -> None:
+        self._reserved = self._reservation = self._reservation_stamp = None
+        self._exclusions()
+
+    def _exclusions(self) -> None:
+        """Recompute the two node sets admissions stay off (see _exclusion)."""
+        base = frozenset(n for nom in self._nominated.values() for n in nom.nodes)
+        self._excl_base = base
+        res = self._reservation
+        self._excl_res = base | res.nodes if res is not None else base
+
+    def _expire(self, now: float, d: Decisions) -> None:
+        """Stop the victims whose notice has run out; they go back to the pending jobs."""
+        due: list[RunningJob] = []
+        heap = self._notices
+        while heap and heap[0][0] <= now:
+            deadline, name = heapq.heappop(heap)
+            r = self.running.get(name)
+            if r is not None and r.notice_deadline == deadline and (not due or due[-1] is not r):
+                due.append(r)  # entries of jobs that stopped, or whose notice was lifted, are passed over
+        for r in due:
+            self._stop(r.job.name)
+            self._enqueue(r.job, now)
+            d.kill.append(r.job.name)
+
+    def _youngest_ripens(self, now: float) -> float:
+        """When the next running job younger than the minimum runtime reaches it (inf: none is younger)."""
+        heap, running = self._young, self.running
+        while heap:
+            start, name = heap[0]
+            r = running.get(name)
+            if r is not None and r.start == start and now - start < self.min_runtime_s:
+                return start + self.min_runtime_s
+            heapq.heappop(heap)  # stopped, or old enough for good (time only moves forward)
+        return float("inf")
+
+    def _admit_nominated(self, now: float, d: Decisions) -> None:
+        """Admit preemptors whose victims are all gone, on the room freed for them."""
+        for name in sorted(self._nominated, key=lambda n: (self._nominated[n].deadline, n)):
+            nom = self._nominated[name]
+            if any(v in self.running for v in nom.victims):
+                continue
+            p = self._pending.get(name)
+            self._preempt_failed.pop(name, None)
+            # tried while still nominated: it may use its own room whatever else was reserved since
+            if p is not None and self._try(p, now, d) == "admitted":
+                lst = self._list_of(p.job)
+                del lst[bisect.bisect_left(lst, p.key, key=lambda x: x.key)]
+            del self._nominated[name]
+            self._exclusions()

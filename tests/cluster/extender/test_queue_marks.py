@@ -1,0 +1,408 @@
+"""The extender holds queued GPU pods until the queue controller admits them, and then honours its plan.
+
+Each attack is performed: a tenant forges an admission (a mark copied from another pod, one written
+before the pod had a UID), writes a long or odd waiting reason, or POSTs a bind for a waiting pod;
+the marks are written with the controller's own admitted_text so both sides are proven to agree.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpunode.cluster.extender.cli import build_extender
+from gpunode.cluster.extender.core import Extender, ExtenderConfig
+from gpunode.cluster.extender.kubeapi import KubeApi
+from gpunode.cluster.extender.queued import MAX_REASON, WAITING_REASON, QueueNamespaces, clean_reason
+from gpunode.cluster.queuectl.jobs import admitted_text, queued_pod
+from gpunode.cluster.queueing.model import PodPlacement
+from gpunode.contract.names import QUEUE_ADMITTED_ANNOTATION, QUEUE_LABEL, QUEUE_REASON_ANNOTATION
+from gpunode.errors import KubeError, QueueConfigError
+from tests.cluster.queuectl.helpers import config
+from tests.cluster.test_extender import (
+    FakeApiServer,
+    gpu_state,
+    node_list,
+    parser,
+    start,
+    v1_node,
+    v1_pod,
+)
+
+REASON = "queued in team-a, position 12: team-a is over its quota"
+
+
+class Binder:
+    """An API server in memory: the pods a bind reads, and the binds made."""
+
+    def __init__(self) -> None:
+        self.pods: dict[str, dict[str, Any]] = {}
+        self.binds: list[tuple[str, str, tuple[str, ...]]] = []
+
+    def add(self, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        self.pods[f"{meta['namespace']}/{meta['name']}"] = pod
+
+    def read_pod(self, *, namespace: str, name: str) -> Mapping[str, Any] | None:
+        return self.pods.get(f"{namespace}/{name}")
+
+    def bind(self, *, namespace: str, name: str, uid: str, node: str, gpu_uuids: tuple[str, ...]) -> None:
+        if f"{namespace}/{name}" not in self.pods:
+            raise KubeError(f"pod {namespace}/{name} not found")
+        self.binds.append((f"{namespace}/{name}", node, gpu_uuids))
+
+
+def queued(
+    name: str, uid: str, *, gpus: str = "1", queue: str | None = "team-a", **notes: str
+) -> dict[str, Any]:
+    """A pending pod asking for whole GPUs, labelled into `queue`, with these annotations."""
+    pod = v1_pod(name, uid=uid, limits={"nvidia.com/gpu": gpus}, annotations=dict(notes))
+    if queue:
+        pod["metadata"]["labels"][QUEUE_LABEL] = queue
+    return pod
+
+
+def admit(
+    pod: dict[str, Any], node: str, gpus: tuple[str, ...], *, job: str = "team-a/gang"
+) -> dict[str, Any]:
+    """The pod with the admission the controller writes for it (its own UID)."""
+    text = admitted_text(job, PodPlacement(node=node, gpus=gpus), 1732252800.0, pod["metadata"]["uid"])
+    pod["metadata"]["annotations"][QUEUE_ADMITTED_ANNOTATION] = text
+    pod["metadata"]["annotations"].pop(QUEUE_REASON_ANNOTATION, None)
+    return pod
+
+
+NODES = node_list(
+    v1_node("n1", gpu_state("n1", [1000, 1000])),
+    v1_node("n2", gpu_state("n2", [1000, 1000])),
+    v1_node("n3", gpu_state("n3", [1000, 1000])),
+)
+
+
+@pytest.fixture
+def ext() -> tuple[Extender, Binder]:
+    binder = Binder()
+    extender = Extender(config=ExtenderConfig(policy="bestfit"), binder=binder)
+    extender.refresh_nodes(NODES["items"])
+    return extender, binder
+
+
+def bind_args(pod: dict[str, Any], node: str) -> dict[str, str]:
+    meta = pod["metadata"]
+    return {"PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"], "Node": node}
+
+
+def passing(result: dict[str, Any]) -> list[str]:
+    return [n["metadata"]["name"] for n in result["Nodes"]["items"]]
+
+
+# ----- waiting pods ---------------------------------------------------------------------------------------
+
+
+def test_a_waiting_pod_is_refused_everywhere_with_the_controllers_reason(
+    ext: tuple[Extender, Binder],
+) -> None:
+    extender, _ = ext
+    pod = queued("train-0", "uid-0", **{QUEUE_REASON_ANNOTATION: REASON})
+    result = extender.filter({"Pod": pod, "Nodes": NODES})
+    assert passing(result) == []
+    assert result["FailedNodes"] == {"n1": REASON, "n2": REASON, "n3": REASON}
+    # later kube-schedulers read the unresolvable map first: their own preemption never acts for it
+    assert result["FailedAndUnresolvableNodes"] == result["FailedNodes"]
+    assert {h["Score"] for h in extender.prioritize({"Pod": pod, "Nodes": NODES})} == {0}
+    assert len(extender.reservations) == 0  # a waiting pod holds nothing
+    # without a reason written yet, the pod still waits, saying for whom
+    bare = queued("train-1", "uid-1")
+    assert extender.filter({"Pod": bare, "Nodes": NODES})["FailedNodes"]["n1"] == WAITING_REASON
+
+
+def test_a_bind_posted_for_a_waiting_pod_is_refused(ext: tuple[Extender, Binder]) -> None:
+    extender, binder = ext
+    pod = queued("train-0", "uid-0", **{QUEUE_REASON_ANNOTATION: REASON})
+    binder.add(pod)
+    extender.filter({"Pod": pod, "Nodes": NODES})
+    result = extender.bind(bind_args(pod, "n1"))
+    assert result["Error"].startswith("bind refused:") and binder.binds == []
+    # Filtered while admitted, then the admission withdrawn on the API server (the job was preempted):
+    # the bind reads the pod as it is now and refuses.
+    admit(pod, "n1", ("GPU-n1-0",))
+    assert passing(extender.filter({"Pod": pod, "Nodes": NODES})) == ["n1"]
+    del pod["metadata"]["annotations"][QUEUE_ADMITTED_ANNOTATION]
+    result = extender.bind(bind_args(pod, "n1"))
+    assert "waits in queue team-a" in result["Error"] and binder.binds == []
+
+
+@pytest.mark.parametrize(
+    "forge",
+    [
+        pytest.param(lambda pod: {"uid": "uid-other"}, id="another-pods-uid"),
+        pytest.param(lambda pod: {"uid": ""}, id="empty-uid"),
+        pytest.param(lambda pod: {"uid": None}, id="no-uid"),
+        pytest.param(lambda pod: {"node": 3}, id="node-not-a-string"),
+        pytest.param(lambda pod: {"gpus": "GPU-n1-0"}, id="gpus-not-a-list"),
+    ],
+)
+def test_a_forged_admission_does_not_admit(ext: tuple[Extender, Binder], forge: Any) -> None:
+    extender, binder = ext
+    pod = admit(queued("train-0", "uid-0"), "n1", ("GPU-n1-0",))
+    mark = json.loads(pod["metadata"]["annotations"][QUEUE_ADMITTED_ANNOTATION])
+    mark.update(forge(pod))
+    pod["metadata"]["annotations"][QUEUE_ADMITTED_ANNOTATION] = json.dumps(mark)
+    binder.add(pod)
+    result = extender.filter({"Pod": pod, "Nodes": NODES})
+    assert passing(result) == [] and set(result["FailedNodes"].values()) == {WAITING_REASON}
+    assert extender.bind(bind_args(pod, "n1"))["Error"] and binder.binds == []
+
+
+def test_a_mark_copied_from_an_admitted_pod_does_not_admit_the_copy(ext: tuple[Extender, Binder]) -> None:
+    extender, _ = ext
+    admitted = admit(queued("train-0", "uid-0"), "n1", ("GPU-n1-0",))
+    copy = queued(
+        "sneaky",
+        "uid-sneaky",
+        **{QUEUE_ADMITTED_ANNOTATION: admitted["metadata"]["annotations"][QUEUE_ADMITTED_ANNOTATION]},
+    )
+    assert passing(extender.filter({"Pod": copy, "Nodes": NODES})) == []
+    # the pod without a UID (as created, before the API server gives one) is not admitted either
+    no_uid = admit(queued("early", "uid-early"), "n1", ("GPU-n1-0",))
+    del no_uid["metadata"]["uid"]
+    assert passing(extender.filter({"Pod": no_uid, "Nodes": NODES})) == []
+    # the controller reads the same marks the same way
+    for pod in (copy, no_uid):
+        q = queued_pod(pod, config())
+        assert q is not None and q.admitted is None
+
+
+# ----- admitted pods --------------------------------------------------------------------------------------
+
+
+def test_an_admitted_gang_lands_on_its_plan_and_binds_to_its_gpus(ext: tuple[Extender, Binder]) -> None:
+    extender, binder = ext
+    # The plan takes GPU 1 of n2 and GPU 0 of n3; bestfit alone would take GPU 0 of n2 for the first.
+    a = admit(queued("gang-0", "uid-a", gpus="1"), "n2", ("GPU-n2-1",))
+    b = admit(queued("gang-1", "uid-b", gpus="1"), "n3", ("GPU-n3-0",))
+    for pod, node in ((a, "n2"), (b, "n3")):
+        binder.add(pod)
+        result = extender.filter({"Pod": pod, "Nodes": NODES})
+        assert passing(result) == [node]
+        others = {n for n in ("n1", "n2", "n3") if n != node}
+        assert set(result["FailedNodes"]) == others
+        assert all(f"admitted this pod to node {node}" in r for r in result["FailedNodes"].values())
+        scores = {h["Host"]: h["Score"] for h in extender.prioritize({"Pod": pod, "Nodes": NODES})}
+        assert scores == {n: (10 if n == node else 0) for n in ("n1", "n2", "n3")}
+    # Meanwhile a pod outside any queue cannot take the planned GPU: only GPU 0 of n2 is left there.
+    other = v1_pod("plain", uid="uid-plain", limits={"nvidia.com/gpu": "2"})
+    assert "n2" in extender.filter({"Pod": other, "Nodes": NODES})["FailedNodes"]
+    plain = v1_pod("plain-1", uid="uid-plain-1")
+    binder.add(plain)
+    assert "n2" in passing(extender.filter({"Pod": plain, "Nodes": node_list(NODES["items"][1])}))
+    assert extender.bind(bind_args(plain, "n2")) == {"Error": ""}
+    assert binder.binds[-1] == ("team-a/plain-1", "n2", ("GPU-n2-0",))
+    # The gang binds where the plan put it, to the plan's GPUs.
+    assert extender.bind(bind_args(a, "n2")) == {"Error": ""}
+    assert extender.bind(bind_args(b, "n3")) == {"Error": ""}
+    assert binder.binds[-2:] == [
+        ("team-a/gang-0", "n2", ("GPU-n2-1",)),
+        ("team-a/gang-1", "n3", ("GPU-n3-0",)),
+    ]
+
+
+def test_a_plan_that_no_longer_fits_is_refused_so_the_controller_replans(
+    ext: tuple[Extender, Binder],
+) -> None:
+    extender, binder = ext
+    pod = admit(queued("gang-0", "uid-a"), "n1", ("GPU-n1-1",))
+    binder.add(pod)
+    assert passing(extender.filter({"Pod": pod, "Nodes": NODES})) == ["n1"]
+    # GPU 1 of n1 is taken by a pod the controller did not know of; the node publishes it.
+    taken = v1_node("n1", gpu_state("n1", [1000, 0], generation=2, pods={1: ["other/hog"]}))
+    extender.refresh_nodes([taken])
+    result = extender.bind(bind_args(pod, "n1"))
+    assert "no longer fits" in result["Error"] and "re-plan" in result["Error"] and binder.binds == []
+    filtered = extender.filter({"Pod": pod, "Nodes": node_list(taken, *NODES["items"][1:])})
+    assert passing(filtered) == []
+    assert "queue controller's plan (node n1, GPUs GPU-n1-1) no longer fits" in filtered["FailedNodes"]["n1"]
+    # a plan naming a GPU the node does not have is refused the same way
+    ghost = admit(queued("gang-1", "uid-g"), "n2", ("GPU-n2-7",))
+    assert "no longer fits" in extender.filter({"Pod": ghost, "Nodes": NODES})["FailedNodes"]["n2"]
+
+
+def test_an_admission_onto_gpus_freed_since_the_last_refresh_is_judged_on_fresh_nodes() -> None:
+    # Names-only mode: the cache still shows GPU 0 of n1 held by a pod that has gone; the controller saw
+    # it freed and admitted a pod onto it. Filter lists the nodes once and passes n1; bind uses that list.
+    held = v1_node("n1", gpu_state("n1", [0, 0], pods={0: ["team-a/gone"], 1: ["other/hog"]}))
+    freed = v1_node("n1", gpu_state("n1", [1000, 0], generation=2, pods={1: ["other/hog"]}))
+    listed: list[list[dict[str, Any]]] = [[held]]
+    binder = Binder()
+    extender = Extender(
+        config=ExtenderConfig(policy="bestfit"), binder=binder, node_lister=lambda: listed[-1]
+    )
+    extender.refresh_nodes([held])
+    pod = admit(queued("late", "uid-late"), "n1", ("GPU-n1-0",))
+    binder.add(pod)
+    stale = extender.filter({"Pod": pod, "NodeNames": ["n1"]})
+    assert passing_names(stale) == [] and "no longer fits" in stale["FailedNodes"]["n1"]
+    assert extender.on_demand is not None and extender.on_demand.refreshes == 1  # it did look again
+    listed.append([freed])  # the agent published the GPU free
+    assert passing_names(extender.filter({"Pod": pod, "NodeNames": ["n1"]})) == ["n1"]
+    assert extender.bind(bind_args(pod, "n1")) == {"Error": ""}
+    assert binder.binds == [("team-a/late", "n1", ("GPU-n1-0",))]
+    # A waiting pod (no admission) never costs a list.
+    waiting = queued("waits", "uid-w", **{QUEUE_REASON_ANNOTATION: REASON})
+    before = extender.on_demand.refreshes
+    assert passing_names(extender.filter({"Pod": waiting, "NodeNames": ["n1"]})) == []
+    assert extender.on_demand.refreshes == before
+
+
+def test_an_admission_onto_the_gpu_of_a_pod_deleted_after_its_bind_is_not_held_by_its_reservation(
+    ext: tuple[Extender, Binder],
+) -> None:
+    extender, binder = ext
+    # A pod outside any queue binds to GPU 0 of n1 and is deleted before n1's annotation ever lists it;
+    # the controller, reading that annotation, admits a queued pod onto GPU 0.
+    gone = v1_pod("short", uid="uid-short")
+    binder.add(gone)
+    assert passing(extender.filter({"Pod": gone, "Nodes": node_list(NODES["items"][0])})) == ["n1"]
+    assert extender.bind(bind_args(gone, "n1")) == {"Error": ""}
+    assert binder.binds[-1] == ("team-a/short", "n1", ("GPU-n1-0",))
+    pod = admit(queued("next", "uid-next"), "n1", ("GPU-n1-0",))
+    binder.add(pod)
+    # While the short pod exists, its reservation holds the GPU: the plan does not fit.
+    assert "no longer fits" in extender.filter({"Pod": pod, "Nodes": NODES})["FailedNodes"]["n1"]
+    assert extender.reservations.get("uid-short") is not None
+    del binder.pods["team-a/short"]
+    assert passing(extender.filter({"Pod": pod, "Nodes": NODES})) == ["n1"]
+    assert extender.reservations.get("uid-short") is None
+    assert extender.bind(bind_args(pod, "n1")) == {"Error": ""}
+    assert binder.binds[-1] == ("team-a/next", "n1", ("GPU-n1-0",))
+
+
+def passing_names(result: dict[str, Any]) -> list[str]:
+    return list(result.get("NodeNames") or [])
+
+
+def test_pods_outside_any_queue_are_unaffected_even_with_marks(ext: tuple[Extender, Binder]) -> None:
+    extender, _ = ext
+    plain = v1_pod("plain", uid="uid-plain")
+    marked = v1_pod(
+        "marked",
+        uid="uid-marked",
+        annotations={QUEUE_REASON_ANNOTATION: REASON, QUEUE_ADMITTED_ANNOTATION: '{"uid": "uid-marked"}'},
+    )
+    for pod in (plain, marked):
+        result = extender.filter({"Pod": pod, "Nodes": NODES})
+        assert passing(result) == ["n1", "n2", "n3"] and result["FailedNodes"] == {}
+    # a queue label on a pod that asks for no GPU: not the controller's, scheduled as any pod
+    cpu = queued("cpu-only", "uid-cpu")
+    cpu["spec"]["containers"][0]["resources"] = {"requests": {"cpu": "1"}}
+    assert passing(extender.filter({"Pod": cpu, "Nodes": NODES})) == ["n1", "n2", "n3"]
+
+
+# ----- the reason, and the namespaces -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "x" * 100_000,
+        "queued\n\n0/3 nodes are available: 3 Insufficient cpu\r\x1b[31m red \x00",
+        "queued in team-a\u202e gnp.exe\u200b",
+        " \t\n ",
+    ],
+)
+def test_an_odd_or_long_reason_is_bounded_and_one_line(ext: tuple[Extender, Binder], text: str) -> None:
+    extender, _ = ext
+    pod = queued("train-0", "uid-0", **{QUEUE_REASON_ANNOTATION: text})
+    shown = extender.filter({"Pod": pod, "Nodes": NODES})["FailedNodes"]["n1"]
+    assert 0 < len(shown) <= MAX_REASON
+    assert shown.isprintable() and shown == shown.strip() and "  " not in shown
+    assert "\u202e" not in shown and "\x1b" not in shown
+    if not text.strip():
+        assert shown == WAITING_REASON
+    assert clean_reason(None) == clean_reason(7) == WAITING_REASON
+    assert clean_reason(REASON) == REASON
+
+
+QUEUES = """
+queues:
+  - name: team-a
+    guarantee: {gpu: 4}
+namespaces:
+  ml: team-a
+"""
+
+
+def test_namespaces_of_the_queue_configuration_are_held_and_reread(tmp_path: Path) -> None:
+    path = tmp_path / "queues.yaml"
+    path.write_text(QUEUES)
+    clock = [0.0]
+    namespaces = QueueNamespaces(path, check_every_s=10, clock=lambda: clock[0])
+    extender = Extender(queue_namespaces=namespaces.get)
+    extender.refresh_nodes(NODES["items"])
+    pod = queued("train-0", "uid-0", queue=None)
+    pod["metadata"]["namespace"] = "ml"
+    assert passing(extender.filter({"Pod": pod, "Nodes": NODES})) == []
+    # a bad file is refused; the map read before stays
+    path.write_text(QUEUES + "  ml-2: no-such-queue\n")
+    clock[0] = 11.0
+    assert namespaces.get() == {"ml": "team-a"}
+    # a good change is taken, after the check interval
+    path.write_text(QUEUES.replace("ml: team-a", "other: team-a"))
+    clock[0] = 15.0
+    assert namespaces.get() == {"ml": "team-a"}
+    clock[0] = 22.0
+    assert passing(extender.filter({"Pod": pod, "Nodes": NODES})) == ["n1", "n2", "n3"]
+    # a bad file at start is one QueueConfigError
+    path.write_text("queues: 7\n")
+    with pytest.raises(QueueConfigError):
+        QueueNamespaces(path)
+
+
+def test_the_cli_flag_reads_the_controllers_file(tmp_path: Path) -> None:
+    path = tmp_path / "queues.yaml"
+    path.write_text(QUEUES)
+    extender, _ = build_extender(parser().parse_args(["extender", "--queue-config", str(path)]))
+    assert extender.queue_namespaces() == {"ml": "team-a"}
+    assert build_extender(parser().parse_args(["extender"]))[0].queue_namespaces() == {}
+    path.write_text("queues:\n  - name: a\nnamespaces: {ml: nowhere}\n")
+    with pytest.raises(QueueConfigError, match="namespaces"):
+        build_extender(parser().parse_args(["extender", "--queue-config", str(path)]))
+
+
+# ----- over HTTP, with the API server stand-in -----------------------------------------------------------------
+
+
+@pytest.fixture
+def api() -> Iterator[FakeApiServer]:
+    server = FakeApiServer()
+    yield server
+    server.close()
+
+
+def test_over_http_a_waiting_pod_is_held_and_the_admitted_one_bound_to_its_plan(api: FakeApiServer) -> None:
+    extender = Extender(config=ExtenderConfig(policy="bestfit"), binder=KubeApi(api.url))
+    server, client = start(extender)
+    try:
+        pod = queued("train-0", "uid-0", **{QUEUE_REASON_ANNOTATION: REASON})
+        api.add_pod(pod)
+        status, result = client.post("filter", {"Pod": pod, "Nodes": NODES})
+        assert status == 200 and result["Nodes"]["items"] == [] and result["FailedNodes"]["n2"] == REASON
+        status, result = client.post("bind", bind_args(pod, "n2"))
+        assert status == 200 and result["Error"] and not [c for c in api.calls if c[0] != "GET"]
+        admit(pod, "n2", ("GPU-n2-1",))  # the controller's write; kube-scheduler retries the pod
+        status, result = client.post("filter", {"Pod": pod, "Nodes": NODES})
+        assert [n["metadata"]["name"] for n in result["Nodes"]["items"]] == ["n2"]
+        status, result = client.post("bind", bind_args(pod, "n2"))
+        assert (status, result) == (200, {"Error": ""})
+        patches = [body for method, _, body in api.calls if method == "PATCH"]
+        assert patches == [{"metadata": {"annotations": {"gpunode.io/gpu-assigned": "GPU-n2-1"}}}]
+        bindings = [
+            body for method, path, body in api.calls if method == "POST" and path.endswith("/binding")
+        ]
+        assert [b["target"]["name"] for b in bindings] == ["n2"]
+    finally:
+        server.stop()

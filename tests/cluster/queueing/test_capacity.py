@@ -1,0 +1,309 @@
+"""ClusterCapacity: whole-job trials, commits, exact releases, forks, trials, masks and the energy term."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from gpunode.cluster.queueing.capacity import ClusterCapacity
+from gpunode.cluster.queueing.model import GPU, GPU_MEMORY, Job, Plan, PodPlacement, model_key
+from gpunode.contract.names import GIB
+from gpunode.errors import InvalidRequest, InvalidState
+from gpunode.placement.fit import apply_request, fits
+from gpunode.placement.frag import TargetPod, TargetWorkload
+from gpunode.placement.model import GpuState, NodeState, Request
+
+WORKLOAD = TargetWorkload(
+    (
+        TargetPod(cpu_milli=1000, gpu_milli=1000, gpus=1, gpu_models=None, weight=5),
+        TargetPod(cpu_milli=1000, gpu_milli=500, gpus=1, gpu_models=None, weight=3),
+        TargetPod(cpu_milli=2000, gpu_milli=1000, gpus=4, gpu_models=None, weight=1),
+    )
+)
+
+
+def node(name: str, gpus: int = 8, model: str = "V100M32", mem_gib: int = 32) -> NodeState:
+    """An empty node of fractional GPUs with known memory."""
+    return NodeState(
+        name=name,
+        gpus=tuple(
+            GpuState(
+                uuid=f"{name}/gpu{j}",
+                index=j,
+                model=model,
+                milli_free=1000,
+                memory_total_bytes=mem_gib * GIB,
+                memory_free_bytes=mem_gib * GIB,
+                numa_node=None,
+            )
+            for j in range(gpus)
+        ),
+        cpu_milli_free=64000,
+        memory_free_bytes=512 * GIB,
+    )
+
+
+def job(name: str, *pods: Request) -> Job:
+    """A job of these pods in queue q."""
+    return Job(name=name, queue="q", pods=pods, arrival=0.0)
+
+
+def cap_of(nodes: list[NodeState], **kw: object) -> ClusterCapacity:
+    """A capacity with the test workload."""
+    return ClusterCapacity(nodes, workload=WORKLOAD, **kw)  # type: ignore[arg-type]
+
+
+def states(cap: ClusterCapacity) -> list[NodeState]:
+    """The node states the capacity holds now."""
+    return [cap._arrays.node_state(i) for i in range(len(cap.node_names))]
+
+
+WHOLE1 = Request(gpus=1, cpu_milli=1000)
+WHOLE4 = Request(gpus=4, cpu_milli=2000)
+HALF = Request(gpu_milli=500, cpu_milli=1000)
+
+
+def test_plan_places_every_pod_and_holds_nothing() -> None:
+    cap = cap_of([node("a"), node("b")])
+    before = states(cap)
+    plan = cap.plan(job("g", WHOLE4, WHOLE4, WHOLE4, WHOLE4))
+    assert plan is not None and len(plan.pods) == 4
+    used = [uuid for p in plan.pods for uuid in p.gpus]
+    assert len(used) == len(set(used)) == 16  # every GPU of both nodes, none twice
+    assert states(cap) == before and cap.free() == cap.capacity()
+
+
+def test_a_gang_that_cannot_fit_gets_no_plan_and_nothing_is_held() -> None:
+    cap = cap_of([node("a"), node("b")])
+    before = states(cap)
+    assert cap.plan(job("g", *([WHOLE4] * 5))) is None
+    assert states(cap) == before
+    assert not cap.fits_empty(job("g", *([WHOLE4] * 5)))
+    assert cap.fits_empty(job("g", *([WHOLE4] * 4)))
+
+
+def test_commit_takes_what_the_plan_says_and_release_undoes_it_exactly() -> None:
+    cap = cap_of([node("a"), node("b", model="T4", mem_gib=16)])
+    empty = states(cap)
+    j = job("j", WHOLE1, HALF)
+    plan = cap.plan(j)
+    assert plan is not None
+    cap.commit("j", j, plan)
+    held = cap.held("j")
+    assert held[GPU] == 1500
+    assert cap.free()[GPU] == cap.capacity()[GPU] - 1500
+    assert cap.free()[GPU_MEMORY] < cap.capacity()[GPU_MEMORY]
+    assert sum(v for k, v in held.items() if k.startswith("gpu/")) == 1500
+    epoch = cap.epoch
+    cap.release("j")
+    assert cap.epoch != epoch
+    assert states(cap) == empty and cap.free() == cap.capacity()
+
+
+def test_release_rebuilds_a_shared_gpu_from_the_remaining_jobs() -> None:
+    cap = cap_of([node("a", gpus=1)])
+    for name in ("x", "y"):
+        j = job(name, Request(gpu_milli=300, gpu_memory_bytes=4 * GIB, cpu_milli=10))
+        plan = cap.plan(j)
+        assert plan is not None
+        cap.commit(name, j, plan)
+    cap.release("x")
+    # the node is as if only y had been committed
+    only_y = apply_request(
+        node("a", gpus=1), Request(gpu_milli=300, gpu_memory_bytes=4 * GIB, cpu_milli=10), ("a/gpu0",)
+    )
+    assert states(cap) == [only_y]
+
+
+def test_commit_of_a_plan_that_no_longer_fits_holds_nothing() -> None:
+    cap = cap_of([node("a", gpus=2)])
+    first = job("first", WHOLE1, WHOLE1)
+    plan = cap.plan(first)
+    assert plan is not None
+    cap.commit("first", first, plan)
+    after_first = states(cap)
+    stale = Plan(pods=(PodPlacement("a", ("a/gpu0",)),))
+    with pytest.raises(InvalidState):
+        cap.commit("second", job("second", WHOLE1), stale)
+    with pytest.raises(InvalidState, match="already committed"):
+        cap.commit("first", first, plan)
+    with pytest.raises(InvalidState, match="unknown node"):
+        cap.commit("third", job("third", WHOLE1), Plan(pods=(PodPlacement("zz", ("zz/gpu0",)),)))
+    with pytest.raises(InvalidState, match="not committed"):
+        cap.release("second")
+    assert states(cap) == after_first and cap.jobs == ("first",)
+
+
+def test_a_gang_whose_second_member_fails_on_commit_releases_the_first() -> None:
+    cap = cap_of([node("a", gpus=2)])
+    before = states(cap)
+    bad = Plan(pods=(PodPlacement("a", ("a/gpu0",)), PodPlacement("a", ("a/gpu0",))))
+    with pytest.raises(InvalidState):
+        cap.commit("g", job("g", WHOLE1, WHOLE1), bad)
+    assert states(cap) == before and "g" not in cap
+
+
+def test_exclude_nodes_is_respected() -> None:
+    cap = cap_of([node("a"), node("b"), node("c")])
+    for _ in range(20):
+        plan = cap.plan(job("j", WHOLE4), exclude_nodes=frozenset({"a", "b"}))
+        assert plan is not None and plan.nodes == {"c"}
+    assert cap.plan(job("j", WHOLE4, WHOLE4, WHOLE4), exclude_nodes=frozenset({"a", "b"})) is None
+    assert cap.plan(job("j", WHOLE4, WHOLE4, WHOLE4), exclude_nodes=frozenset({"a", "b", "nope"})) is None
+    assert cap.plan(job("j", WHOLE4, WHOLE4, WHOLE4)) is not None
+
+
+def test_fork_is_independent_of_the_original() -> None:
+    cap = cap_of([node("a"), node("b")])
+    j = job("j", WHOLE4)
+    plan = cap.plan(j)
+    assert plan is not None
+    cap.commit("j", j, plan)
+    snapshot = states(cap)
+    fork = cap.fork()
+    fork.release("j")
+    assert fork.free() == fork.capacity()
+    assert states(cap) == snapshot and "j" in cap and "j" not in fork
+    k = job("k", WHOLE4, WHOLE4, WHOLE4, WHOLE4)
+    assert cap.plan(k) is None and fork.plan(k) is not None
+
+
+def test_trial_undoes_commits_and_releases() -> None:
+    cap = cap_of([node("a"), node("b")])
+    j = job("j", WHOLE4)
+    plan = cap.plan(j)
+    assert plan is not None
+    cap.commit("j", j, plan)
+    snapshot, epoch = states(cap), cap.epoch
+    with cap.trial():
+        cap.release("j")
+        big = job("big", *([WHOLE4] * 4))
+        big_plan = cap.plan(big)
+        assert big_plan is not None
+        cap.commit("big", big, big_plan)
+        with pytest.raises(InvalidState, match="nest"), cap.trial():
+            pass
+    assert states(cap) == snapshot and cap.jobs == ("j",) and cap.epoch == epoch
+
+
+def test_random_operations_on_forks_keep_plans_right(seed: int = 7) -> None:
+    """Forks share score caches: every plan must still equal what fit says on the current states."""
+    rnd = random.Random(seed)
+    nodes = [
+        node(f"n{i}", gpus=rnd.choice([2, 4, 8]), model=rnd.choice(["V100M32", "T4"])) for i in range(12)
+    ]
+    caps = [cap_of(nodes, seed=seed)]
+    shapes = [WHOLE1, WHOLE4, HALF, Request(gpus=2, gpu_models=frozenset({"T4"})), Request(gpu_milli=200)]
+    for step in range(400):
+        c = rnd.choice(caps)
+        op = rnd.random()
+        if op < 0.1 and len(caps) < 5:
+            caps.append(c.fork())
+        elif op < 0.35 and c.jobs:
+            c.release(rnd.choice(c.jobs))
+        else:
+            request = rnd.choice(shapes)
+            plan = c.plan(job(f"s{step}", request))
+            fitting = [s for s in states(c) if fits(s, request)]
+            assert (plan is None) == (not fitting)
+            if plan is not None:
+                (pod,) = plan.pods
+                assert any(s.name == pod.node for s in fitting)
+                c.commit(f"s{step}", job(f"s{step}", request), plan)
+    for c in caps:  # releasing everything gives the empty cluster back
+        for name in c.jobs:
+            c.release(name)
+        assert states(c) == nodes
+
+
+def test_same_seed_same_plans() -> None:
+    def run(seed: int) -> list[Plan | None]:
+        cap = cap_of([node(f"n{i}") for i in range(6)], seed=seed, policy="spread")
+        out = []
+        for i in range(30):
+            j = job(f"j{i}", HALF if i % 3 else WHOLE1)
+            plan = cap.plan(j)
+            out.append(plan)
+            if plan is not None:
+                cap.commit(j.name, j, plan)
+        return out
+
+    assert run(3) == run(3)
+
+
+def test_energy_weight_prefers_gpus_on_busy_nodes() -> None:
+    nodes = [node("a"), node("b"), node("c")]
+    for weight, want_same in ((1.0, True), (0.0, False)):
+        cap = cap_of(nodes, policy="spread", energy_weight=weight)
+        first = job("first", WHOLE1)
+        plan = cap.plan(first)
+        assert plan is not None
+        cap.commit("first", first, plan)
+        for _ in range(10):
+            again = cap.plan(job("again", WHOLE1))
+            assert again is not None
+            assert (again.nodes == plan.nodes) is want_same
+    assert cap.nodes_busy() == 1
+    activity = cap.gpu_activity()["V100M32"]
+    assert (activity.busy, activity.idle_powered, activity.dark) == (1, 7, 16)
+
+
+def test_energy_term_prefers_a_busy_gpu_for_a_fraction() -> None:
+    cap = cap_of([node("a", gpus=1), node("b", gpus=1)], policy="spread", energy_weight=0.6)
+    first = job("first", HALF)
+    plan = cap.plan(first)
+    assert plan is not None
+    cap.commit("first", first, plan)
+    second = cap.plan(job("second", Request(gpu_milli=300)))
+    assert second is not None and second.nodes == plan.nodes
+
+
+def test_capacity_counts_models_and_memory() -> None:
+    cap = cap_of([node("a", gpus=2), node("b", gpus=4, model="T4", mem_gib=16)])
+    assert cap.capacity() == {
+        GPU: 6000,
+        GPU_MEMORY: (2 * 32 + 4 * 16) * GIB,
+        model_key("V100M32"): 2000,
+        model_key("T4"): 4000,
+    }
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [({"policy": "nope"}, "unknown placement policy"), ({"energy_weight": 1.5}, "energy weight")],
+)
+def test_bad_arguments_are_one_line_errors(kw: dict[str, object], match: str) -> None:
+    with pytest.raises(InvalidRequest, match=match) as info:
+        cap_of([node("a")], **kw)
+    assert "\n" not in str(info.value) and info.value.hint
+
+
+def test_plans_are_numpy_free_plain_data() -> None:
+    cap = cap_of([node("a")])
+    plan = cap.plan(job("j", WHOLE1))
+    assert plan is not None
+    assert all(isinstance(g, str) for p in plan.pods for g in p.gpus)
+    assert not isinstance(plan.pods[0].node, np.str_)
+
+
+def test_rebuild_equals_applying_one_by_one() -> None:
+    """release() rebuilds a node in one pass; it must equal apply_request applied allocation by allocation."""
+    from gpunode.cluster.queueing.nodetable import Allocation, rebuild
+
+    rnd = random.Random(3)
+    for _ in range(200):
+        state = base = node("a", gpus=4)
+        allocs = []
+        for k in range(rnd.randint(0, 6)):
+            request = rnd.choice(
+                [WHOLE1, HALF, Request(gpu_milli=100, gpu_memory_bytes=2 * GIB, cpu_milli=5, memory_bytes=7)]
+            )
+            free = [g for g in state.gpus if fits(NodeState("x", (g,), 10**9, 10**12), request)]
+            if not free:
+                continue
+            uuids = (rnd.choice(free).uuid,)
+            state = apply_request(state, request, uuids)
+            allocs.append(Allocation(job=f"j{k}", request=request, gpus=uuids))
+        assert rebuild(base, allocs) == state

@@ -1,0 +1,478 @@
+"""The chart's queue controller (queue: in values.yaml), rendered by a real helm and checked without a cluster.
+
+The rendered arguments are taken by the controller's own CLI and the controller then runs, from the
+rendered ConfigMap, against the API server stand-in: every call it makes is mapped to the RBAC rule
+it needs, and the rendered roles must grant exactly those. The dashboard's queries may name only
+the metrics the controller's metrics module exports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpunode.cluster.queuectl.cli import build_controller, register_queue_cli
+from gpunode.cluster.queuectl.core import QueueCore
+from gpunode.cluster.queuectl.metrics import QueueMetrics
+from gpunode.cluster.queueing.config import load_queue_config
+from gpunode.contract.names import (
+    NODE_STATE_ANNOTATION,
+    PREEMPTION_NOTICE_ANNOTATION,
+    QUEUE_ADMITTED_ANNOTATION,
+)
+from tests.cluster.queuectl.helpers import CONFIG_YAML, node, node_annotation, pod
+from tests.deploy.test_helm_chart import (
+    CHART,
+    DEFAULTS,
+    FULLNAME,
+    NAMESPACE,
+    RELEASE,
+    VALUE_SETS,
+    Rendered,
+    dashboard_queries,
+    granted,
+    merged,
+    metric_names,
+    needs_helm,
+    render,
+    run_helm,
+)
+from tests.fakes.apiserver import ApiServerStandIn
+
+NAME = f"{FULLNAME}-queue"
+EXAMPLE = CHART.parents[1] / "gpunode" / "examples" / "queues.yaml"
+QUEUE_DASHBOARD = CHART / "dashboards" / "gpunode-queue.json"
+ON, HA = VALUE_SETS["queue-on"], VALUE_SETS["queue-ha"]
+WAIT_S = 60.0
+
+
+def queue_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpunode")
+    register_queue_cli(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def container(out: Rendered) -> dict[str, Any]:
+    (c,) = out.named("Deployment", NAME)["spec"]["template"]["spec"]["containers"]
+    return dict(c)
+
+
+def queue_docs(out: Rendered) -> list[tuple[str, str]]:
+    return [(d["kind"], d["metadata"]["name"]) for d in out.docs if "-queue" in d["metadata"]["name"]]
+
+
+# -- rendering ----------------------------------------------------------------------------------
+
+
+@needs_helm
+def test_the_queue_controller_is_off_by_default() -> None:
+    assert queue_docs(render({})) == []
+    assert DEFAULTS["queue"]["enabled"] is False
+
+
+@needs_helm
+@pytest.mark.parametrize(("values", "replicas"), [(ON, 1), (HA, 2)], ids=["single", "ha"])
+def test_deployment_runs_gpunode_queue_with_the_mounted_configuration(
+    values: dict[str, Any], replicas: int, tmp_path: Path
+) -> None:
+    out = render(values)
+    deployment = out.named("Deployment", NAME)
+    spec = deployment["spec"]
+    assert spec["replicas"] == replicas
+    # Without leader election a rollout must not overlap two acting controllers.
+    assert spec.get("strategy") == (None if replicas > 1 else {"type": "Recreate"})
+    c = container(out)
+    assert c["command"] == ["gpunode"] and c["args"][0] == "queue"
+    parsed = queue_parser().parse_args(c["args"])  # the controller's own CLI takes every argument
+    assert parsed.leader_elect is (replicas > 1)
+    if parsed.leader_elect:
+        assert (parsed.leader_elect_namespace, parsed.leader_elect_lease_name) == (NAMESPACE, NAME)
+        env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]}
+        assert env == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
+    # The ConfigMap is mounted as a directory (a subPath mount never sees the kubelet's updates).
+    (mount,) = c["volumeMounts"]
+    assert "subPath" not in mount and mount["readOnly"] is True
+    assert Path(mount["mountPath"]) == parsed.config.parent
+    volumes = {v["name"]: v for v in spec["template"]["spec"]["volumes"]}
+    cm_name = volumes[mount["name"]]["configMap"]["name"]
+    data = out.named("ConfigMap", cm_name)["data"]
+    assert set(data) == {parsed.config.name}
+    (tmp_path / parsed.config.name).write_text(data[parsed.config.name])
+    parsed.config = tmp_path / parsed.config.name
+    parsed.kube_api = "https://127.0.0.1:1"
+    ctl = build_controller(parsed)  # the rendered configuration is one the controller accepts
+    assert ctl.core.config.leaves == ("team-a", "team-b", "team-c", "team-d")
+    assert (ctl.reload_s, ctl.resync_s, ctl.core.memory_unit_bytes) == (10.0, 30.0, 2**30)
+    # Probes and the Service point at the metrics port, where /healthz answers.
+    port = DEFAULTS["queue"]["metricsPort"]
+    assert parsed.metrics_listen == f"0.0.0.0:{port}"
+    assert c["ports"] == [{"name": "metrics", "containerPort": port, "protocol": "TCP"}]
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    service = out.named("Service", f"{NAME}-metrics")
+    assert service["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
+    assert service["metadata"]["annotations"]["prometheus.io/port"] == str(port)
+    assert service["spec"]["ports"][0]["targetPort"] == "metrics"
+    # Hardened like the extender.
+    assert c["securityContext"] == DEFAULTS["extender"]["securityContext"]
+    assert c["securityContext"]["readOnlyRootFilesystem"] and c["securityContext"]["runAsNonRoot"]
+
+
+@needs_helm
+def test_network_policy_opens_the_metrics_port_only() -> None:
+    single = render(ON).named("NetworkPolicy", NAME)["spec"]
+    assert single["policyTypes"] == ["Ingress"]
+    assert single["ingress"] == [{"ports": [{"port": 9403, "protocol": "TCP"}]}]
+    peers = render(HA).named("NetworkPolicy", NAME)["spec"]["ingress"]
+    assert peers[0]["from"] == HA["queue"]["networkPolicy"]["metricsFrom"]
+    off = render(merged(ON, {"queue": {"networkPolicy": {"enabled": False}}}))
+    assert ("NetworkPolicy", NAME) not in queue_docs(off)
+
+
+@needs_helm
+def test_service_monitor_only_with_the_charts_service_monitor() -> None:
+    assert ("ServiceMonitor", NAME) not in queue_docs(render(ON))
+    monitor = render(HA).named("ServiceMonitor", NAME)["spec"]
+    assert monitor["endpoints"][0]["port"] == "metrics" and monitor["endpoints"][0]["path"] == "/metrics"
+    pod_labels = render(HA).named("Deployment", NAME)["spec"]["template"]["metadata"]["labels"]
+    assert monitor["selector"]["matchLabels"].items() <= pod_labels.items()
+
+
+@needs_helm
+def test_the_configmap_holds_the_example_by_default_and_any_given_configuration(tmp_path: Path) -> None:
+    default = render(ON).named("ConfigMap", f"{NAME}-config")["data"]["queues.yaml"]
+    assert default.strip() == EXAMPLE.read_text().strip()
+    path = tmp_path / "queues.yaml"
+    path.write_text(default)
+    assert load_queue_config(path).leaves == load_queue_config(EXAMPLE).leaves
+    custom = CONFIG_YAML + "namespaces: {research: team-b}\n"
+    given = render(merged(ON, {"queue": {"config": custom}})).named("ConfigMap", f"{NAME}-config")
+    path.write_text(given["data"]["queues.yaml"])
+    cfg = load_queue_config(path)
+    assert cfg.leaves == ("team-a", "team-b") and cfg.namespaces == {"research": "team-b"}
+
+
+INVALID = {
+    "replicas-as-string": ({"queue": {"replicas": "2"}}, "queue.replicas: Invalid type. Expected: integer"),
+    "misspelt-key": ({"queue": {"enabeld": True}}, "Additional property enabeld is not allowed"),
+    "config-as-mapping": ({"queue": {"config": {"queues": []}}}, "queue.config: Invalid type. Expected: string"),
+    "empty-config": ({"queue": {"config": ""}}, "queue.config: String length must be greater than or equal to 1"),
+    "zero-reload": ({"queue": {"configReload": "0s"}}, "queue.configReload: Does not match pattern"),
+    "lease-as-number": ({"queue": {"ha": {"enabled": True, "leaseDuration": 15}}},
+                        "queue.ha.leaseDuration: Invalid type. Expected: string"),
+    "port-out-of-range": ({"queue": {"metricsPort": 70000}}, "queue.metricsPort: Must be less than or equal to 65535"),
+    "network-peers-not-a-list": ({"queue": {"networkPolicy": {"metricsFrom": {"podSelector": {}}}}},
+                                 "queue.networkPolicy.metricsFrom: Invalid type. Expected: array"),
+}  # fmt: skip
+
+
+@needs_helm
+@pytest.mark.parametrize(("values", "message"), INVALID.values(), ids=INVALID.keys())
+def test_the_schema_refuses_bad_queue_values(values: dict[str, Any], message: str) -> None:
+    proc = run_helm("template", RELEASE, values=values)
+    assert proc.returncode != 0
+    assert "values don't meet the specifications of the schema" in proc.stderr
+    assert message in proc.stderr, proc.stderr
+
+
+REFUSED = {
+    "replicas-without-ha": ({"queue": {"enabled": True, "replicas": 2}},
+                            "queue.replicas is 2 but queue.ha.enabled is false"),
+    "config-not-yaml": ({"queue": {"enabled": True, "config": "queues: [\n"}}, "queue.config is not a queue configuration"),
+    "config-without-queues": ({"queue": {"enabled": True, "config": "fairShare: {}\n"}},
+                              "queue.config is not a queue configuration"),
+}  # fmt: skip
+
+
+@needs_helm
+@pytest.mark.parametrize(("values", "message"), REFUSED.values(), ids=REFUSED.keys())
+def test_contradicting_queue_values_fail_with_a_hint(values: dict[str, Any], message: str) -> None:
+    proc = run_helm("template", RELEASE, values=values)
+    assert proc.returncode != 0
+    assert message in proc.stderr and "HINT:" in proc.stderr, proc.stderr
+
+
+# -- RBAC: exactly the calls the controller makes ---------------------------------------------------------
+
+CORE_PATHS = [
+    (re.compile(r"^/api/v1/(pods|nodes)$"), None),
+    (re.compile(r"^/api/v1/namespaces/[^/]+/pods/[^/]+$"), "pods"),
+    (re.compile(r"^/api/v1/namespaces/[^/]+/pods/[^/]+/eviction$"), "pods/eviction"),
+    (re.compile(r"^/api/v1/namespaces/[^/]+/events$"), "events"),
+]
+LEASES = re.compile(r"^/apis/coordination\.k8s\.io/v1/namespaces/([^/]+)/leases(?:/([^/]+))?$")
+VERBS = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}
+
+
+def rbac_of(method: str, path: str, query: Mapping[str, str]) -> tuple[str, str, str, str | None]:
+    """(group, resource, verb, lease name) that one request needs; AssertionError for one unforeseen."""
+    read = "watch" if query.get("watch") == "true" else "list"
+    for pattern, resource in CORE_PATHS:
+        if m := pattern.match(path):
+            if resource is None:
+                return "", m.group(1), read if method == "GET" else VERBS[method], None
+            return "", resource, "get" if method == "GET" else VERBS[method], None
+    if m := LEASES.match(path):
+        assert m.group(1) == NAMESPACE, path
+        return "coordination.k8s.io", "leases", "get" if method == "GET" else VERBS[method], m.group(2)
+    raise AssertionError(f"the controller made a call no rule here covers: {method} {path}")
+
+
+def lease_rules(out: Rendered) -> set[tuple[str, str | None]]:
+    """(verb, lease name or None for any) granted by the leader Role."""
+    role = out.named("Role", f"{NAME}-leader")
+    assert role["metadata"]["namespace"] == NAMESPACE
+    rules = set()
+    for rule in role["rules"]:
+        assert rule["apiGroups"] == ["coordination.k8s.io"] and rule["resources"] == ["leases"], rule
+        for verb in rule["verbs"]:
+            for name in rule.get("resourceNames") or [None]:
+                rules.add((verb, name))
+    return rules
+
+
+async def until(predicate: Callable[[], bool], what: str) -> None:
+    async with asyncio.timeout(WAIT_S):
+        while not predicate():
+            await asyncio.sleep(0.05)
+    assert predicate(), what
+
+
+def annotation(api: ApiServerStandIn, name: str, key: str) -> str | None:
+    with contextlib.suppress(KeyError):
+        return (api.pod("ml", name)["metadata"].get("annotations") or {}).get(key)
+    return None
+
+
+@pytest.fixture
+def api() -> Iterator[ApiServerStandIn]:
+    with ApiServerStandIn() as server:
+        yield server
+
+
+@needs_helm
+def test_rbac_grants_exactly_the_calls_the_controller_makes(api: ApiServerStandIn, tmp_path: Path) -> None:
+    """Run the rendered controller through admission, reclaim with notice, eviction and leader
+    election, then compare the rules its requests needed with the rendered roles, both ways."""
+    out = render(merged(HA, {"queue": {"config": CONFIG_YAML}}))
+    parsed = queue_parser().parse_args(container(out)["args"])
+    (tmp_path / "queues.yaml").write_text(out.named("ConfigMap", f"{NAME}-config")["data"]["queues.yaml"])
+    parsed.config, parsed.kube_api = tmp_path / "queues.yaml", api.url
+    api.add_node("n1", annotations={NODE_STATE_ANNOTATION: node_annotation("n1", 8)})
+
+    async def main() -> None:
+        ctl = build_controller(parsed)
+        ctl.settle_s = 0.05
+        task = asyncio.create_task(ctl.run())
+        try:
+            api.put_pod(pod("a0", gpus=4, created="2026-01-01T00:00:00Z"))
+            api.put_pod(pod("a1", gpus=4, created="2026-01-01T00:00:01Z"))  # borrowed
+            await until(
+                lambda: all(annotation(api, n, QUEUE_ADMITTED_ANNOTATION) for n in ("a0", "a1")), "admitted"
+            )
+            api.put_pod(pod("b0", queue="team-b", gpus=4))  # reclaims: a notice, then an eviction
+            await until(
+                lambda: any(annotation(api, n, PREEMPTION_NOTICE_ANNOTATION) for n in ("a0", "a1")), "notice"
+            )
+            await until(lambda: bool(api.evictions()), "eviction")
+            await until(lambda: bool(annotation(api, "b0", QUEUE_ADMITTED_ANNOTATION)), "preemptor admitted")
+            await until(lambda: bool(api.requests("PUT", r"/leases/")), "lease renewed")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await ctl.client.close()
+
+    asyncio.run(main())
+    needed = {rbac_of(r.method, r.path, r.query) for r in api.requests()}
+    cluster = {(res, verb) for group, res, verb, _ in needed if group == ""}
+    granted_cluster = {(res, verb) for res, verbs in (granted(out, NAME) or {}).items() for verb in verbs}
+    assert cluster == granted_cluster, (sorted(cluster - granted_cluster), sorted(granted_cluster - cluster))
+    assert cluster == {("pods", "list"), ("pods", "watch"), ("pods", "patch"), ("pods/eviction", "create"),
+                       ("events", "create"), ("nodes", "list"), ("nodes", "watch")}  # fmt: skip
+    leases = {(verb, name) for group, _, verb, name in needed if group == "coordination.k8s.io"}
+    assert {verb for verb, _ in leases} == {"get", "create", "update"}
+    granted_leases = lease_rules(out)
+    for verb, name in leases:  # create names no object in its URL: a Role cannot restrict it by name
+        assert (verb, None) in granted_leases or (verb, name) in granted_leases, (verb, name)
+    assert granted_leases == {("create", None), ("get", NAME), ("update", NAME)}
+    binding = out.named("RoleBinding", f"{NAME}-leader")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": NAME, "namespace": NAMESPACE}]
+    cluster_binding = out.named("ClusterRoleBinding", NAME)
+    assert cluster_binding["roleRef"]["name"] == NAME and cluster_binding["subjects"][0]["name"] == NAME
+
+
+def test_an_unforeseen_call_is_not_passed_over() -> None:
+    with pytest.raises(AssertionError, match="no rule here covers: DELETE"):
+        rbac_of("DELETE", "/api/v1/namespaces/ml/pods/a0/status", {})
+    assert rbac_of("GET", "/api/v1/pods", {"watch": "true"}) == ("", "pods", "watch", None)
+
+
+@needs_helm
+def test_without_ha_there_is_no_lease_role_and_without_rbac_create_no_roles() -> None:
+    single = render(ON)
+    assert ("Role", f"{NAME}-leader") not in queue_docs(single)
+    assert set(granted(single, NAME) or {}) == {"pods", "pods/eviction", "events", "nodes"}
+    bare = render(merged(HA, {"rbac": {"create": False}}))
+    assert [k for k, _ in queue_docs(bare) if k.endswith(("Role", "RoleBinding"))] == []
+    assert ("ServiceAccount", NAME) in queue_docs(bare)
+
+
+# -- the dashboard ---------------------------------------------------------------------------------
+
+
+def exported_metrics() -> set[str]:
+    """Every sample name the controller's metrics module exports, with each family populated."""
+    core = QueueCore(load_queue_config(EXAMPLE))
+    core.node_changed(node("n1", 8))
+    core.reconcile(1000.0)  # a Scheduler: fair shares exist
+    metrics = QueueMetrics(lambda: core, lambda: True)
+    metrics.wait.labels("team-a").observe(3.0)
+    metrics.preemptions.labels("team-a", "reclaim").inc()
+    metrics.admissions.labels("team-a").inc()
+    metrics.api_errors.labels("evict").inc()
+    metrics.config_refused.inc()
+    names = set()
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        assert family.samples, f"{family.name} exported no sample: populate it here"
+        names |= {s.name for s in family.samples}
+    return names
+
+
+def unknown_metrics(dashboard: Mapping[str, Any], exported: set[str]) -> list[str]:
+    """One line per query naming a metric the controller does not export (or naming none)."""
+    problems = []
+    for where, expr in dashboard_queries(dashboard):
+        names = metric_names(expr)
+        if not names or names - exported:
+            problems.append(f"{where}: {sorted(names - exported) or 'no metric'}")
+    return problems
+
+
+def test_the_queue_dashboard_queries_only_metrics_the_controller_exports() -> None:
+    exported = exported_metrics()
+    assert {
+        "gpunode_queue_pending_jobs",
+        "gpunode_queue_wait_seconds_bucket",
+        "gpunode_queue_preemptions_total",
+    } <= exported
+    dashboard = json.loads(QUEUE_DASHBOARD.read_text())
+    assert unknown_metrics(dashboard, exported) == []
+    used = set().union(*(metric_names(e) for _, e in dashboard_queries(dashboard)))
+    assert {"gpunode_queue_pending_jobs", "gpunode_queue_admitted_jobs", "gpunode_queue_gpus_used",
+            "gpunode_queue_gpus_guarantee", "gpunode_queue_gpus_fair_share", "gpunode_queue_wait_seconds_bucket",
+            "gpunode_queue_preemptions_total"} <= used  # fmt: skip
+    quantiles = [e for _, e in dashboard_queries(dashboard) if "histogram_quantile" in e]
+    assert len(quantiles) >= 3 and all("gpunode_queue_wait_seconds_bucket" in e for e in quantiles)
+    preemptions = [e for _, e in dashboard_queries(dashboard) if "gpunode_queue_preemptions_total" in e]
+    assert preemptions and all("reason" in e for e in preemptions)
+
+
+def test_the_dashboard_check_finds_a_metric_the_controller_does_not_export() -> None:
+    exported = exported_metrics()
+    text = QUEUE_DASHBOARD.read_text().replace(
+        "gpunode_queue_pending_jobs", "gpunode_queue_pending_jobs_total"
+    )
+    problems = unknown_metrics(json.loads(text), exported)
+    assert problems and all("gpunode_queue_pending_jobs_total" in p for p in problems)
+
+
+def test_the_queue_dashboard_layout_and_variables() -> None:
+    dashboard = json.loads(QUEUE_DASHBOARD.read_text())
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    cells: set[tuple[int, int]] = set()
+    for p in panels:
+        g = p["gridPos"]
+        assert g["x"] + g["w"] <= 24, p["title"]
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not mine & cells, f"panel {p['title']!r} overlaps another"
+        cells |= mine
+        if p["type"] != "row":
+            assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+            assert p["targets"] and all(t["datasource"] == p["datasource"] for t in p["targets"])
+    defined = {v["name"] for v in dashboard["templating"]["list"]} | {"__range", "__rate_interval"}
+    referenced = set(re.findall(r"\$\{?(\w+)", QUEUE_DASHBOARD.read_text()))
+    assert referenced <= defined, referenced - defined
+    assert dashboard["uid"] != json.loads((CHART / "dashboards" / "gpunode.json").read_text())["uid"]
+
+
+@pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="promtool is missing (Debian package prometheus)"
+)
+def test_the_queue_dashboard_queries_parse_as_promql(tmp_path: Path) -> None:
+    rules = []
+    for i, (_, expr) in enumerate(dashboard_queries(json.loads(QUEUE_DASHBOARD.read_text()))):
+        if expr.startswith("label_values("):
+            continue
+        for var, value in (("$__rate_interval", "1m"), ("$__range", "6h"), ("$queue", ".*")):
+            expr = expr.replace(var, value)
+        rules.append({"record": f"gpunode:queue_dashboard:{i}", "expr": expr})
+    path = tmp_path / "rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    proc = subprocess.run(
+        ["promtool", "check", "rules", str(path)], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@needs_helm
+def test_the_queue_dashboard_configmap_beside_the_gpu_one() -> None:
+    out = render(HA)
+    cm = out.named("ConfigMap", f"{FULLNAME}-queue-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["gpunode-queue.json"]) == json.loads(QUEUE_DASHBOARD.read_text())
+    assert out.named("ConfigMap", f"{FULLNAME}-dashboard")  # the GPU one, beside it
+    # Only with both the dashboard and the controller on.
+    assert ("ConfigMap", f"{FULLNAME}-queue-dashboard") not in queue_docs(render(VALUE_SETS["dashboard-on"]))
+    assert ("ConfigMap", f"{FULLNAME}-queue-dashboard") not in queue_docs(render(ON))
+
+
+@needs_helm
+def test_the_extender_reads_the_queue_file_to_hold_the_namespaces_it_maps(tmp_path: Path) -> None:
+    from gpunode.cluster.extender.cli import build_extender
+    from tests.deploy.test_helm_chart import extender_parser
+
+    out = render(
+        merged(
+            HA,
+            {
+                "extender": {"enabled": True},
+                "queue": {"config": CONFIG_YAML + "namespaces: {research: team-b}\n"},
+            },
+        )
+    )
+    (ext,) = out.named("Deployment", f"{FULLNAME}-extender")["spec"]["template"]["spec"]["containers"]
+    queue_args = queue_parser().parse_args(container(out)["args"])
+    args = ext["args"]
+    assert (
+        Path(args[args.index("--queue-config") + 1]) == queue_args.config
+    )  # the same file as the controller
+    (mount,) = [m for m in ext["volumeMounts"] if m["name"] == "queue-config"]
+    assert Path(mount["mountPath"]) == queue_args.config.parent and "subPath" not in mount
+    volumes = out.named("Deployment", f"{FULLNAME}-extender")["spec"]["template"]["spec"]["volumes"]
+    (volume,) = [v for v in volumes if v["name"] == "queue-config"]
+    data = out.named("ConfigMap", volume["configMap"]["name"])["data"]
+    (tmp_path / "queues.yaml").write_text(data["queues.yaml"])
+    parsed = extender_parser().parse_args(args)
+    parsed.queue_config = tmp_path / "queues.yaml"
+    extender, _ = build_extender(parsed)
+    research = pod("r0", queue=None, namespace="research")
+    assert extender.queue_namespaces() == {"research": "team-b"}
+    assert pod("x", queue=None)["metadata"]["namespace"] not in extender.queue_namespaces()
+    assert research["metadata"]["namespace"] in extender.queue_namespaces()
+    # Without the queue controller the extender is started as before.
+    alone = render({"extender": {"enabled": True}})
+    (plain,) = alone.named("Deployment", f"{FULLNAME}-extender")["spec"]["template"]["spec"]["containers"]
+    assert "--queue-config" not in plain["args"] and "volumeMounts" not in plain
