@@ -372,6 +372,8 @@ def test_an_impossible_request_fails_every_node_as_unresolvable(
     )
     assert status == 200
     assert "invalid GPU request" in result["FailedAndUnresolvableNodes"]["n1"]
+    # kube-scheduler 1.20 puts only FailedNodes in the pod's events: the reason must be there too.
+    assert result["FailedNodes"]["n1"] == result["FailedAndUnresolvableNodes"]["n1"]
     assert result["Nodes"]["items"] == []
 
 

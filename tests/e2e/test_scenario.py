@@ -83,8 +83,6 @@ def test_unfittable_pods_stay_pending_with_the_extenders_reason(
 ) -> None:
     admin = control_plane.api()
     for name, text in ran["outcome"].unfit.items():
-        if name == "invalid":
-            continue  # 1.20 leaves FailedAndUnresolvableNodes out of its events: checked below
 
         def reason(name: str = name, text: str = text) -> str | None:
             for event in pod_events(admin, scenario.NAMESPACE, name):

@@ -17,7 +17,7 @@ the best node at prioritize) are applied on top until the annotation lists the p
 under the node's lock (decide.py). Bad input never crashes the server and never gets a 500: malformed
 JSON or a wrong shape is a 400 with a JSON message, a node with a missing or
 broken annotation goes to FailedNodes with the reason, a pod with an impossible
-request fails every node in FailedAndUnresolvableNodes with the reason.
+request fails every node in FailedNodes and FailedAndUnresolvableNodes with the reason.
 
 The HTTP server (server.py, on gpunode.infra.http) calls these methods in worker
 threads; serve_extender() is the coroutine the CLI runs. Binding talks to the Kubernetes API through
@@ -287,7 +287,7 @@ class Extender:
         """Answer /filter: an ExtenderFilterResult dict for ExtenderArgs `body`.
 
         Nodes the pod does not fit go to FailedNodes with the reason; an invalid GPU request fails every node
-        in FailedAndUnresolvableNodes. A pod without a GPU request passes every node. A queued pod fails every
+        in both maps (kube-scheduler 1.20 shows only FailedNodes in the pod's events). A pod without a GPU request passes every node. A queued pod fails every
         node until admitted, then passes only its admission's node (queued.py); its reasons go to both maps
         (kube-scheduler 1.20 reads only FailedNodes, later ones prefer the unresolvable entry, so its own
         preemption does not act for the pod). Raises BadRequest when `body` is not valid ExtenderArgs.
@@ -302,7 +302,7 @@ class Extender:
             self.filtered.forget(pod_key(args.pod)[0])
             reason = f"invalid GPU request: {exc}"
             unresolvable = {v.name: reason for v in views if v.name}
-            return filter_result(args, [], failed, unresolvable)
+            return filter_result(args, [], dict(unresolvable), unresolvable)
         if request is None:
             passing = [v.name for v in views if v.name]
             self.filtered.record(uid, key, None, passing)
