@@ -183,6 +183,7 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # clients that open connections in parallel are not reset (the default is 5)
 
     def __init__(self, address: tuple[str, int], owner: ApiServerStandIn) -> None:
         self.owner = owner

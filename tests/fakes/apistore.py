@@ -190,12 +190,17 @@ class ApiStore:
     def _list(
         self, kind: str, namespace: str | None, query: dict[str, str]
     ) -> tuple[int, Any, dict[str, str]]:
-        items = [o for o in self._objects(kind, namespace) if selected(o, query)]
+        source = self._state.nodes.values() if kind == "nodes" else self._state.pods.values()
+        items = [
+            o
+            for o in source
+            if (namespace is None or o["metadata"].get("namespace") == namespace) and selected(o, query)
+        ]
         start, limit = int(query.get("continue") or 0), int(query.get("limit") or 0)
         meta = {"resourceVersion": str(self._state.version)}
         if limit and start + limit < len(items):
             meta["continue"] = str(start + limit)
-        page = items[start : start + limit] if limit else items[start:]
+        page = json.loads(json.dumps(items[start : start + limit] if limit else items[start:]))  # copies
         list_kind = "NodeList" if kind == "nodes" else "PodList"
         return 200, {"kind": list_kind, "apiVersion": "v1", "metadata": meta, "items": page}, {}
 

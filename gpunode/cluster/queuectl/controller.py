@@ -9,10 +9,12 @@ QueueController runs on one asyncio loop with one gpunode.infra.kube.KubeClient:
   losing the lead forgets the Scheduler, and the next leader rebuilds it from the
   pods (their admission and notice annotations), so nothing is admitted twice;
 - a reconcile runs after changes (batched for `settle_s`), when a notice runs out,
-  and every `resync_s`; its writes: annotations and Events on pods, then
+  and every `resync_s`; its writes: annotations on pods, then their Events, then
   evictions through the Eviction API (policy/v1, policy/v1beta1 on servers without
-  it: KubeClient.evict_pod). A failed admission write makes the core rebuild from
-  what the pods say; a refused eviction (a PodDisruptionBudget) is tried again at the
+  it: KubeClient.evict_pod), each stage with up to `max_in_flight` requests under way
+  at once (one pod's writes stay in order). A failed admission write makes the core
+  rebuild from what the pods say (a gang left marked part-way is undone there and
+  waits again whole); a refused eviction (a PodDisruptionBudget) is tried again at the
   next reconcile;
 - the queue configuration file is read again every `reload_s` when its content
   changed (a ConfigMap volume swaps the file); a bad file is logged with its
@@ -61,7 +63,7 @@ class QueueController:
         settle_s: float = 0.2,
         reload_s: float = 10.0,
         identity: str = "",
-        max_in_flight: int = 32,
+        max_in_flight: int = 16,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.client, self.core, self.elector = client, core, elector
@@ -165,7 +167,9 @@ class QueueController:
         by_pod: dict[str, list[Annotate]] = {}  # one pod's writes stay in order; pods go in parallel
         for a in actions.annotate:
             by_pod.setdefault(a.pod.key, []).append(a)
-        await self._bounded(self._annotate_pod(writes) for writes in by_pod.values())
+        told: dict[str, list[Annotate]] = {}  # the Events of the annotations written, by pod
+        await self._bounded(self._annotate_pod(writes, told) for writes in by_pod.values())
+        await self._bounded(self._tell_pod(events) for events in told.values())
         if not self.leading():
             return
         await self._bounded(self._evict(ref) for ref in actions.evict)
@@ -181,8 +185,9 @@ class QueueController:
 
         await asyncio.gather(*(worker() for _ in range(self.max_in_flight)))
 
-    async def _annotate_pod(self, writes: list[Annotate]) -> None:
-        """One pod's annotations and Events, in order; each write is preceded by a leadership check."""
+    async def _annotate_pod(self, writes: list[Annotate], told: dict[str, list[Annotate]]) -> None:
+        """One pod's annotations, in order, each preceded by a leadership check; the Events of those
+        written go to `told`, to be posted once every pod's annotations are (the marks are the decisions)."""
         for i, a in enumerate(writes):
             if not self.leading():
                 for rest in writes[i:]:
@@ -192,19 +197,31 @@ class QueueController:
             try:
                 if a.annotations:
                     await self.client.patch_pod_annotations(a.pod.namespace, a.pod.name, dict(a.annotations))
-                if a.event is not None and self.leading():
-                    await self.client.post_event(
-                        ObjectRef("Pod", a.pod.name, a.pod.namespace, a.pod.uid),
-                        reason=a.event[0],
-                        message=a.event[1],
-                        event_type="Warning" if a.warning else "Normal",
-                        host=self.identity,
-                    )
             except KubeError as exc:
                 self.metrics.api_errors.labels("annotate").inc()
                 log.warning("queue controller: %s (hint: %s)", exc, exc.hint)
                 if a.job:
                     self.core.write_failed(a.job)
+                continue
+            if a.event is not None:
+                told.setdefault(a.pod.key, []).append(a)
+
+    async def _tell_pod(self, events: list[Annotate]) -> None:
+        """One pod's Events, in order, each preceded by a leadership check."""
+        for a in events:
+            if not self.leading() or a.event is None:
+                return
+            try:
+                await self.client.post_event(
+                    ObjectRef("Pod", a.pod.name, a.pod.namespace, a.pod.uid),
+                    reason=a.event[0],
+                    message=a.event[1],
+                    event_type="Warning" if a.warning else "Normal",
+                    host=self.identity,
+                )
+            except KubeError as exc:  # an Event lost is only a message lost: nothing to repair
+                self.metrics.api_errors.labels("event").inc()
+                log.warning("queue controller: %s (hint: %s)", exc, exc.hint)
 
     async def _evict(self, ref: PodRef) -> None:
         if not self.leading():

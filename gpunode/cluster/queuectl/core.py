@@ -34,7 +34,7 @@ from gpunode.cluster.queuectl.jobs import (
     rfc3339,
 )
 from gpunode.cluster.queuectl.nodes import ClusterView, cluster_view
-from gpunode.cluster.queuectl.sched import Running, adopt, build
+from gpunode.cluster.queuectl.sched import Running, adopt, build, follow_idle, settle_heap
 from gpunode.cluster.queueing.config import QueueConfig
 from gpunode.cluster.queueing.engine import Scheduler
 from gpunode.cluster.queueing.model import Decisions, Job
@@ -44,6 +44,7 @@ from gpunode.contract.names import (
     QUEUE_ADMITTED_ANNOTATION,
     QUEUE_REASON_ANNOTATION,
 )
+from gpunode.placement.model import NodeState
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,8 @@ class QueueCore:
         # written but perhaps not yet seen through the watch: read back from here until it is
         self.written: dict[str, Running] = {}
         self.noticed: dict[str, NoticeMark] = {}
+        self._undoing: dict[str, set[str]] = {}  # partly marked job -> members whose mark removal was sent
+        self._node_views: dict[str, tuple[object, NodeState]] = {}  # cluster_view's, kept between reconciles
 
     # ----- inputs --------------------------------------------------------------------------------------
 
@@ -127,6 +130,7 @@ class QueueCore:
         """Writing a job's admission or notice failed: forget it and rebuild from the pods next time."""
         self.written.pop(job, None)
         self.noticed.pop(job, None)
+        self._undoing.pop(job, None)
         self._stale = True
 
     def reset(self) -> None:
@@ -134,6 +138,7 @@ class QueueCore:
         self.sched, self._stale = None, True
         self.written.clear()
         self.noticed.clear()
+        self._undoing.clear()
 
     def pod_changed(self, pod: Mapping[str, Any], *, deleted: bool = False) -> None:
         """A pod added, changed or deleted."""
@@ -192,6 +197,7 @@ class QueueCore:
             out.evict.extend(_ref(m) for m in jobs[name].members)
         running: dict[str, Running] = {}
         waiting: dict[str, Job] = {}
+        partial: set[str] = set()
         for name, j in jobs.items():
             problem = j.problem
             if problem:
@@ -203,10 +209,17 @@ class QueueCore:
                 continue
             if name in stopping:
                 continue
-            if not j.admitted and name in self.written:
+            if name in self.written and not j.marked:  # written, not all seen through the watch yet
                 running[name] = self.written[name]
                 continue
             self.written.pop(name, None)
+            if j.admitted and not j.marked and not any(m.node for m in j.members):
+                partial.add(name)  # its admission was written part-way: undone, then it waits again
+                sent = self._undoing.setdefault(name, set())
+                if todo := [m for m in j.members if m.admitted is not None and m.key not in sent]:
+                    sent.update(m.key for m in todo)
+                    self._undo(j, todo, out)
+                continue
             notice = j.notice or self.noticed.get(name)
             if j.notice is not None:
                 self.noticed.pop(name, None)
@@ -216,6 +229,7 @@ class QueueCore:
             elif j.complete:
                 waiting[name] = j.job(self.config)
                 self.waiting_since.setdefault(name, now)
+        self._undoing = {n: sent for n, sent in self._undoing.items() if n in partial}
         for gone in set(self.waiting_since) - set(waiting):
             del self.waiting_since[gone]
         for gone in (set(self.written) | set(self.noticed)) - set(jobs):
@@ -224,13 +238,16 @@ class QueueCore:
         self._sync(running, waiting, now, out)
         if self.sched is None:
             return out
+        follow_idle(self.sched, jobs)
         d = self.sched.cycle(now)
         self._act(d, jobs, stopping, now, out)
         return out
 
     def _sync(self, running: dict[str, Running], waiting: dict[str, Job], now: float, out: Actions) -> None:
         view = cluster_view(
-            self.nodes.values(), frozenset(m.key for j in self.last_jobs.values() for m in j.members)
+            self.nodes.values(),
+            frozenset(m.key for j in self.last_jobs.values() for m in j.members),
+            self._node_views,
         )
         self.view = view
         sched = self.sched
@@ -250,6 +267,8 @@ class QueueCore:
             self._pending = set(waiting)
             self._signature, self._stale = view.signature, False
             self.rebuilds += 1
+            sched = None  # the old Scheduler: nothing may hold it now, so settle_heap collects it
+            settle_heap()  # the rebuilt state is long-lived: keep GC pauses off the admission path
             log.info(
                 "queue scheduler rebuilt: %d running, %d waiting jobs, %d nodes",
                 len(running),
@@ -271,6 +290,18 @@ class QueueCore:
             if name not in self._pending and name not in sched.running:
                 sched.submit(job, now)
                 self._pending.add(name)
+
+    def _undo(self, j: JobPods, marked: list[QueuedPod], out: Actions) -> None:
+        """Remove the admission marks of a job some of whose members lack theirs (a write that failed
+        part-way, or a leader that stopped part-way): none is bound yet, so the job waits again whole."""
+        log.warning("job %s was admitted part-way: the admission marks are removed, it waits again", j.name)
+        message = f"{j.name} was admitted part-way (a member lacks the mark): it waits again"
+        out.annotate.extend(
+            Annotate(
+                _ref(m), {QUEUE_ADMITTED_ANNOTATION: None}, ("QueueAdmissionUndone", message), job=j.name
+            )
+            for m in marked
+        )
 
     def _withdraw(self, name: str, now: float, out: Actions) -> None:
         """Take a job off the pending ones; victims stopping for it keep running: their notice is removed."""

@@ -11,6 +11,7 @@ its runtime estimate the annotation gpunode.io/runtime-estimate (30m, 2h).
 The controller marks a pod with two annotations (JSON): gpunode.io/queue-admitted
 ({"job", "node", "gpus", "at"}: where the admission's plan puts this member) and
 gpunode.io/preemption-notice ({"deadline" (RFC 3339), "preemptor", "reason"}).
+It reads the node agent's gpunode.io/gpu-idle-since (RFC 3339) into JobPods.idle_since.
 Everything here reads v1 Pod JSON; no I/O.
 """
 
@@ -32,6 +33,7 @@ from gpunode.contract.names import (
     GANG_LABEL,
     GANG_SIZE_LABEL,
     GIB,
+    GPU_IDLE_ANNOTATION,
     PREEMPTION_NOTICE_ANNOTATION,
     QUEUE_ADMITTED_ANNOTATION,
     RUNTIME_ANNOTATION,
@@ -72,6 +74,7 @@ class QueuedPod:
     assigned: tuple[str, ...]  # GPUs the extender or the node recorded on a bound pod
     request: Any = None  # placement Request (None with a problem)
     problem: str = ""
+    idle_since: float | None = None  # gpunode.io/gpu-idle-since (None: absent or unreadable)
 
     @property
     def key(self) -> str:
@@ -168,6 +171,7 @@ def queued_pod(
         assigned=tuple(g.strip() for g in assigned.split(",") if g.strip()),
         request=request,
         problem=problem,
+        idle_since=parse_time(notes.get(GPU_IDLE_ANNOTATION)),
     )
 
 
@@ -191,6 +195,11 @@ class JobPods:
         return any(m.admitted is not None or m.node for m in self.members)
 
     @property
+    def marked(self) -> bool:
+        """Every member carries the admission or is bound: none was left out of the job's admission."""
+        return all(m.admitted is not None or m.node for m in self.members)
+
+    @property
     def problem(self) -> str:
         """Why it cannot be queued ("" when it can)."""
         for m in self.members:
@@ -207,6 +216,14 @@ class JobPods:
     def notice(self) -> NoticeMark | None:
         """The preemption notice its members carry, if any."""
         return next((m.notice for m in self.members if m.notice is not None), None)
+
+    @property
+    def idle_since(self) -> float | None:
+        """When the job went idle: every member flagged idle, the latest of their times (else None)."""
+        times = [m.idle_since for m in self.members]
+        if not times or any(t is None for t in times):
+            return None
+        return max(t for t in times if t is not None)
 
     def job(self, config: QueueConfig) -> Job:
         """The queueing Job (members in name order; arrival: the earliest creation)."""

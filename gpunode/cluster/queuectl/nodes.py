@@ -47,10 +47,19 @@ def _give_back(record: GpuRecord, ours: frozenset[str]) -> GpuRecord:
     )
 
 
-def cluster_view(nodes: Iterable[Mapping[str, Any]], queued_pods: frozenset[str]) -> ClusterView:
-    """Placement's view of the Nodes (v1 JSON), with the GPUs of queued pods (namespace/name) given back."""
+def cluster_view(
+    nodes: Iterable[Mapping[str, Any]],
+    queued_pods: frozenset[str],
+    cache: dict[str, tuple[object, NodeState]] | None = None,
+) -> ClusterView:
+    """Placement's view of the Nodes (v1 JSON), with the GPUs of queued pods (namespace/name) given back.
+
+    `cache` (the caller's, kept between calls) holds each node's view with what it was made from (the
+    annotation's text, the labels, which of its GPUs' holders are queued pods), so that a reconcile decodes
+    only the Nodes that changed; it is left holding the nodes of this call only."""
     out: list[NodeState] = []
     problems: dict[str, str] = {}
+    seen: dict[str, tuple[object, NodeState]] = {}
     for node in nodes:
         meta = node.get("metadata") or {}
         name = str(meta.get("name") or "")
@@ -60,19 +69,33 @@ def cluster_view(nodes: Iterable[Mapping[str, Any]], queued_pods: frozenset[str]
         if text is None:
             problems[name] = f"node {name} has no {NODE_STATE_ANNOTATION} annotation (no gpunode agent)"
             continue
+        labels = meta.get("labels") or {}
+        hit = cache.get(name) if cache is not None else None
+        if hit is not None and isinstance(hit[0], tuple) and hit[0][0] == text and hit[0][1] == labels:
+            ours = frozenset(p for p in hit[0][2] if p in queued_pods)
+            if ours == hit[0][3]:
+                seen[name] = hit
+                out.append(hit[1])
+                continue
         try:
             state = decode(text, node=name)
+            holders = frozenset(p for g in state.gpus for p in g.pods)
+            ours = frozenset(p for p in holders if p in queued_pods)
             state = replace(state, gpus=tuple(_give_back(g, queued_pods) for g in state.gpus))
-            out.append(
-                node_state(
-                    replace(state, cpu_milli_free=None, memory_free_bytes=None),
-                    cpu_milli_free=UNLIMITED_CPU_MILLI,
-                    memory_free_bytes=UNLIMITED_MEMORY,
-                    labels=meta.get("labels") or {},
-                )
+            view = node_state(
+                replace(state, cpu_milli_free=None, memory_free_bytes=None),
+                cpu_milli_free=UNLIMITED_CPU_MILLI,
+                memory_free_bytes=UNLIMITED_MEMORY,
+                labels=labels,
             )
         except GpunodeError as exc:
             problems[name] = str(exc)
+            continue
+        seen[name] = ((text, dict(labels), holders, ours), view)
+        out.append(view)
+    if cache is not None:
+        cache.clear()
+        cache.update(seen)
     out.sort(key=lambda n: n.name)
     signature = tuple(
         (

@@ -8,11 +8,12 @@ nominated to their preemptor: Scheduler.adopt), then the waiting jobs are submit
 
 from __future__ import annotations
 
+import gc
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from gpunode.cluster.queuectl.jobs import NoticeMark
+from gpunode.cluster.queuectl.jobs import JobPods, NoticeMark
 from gpunode.cluster.queueing.capacity import ClusterCapacity
 from gpunode.cluster.queueing.config import QueueConfig
 from gpunode.cluster.queueing.engine import Scheduler
@@ -81,3 +82,29 @@ def build(
     for job in sorted(waiting, key=lambda j: (j.arrival, j.name)):
         sched.submit(job, now)
     return sched, lost
+
+
+def follow_idle(sched: Scheduler, jobs: Mapping[str, JobPods]) -> None:
+    """Tell the Scheduler which running jobs are idle (every pod flagged by its node agent) and since when.
+
+    The flag is a pod annotation, which the pod's owner may also write: a tenant that marks
+    its own job idle only makes it the first victim under preemption.idleFirst, and a time
+    that cannot be read is ignored (the job counts as busy).
+    """
+    for name in sched.running:
+        j = jobs.get(name)
+        sched.mark_idle(name, j.idle_since if j is not None else None)
+
+
+def settle_heap() -> None:
+    """After a rebuild: collect the old Scheduler, then freeze what is left out of the collector's reach.
+
+    The rebuilt state (every pending and running job, the capacity index) is long-lived; left
+    to the cyclic collector, each full collection walks all of it again: over 10,000 pending
+    jobs that took p99 of an admission cycle from 68 ms to 205 ms (bench/admission.py,
+    --no-freeze). Unfreezing first lets the previous Scheduler, frozen at the last rebuild and
+    holding reference cycles, be collected instead of kept forever.
+    """
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()

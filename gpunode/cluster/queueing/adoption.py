@@ -2,7 +2,7 @@
 
 adopt() puts a job admitted before a restart back among the running jobs, on
 its own plan; withdraw() takes a pending job whose pods were deleted off the
-queue. Split from engine.py to keep modules small.
+queue; mark_idle() records that a running job's GPUs are idle. Split from engine.py to keep modules small.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 
 class Adoption:
-    """adopt() and withdraw() of a Scheduler."""
+    """adopt(), withdraw() and mark_idle() of a Scheduler."""
 
     if TYPE_CHECKING:
         cap: ClusterCapacity
@@ -91,6 +91,15 @@ class Adoption:
                 self._nominated[preemptor] = Nomination(victims=victims, nodes=nodes, deadline=deadline)
                 self._exclusions()
         return r
+
+    def mark_idle(self, name: str, since: float | None) -> None:
+        """A running job's GPUs have been idle since `since` (None: busy again); ignored if not running.
+
+        Only victim order reads it, and only with preemption.idleFirst (preempt.py).
+        """
+        r = self.running.get(name)
+        if r is not None:
+            r.idle_since = since
 
     def withdraw(self, name: str, now: float) -> tuple[str, ...]:
         """A pending job leaves the queue (its pods were deleted); a job that is not pending is ignored.

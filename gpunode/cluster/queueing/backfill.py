@@ -51,14 +51,15 @@ def reserve(
     cap: ClusterCapacity,
     now: float,
     default_runtime: float,
+    exclude: frozenset[str] = frozenset(),
 ) -> Reservation | None:
     """The earliest start (and plan) of `head` as the running jobs end; None if it never fits.
 
     `running` are the committed jobs of `cap` (others are ignored: they are taken to
     run on for ever). The result is `now` with a plan when the head fits already.
-    cap is left as it was.
+    The plan stays off `exclude` (nodes other reservations hold). cap is left as it was.
     """
-    plan = cap.plan(head)
+    plan = cap.plan(head, exclude_nodes=exclude)
     if plan is not None:
         return Reservation(job=head.name, start=now, plan=plan, nodes=plan.nodes)
     if not cap.fits_empty(head):
@@ -72,7 +73,7 @@ def reserve(
             key=lambda item: item[0],
         )
     ]
-    found = _Search(cap.fork(), head, groups).earliest()
+    found = _Search(cap.fork(), head, groups, exclude).earliest()
     if found is None:
         return None
     k, plan = found
@@ -87,8 +88,10 @@ class _Search:
     cannot cover the head's in all is decided without a placement trial.
     """
 
-    def __init__(self, cap: ClusterCapacity, head: Job, groups: list[tuple[float, list[str]]]) -> None:
-        self.cap, self.head, self.groups = cap, head, groups
+    def __init__(
+        self, cap: ClusterCapacity, head: Job, groups: list[tuple[float, list[str]]], exclude: frozenset[str]
+    ) -> None:
+        self.cap, self.head, self.groups, self.exclude = cap, head, groups, exclude
         self.pos = 0
         self.free = [cap.free()[GPU]]  # free GPU after releasing the first k groups, extended as needed
         self.kept: dict[str, tuple[Job, Plan]] = {}
@@ -112,7 +115,7 @@ class _Search:
             for name in group:
                 cap.commit(name, *self.kept[name])
         self.pos = k
-        return cap.plan(self.head)
+        return cap.plan(self.head, exclude_nodes=self.exclude)
 
     def earliest(self) -> tuple[int, Plan] | None:
         n = len(self.groups)

@@ -93,6 +93,8 @@ class PreemptionSettings:
     min_runtime_s: float = 600.0
     reclaim: bool = True
     priority: bool = True
+    idle_first: bool = False  # take idle best-effort victims first (preempt.py)
+    idle_minimum_s: float = 0.0  # how long a job must have been flagged idle before that counts
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,7 @@ class BackfillSettings:
 
     enabled: bool = True
     default_runtime_s: float = 3600.0
+    reservations: int = 8  # jobs holding a reservation at once: the head of line, then multi-GPU jobs
 
 
 @dataclass(frozen=True)
@@ -207,12 +210,15 @@ def parse_queue_config(data: object, where: str) -> QueueConfig:
         min_runtime_s=pre.duration("minRuntime", 600.0),
         reclaim=pre.flag("reclaim", True),
         priority=pre.flag("priority", True),
+        idle_first=pre.flag("idleFirst", False),
+        idle_minimum_s=pre.duration("idleMinimum", 0.0),
     )
     pre.finish()
     back = top.section("backfill")
     backfill = BackfillSettings(
         enabled=back.flag("enabled", True),
         default_runtime_s=_positive_duration(back, "defaultRuntime", 3600.0),
+        reservations=back.integer("reservations", 8, minimum=1, maximum=64),
     )
     back.finish()
     gang = top.section("gang")

@@ -19,6 +19,7 @@ How a driver uses it (the time simulator, later the live controller):
                                      # running is ignored, so reporting a d.kill victim again is harmless
     sched.checkpoint(name, t)        # a running job saved its state at t (less work lost if preempted)
     sched.adopt(job, plan, start, now, notice_deadline=, preemptor=)   # an admitted job, after a restart
+    sched.mark_idle(name, since)     # a running job's GPUs idle since `since` (None: busy); see preempt.py
     sched.withdraw(name, now)        # a pending job left (its pods were deleted)
     sched.running: dict[str, RunningJob]; sched.pending_count; sched.allocated_by_queue()
     sched.waiting() -> list[Waiting] (every pending job's current reason); sched.partial_gangs (kube)
@@ -28,8 +29,9 @@ free, then serve queues one admission at a time in the preset's order (fair
 share and DRF, Kueue's head order, or one global order), each queue's jobs by
 priority then arrival. A job is admitted when its queue's limits allow it and
 the cluster places every pod (gangs whole). The first job that does not fit
-(the head of line) may preempt, else gets a backfill reservation that every
-later admission must respect (end before it starts, or stay off its nodes).
+(the head of line) may preempt, else gets a backfill reservation; multi-GPU
+jobs that do not fit may get further ones (rooms.py). Every later admission
+must respect each reservation (end before it starts, or stay off its nodes).
 
 Speed: a pending job whose shape (its pods) failed to place at the current
 capacity epoch, with the same excluded nodes, is skipped without a trial
@@ -77,7 +79,6 @@ from gpunode.contract.names import MILLI_PER_GPU
 # Victim searches per cycle (each walks the running jobs and makes placement trials); heads of other queues
 # search in later cycles. Notices take minutes, so this delays a preemption by a cycle, not a notice period.
 PREEMPTION_SEARCHES_PER_CYCLE = 1
-_ALL, _RES = 2, 1  # a failed shape: every job of it fails / those that would delay the reservation fail
 
 
 class Scheduler(Adoption, Rooms, Ordering):
@@ -98,6 +99,7 @@ class Scheduler(Adoption, Rooms, Ordering):
         self._reserved: str | None = None
         self._reservation: Reservation | None = None
         self._reservation_stamp: tuple[int, int] | None = None
+        self._extra: dict[str, Reservation] = {}  # the further reservations of multi-GPU jobs (rooms.py)
         self._released_nodes: set[str] = set()
         self._shapes: dict[tuple[object, ...], int] = {}
         self._failed: dict[tuple[int, frozenset[str]], tuple[int, str]] = {}
@@ -122,8 +124,10 @@ class Scheduler(Adoption, Rooms, Ordering):
         self.min_runtime_s = pre.min_runtime_s if preset.min_runtime_s is None else preset.min_runtime_s
         self.reclaim = preset.reclaim and pre.reclaim
         self.priority_preemption = preset.priority_preemption and pre.priority
+        self.idle_first, self.idle_minimum_s = pre.idle_first, pre.idle_minimum_s
         self.backfill = preset.backfill and config.backfill.enabled
         self.default_runtime_s = config.backfill.default_runtime_s
+        self.reservations_max = config.backfill.reservations
         self.shares: dict[str, Amounts] = {}
         self._touched: list[Pending] = []
         self.reasons = Reasons(self)
@@ -194,6 +198,11 @@ class Scheduler(Adoption, Rooms, Ordering):
             return None
         return self._reserved, self._reservation
 
+    @property
+    def reservations(self) -> dict[str, Reservation]:
+        """Every backfill reservation by job: the head of line's and the further ones of multi-GPU jobs."""
+        return dict(self._all_reservations())
+
     def waiting(self) -> list[Waiting]:
         """Every pending job with its current reason, queue by queue, in queue order."""
         out: list[Waiting] = []
@@ -214,6 +223,7 @@ class Scheduler(Adoption, Rooms, Ordering):
         order = self._orderer()
         self._dead: dict[str, dict[int, int]] = {}
         self._heads_tried: set[str] = set()
+        self._extra_tried: set[str] = set()
         self._searches_left = PREEMPTION_SEARCHES_PER_CYCLE
         cursors = dict.fromkeys(self._lists, 0)
         exhausted: set[str] = set()
@@ -237,23 +247,22 @@ class Scheduler(Adoption, Rooms, Ordering):
 
         Within a cycle a shape that failed stays failed (commits only take room away and
         allocations only grow), so its other jobs are passed over without a trial: all of
-        them after a quota failure or one without the reservation's nodes excluded, those
-        ending after the reservation's start after one with them excluded. Preemption and
-        the reservation are tried for the queue's first job that does not fit, once per cycle.
+        them after a quota failure or one without reservations' nodes excluded (level 0),
+        after one that kept off the first k reservations (level k, by start) those that
+        would end after the k-th starts. Preemption and the head-of-line reservation are
+        tried for the queue's first job that does not fit, once per cycle; a further
+        reservation for its first multi-GPU job that does not fit (rooms.py).
         """
         lst = self._lists[q]
         dead = self._dead.setdefault(q, {})
         dead_get, nominated = dead.get, self._nominated
-        res = self._reservation
-        start = res.start if res is not None else 0.0
         i = cursors[q]
         n = len(lst)
-        while i < n:  # the skips are this loop's hot path: _ends_after inlined
+        while i < n:  # the skips are this loop's hot path
             p = lst[i]
             level = dead_get(p.shape)
             if level is not None and (
-                level == _ALL
-                or (res is not None and now + p.runtime > start and self._reserved != p.job.name)
+                level == 0 or (not self._is_reserved(p.job.name) and self._level(p, now) >= level)
             ):
                 i += 1
                 continue
@@ -274,22 +283,15 @@ class Scheduler(Adoption, Rooms, Ordering):
                     n = len(lst)  # a notice of 0 s stops and requeues victims at once
                     continue
                 self._reserve(p, now)
-                res = self._reservation
-                start = res.start if res is not None else 0.0
+            if verdict == "capacity" and q not in self._extra_tried and self._reserve_extra(p, now):
+                self._extra_tried.add(q)
             if self.preset.head_blocks and verdict != "never":
                 break
-            if p.job.name != self._reserved and p.held == []:
-                limited = verdict == "capacity" and self._ends_after(p, now, res)
-                dead[p.shape] = _RES if limited else _ALL
+            if not self._is_reserved(p.job.name) and p.held == []:
+                dead[p.shape] = self._level(p, now) if verdict == "capacity" else 0
             i += 1
         cursors[q] = i
         return False
-
-    def _ends_after(self, p: Pending, now: float, res: Reservation | None) -> bool:
-        """Would p still run when the reservation starts (so it must keep off the reserved nodes)?"""
-        if res is None or self._reserved == p.job.name:
-            return False
-        return now + p.runtime > res.start
 
     def _try(self, p: Pending, now: float, d: Decisions) -> str:
         """Try to admit p now: "admitted", "quota", "capacity" or "never"."""
@@ -353,12 +355,14 @@ class Scheduler(Adoption, Rooms, Ordering):
         return "admitted"
 
     def _exclusion(self, p: Pending, now: float) -> frozenset[str]:
-        """Nodes p must stay off: room promised to other preemptors and, unless p ends before it starts,
-        the reserved room of the head of line."""
+        """Nodes p must stay off: room promised to other preemptors and the nodes of every
+        reservation (but its own) that starts before p would end."""
         if p.job.name in self._nominated:
             nodes = {n for name, nom in self._nominated.items() if name != p.job.name for n in nom.nodes}
             return frozenset(nodes)
-        return self._excl_res if self._ends_after(p, now, self._reservation) else self._excl_base
+        if self._is_reserved(p.job.name):
+            return self._reserved_exclusion(p, now)
+        return self._excl_levels[self._level(p, now)]
 
     # ----- state changes ---------------------------------------------------------------------------------
 
@@ -412,6 +416,8 @@ class Scheduler(Adoption, Rooms, Ordering):
         d.admit.append(Admission(job=job, plan=plan, borrowed=borrowed))
         if self._reserved == job.name:
             self._drop_reservation()
+        elif self._extra.pop(job.name, None) is not None:
+            self._exclusions()
 
     def _stop(self, name: str) -> RunningJob:
         r = self.running.pop(name)

@@ -128,6 +128,7 @@ class RunningJob:
     last_checkpoint: float | None = None
     notice_deadline: float | None = None  # set once it is told to stop
     preemptor: str | None = None  # the job it makes room for
+    idle_since: float | None = None  # its GPUs have been idle since (set by the driver: Scheduler.mark_idle)
 
     def expected_end(self, default_runtime: float) -> float:
         """When backfill expects it to end: start + its estimate (or the default)."""

@@ -12,6 +12,14 @@ below its guarantee is passed over. Victims that turn out not to be needed are
 then given back (most lost work first), so the final set is minimal in that
 sense: dropping any one of them leaves the preemptor without a placement.
 
+With preemption.idleFirst, idle best-effort candidates come before every other
+one (the `idle` names): those flagged idle (RunningJob.idle_since) for at least
+preemption.idleMinimum that are best-effort for this preemptor, i.e. admitted
+above their queue's guarantee (borrowed) or of lower priority than it. Their lost
+work counts after everyone else's: a set of idle victims beats any set with a
+busy one. Idleness widens nothing: the same candidates, guarantees, minimum
+runtime and preemptible flag apply; the notice's reason is "idle".
+
 Nothing here changes the cluster: every what-if runs inside ClusterCapacity.trial(), which undoes it.
 """
 
@@ -76,9 +84,18 @@ def eligible(r: RunningJob, now: float, min_runtime_s: float) -> bool:
     return r.job.preemptible and r.notice_deadline is None and now - r.start >= min_runtime_s
 
 
-def victim_order(r: RunningJob, now: float) -> tuple[float, int, str]:
-    """The order victims are taken in: least lost work, then fewest pods, then name."""
-    return (r.lost_work(now), len(r.job.pods), r.job.name)
+def victim_order(
+    r: RunningJob, now: float, idle: frozenset[str] = frozenset()
+) -> tuple[bool, float, int, str]:
+    """The order victims are taken in: idle ones first, then least lost work, then fewest pods, then name."""
+    return (r.job.name not in idle, r.lost_work(now), len(r.job.pods), r.job.name)
+
+
+def _set_cost(v: Victims, now: float, idle: frozenset[str]) -> tuple[float, float, int, tuple[str, ...]]:
+    """How much a set of victims costs: busy lost work, then idle lost work, then pods, then names."""
+    busy = sum(r.lost_work(now) for r in v.jobs if r.job.name not in idle)
+    quiet = sum(r.lost_work(now) for r in v.jobs if r.job.name in idle)
+    return (busy, quiet, sum(len(r.job.pods) for r in v.jobs), tuple(r.job.name for r in v.jobs))
 
 
 def choose_victims(
@@ -92,6 +109,7 @@ def choose_victims(
     min_runtime_s: float,
     units: Callable[[RunningJob], Sequence[Unit]],
     exclude_nodes: frozenset[str] = frozenset(),
+    idle: frozenset[str] = frozenset(),
 ) -> Victims | None:
     """The least-loss set of candidates whose stopping lets `preemptor` place; None if there is none.
 
@@ -103,10 +121,11 @@ def choose_victims(
     (then fewest pods, then names). demand: what the preemptor will hold
     (a quick check that enough could be freed before any placement trial).
     units(r): the capacity entries a running job holds. exclude_nodes: nodes the
-    preemptor must not use (room already promised to other preemptors).
+    preemptor must not use (room already promised to other preemptors). idle: the
+    candidates taken first and whose lost work counts last (see the module docstring).
     """
     pool = sorted(
-        (r for r in candidates if eligible(r, now, min_runtime_s)), key=lambda r: victim_order(r, now)
+        (r for r in candidates if eligible(r, now, min_runtime_s)), key=lambda r: victim_order(r, now, idle)
     )
     pool = pool[:MAX_CANDIDATES]
     if not pool:
@@ -120,23 +139,18 @@ def choose_victims(
         need = demand.get(GPU, 0)
         nodes = sorted(
             (n for n, rs in by_node.items() if sum(r.usage.get(GPU, 0) for r in rs) + NODE_GPU_MILLI >= need),
-            key=lambda n: (min(r.lost_work(now) for r in by_node[n]), n),
+            key=lambda n: (min(victim_order(r, now, idle)[:2] for r in by_node[n]), n),
         )
         for node in nodes[:MAX_NODES]:
-            found.append(_greedy(preemptor, demand, by_node[node], cap, book, now, units, exclude_nodes))
+            found.append(
+                _greedy(preemptor, demand, by_node[node], cap, book, now, units, exclude_nodes, idle)
+            )
     if not any(found):
-        found.append(_greedy(preemptor, demand, pool, cap, book, now, units, exclude_nodes))
+        found.append(_greedy(preemptor, demand, pool, cap, book, now, units, exclude_nodes, idle))
     results = [v for v in found if v is not None]
     if not results:
         return None
-    return min(
-        results,
-        key=lambda v: (
-            sum(r.lost_work(now) for r in v.jobs),
-            sum(len(r.job.pods) for r in v.jobs),
-            tuple(r.job.name for r in v.jobs),
-        ),
-    )
+    return min(results, key=lambda v: _set_cost(v, now, idle))
 
 
 def _greedy(
@@ -148,6 +162,7 @@ def _greedy(
     now: float,
     units: Callable[[RunningJob], Sequence[Unit]],
     exclude_nodes: frozenset[str],
+    idle: frozenset[str],
 ) -> Victims | None:
     """Release pool's jobs in order on a fork until the preemptor plans, then give back the unneeded."""
     need_gpu = demand.get(GPU, 0)
@@ -156,7 +171,7 @@ def _greedy(
         return None
     with cap.trial() as fork:
         return _release_until_placed(
-            preemptor, pool, fork, book, now, units, exclude_nodes, need_gpu, free_gpu
+            preemptor, pool, fork, book, now, units, exclude_nodes, need_gpu, free_gpu, idle
         )
 
 
@@ -170,6 +185,7 @@ def _release_until_placed(
     exclude_nodes: frozenset[str],
     need_gpu: int,
     free_gpu: int,
+    idle: frozenset[str],
 ) -> Victims | None:
     chosen: list[RunningJob] = []
     plan: Plan | None = None
@@ -191,7 +207,7 @@ def _release_until_placed(
         return None
     # Give back the victims not needed, the costliest first; each stays stopped only if the preemptor
     # would no longer place without it.
-    for r in sorted(chosen, key=lambda v: victim_order(v, now), reverse=True):
+    for r in sorted(chosen, key=lambda v: victim_order(v, now, idle), reverse=True):
         if len(chosen) == 1:
             break
         for key, job, held in units(r):
@@ -203,7 +219,7 @@ def _release_until_placed(
         else:
             for key, _, _ in units(r):
                 fork.release(key)
-    return Victims(jobs=tuple(sorted(chosen, key=lambda v: victim_order(v, now))), plan=plan)
+    return Victims(jobs=tuple(sorted(chosen, key=lambda v: victim_order(v, now, idle))), plan=plan)
 
 
 def preemption_for(sched: Scheduler, p: Pending, now: float) -> tuple[Victims, dict[str, str]] | None:
@@ -217,6 +233,7 @@ def preemption_for(sched: Scheduler, p: Pending, now: float) -> tuple[Victims, d
     while p's stays within its own. priority:
     candidates are jobs of strictly lower priority (only p's own queue when the
     preset says so). choose_victims then keeps every queue at or above its guarantee.
+    With idle_first, the idle best-effort candidates go first (reason "idle"; module docstring).
     """
     leaf = p.job.queue
     book = sched.book
@@ -229,7 +246,9 @@ def preemption_for(sched: Scheduler, p: Pending, now: float) -> tuple[Victims, d
                 q for q in sched.config.leaves if book.allocated[q].get(GPU, 0) > sched.shares[q].get(GPU, 0)
             }
     reasons: dict[str, str] = {}
-    keyed: list[tuple[float, int, str, RunningJob]] = []
+    keyed: list[tuple[bool, float, int, str, RunningJob]] = []
+    idle: set[str] = set()
+    idle_first, idle_minimum = sched.idle_first, sched.idle_minimum_s
     reclaimable = {
         q: q != leaf and ((reclaim and book.may_reclaim(leaf, p.demand, q)) or q in over_share)
         for q in sched.config.leaves
@@ -256,11 +275,20 @@ def preemption_for(sched: Scheduler, p: Pending, now: float) -> tuple[Victims, d
             reasons[job.name] = "priority"
         else:
             continue
+        quiet = (
+            idle_first
+            and r.idle_since is not None
+            and now - r.idle_since >= idle_minimum
+            and (r.borrowed or job.priority < priority)  # best-effort for this preemptor
+        )
+        if quiet:
+            reasons[job.name] = "idle"
+            idle.add(job.name)
         since = r.start if r.last_checkpoint is None else max(r.start, r.last_checkpoint)
-        keyed.append(((now - since) * r.usage.get(GPU, 0), len(job.pods), job.name, r))
+        keyed.append((not quiet, (now - since) * r.usage.get(GPU, 0), len(job.pods), job.name, r))
     if not keyed:
         return None
-    candidates = [item[3] for item in heapq.nsmallest(MAX_CANDIDATES, keyed, key=lambda item: item[:3])]
+    candidates = [item[4] for item in heapq.nsmallest(MAX_CANDIDATES, keyed, key=lambda item: item[:4])]
     victims = choose_victims(
         p.job,
         p.demand,
@@ -271,5 +299,6 @@ def preemption_for(sched: Scheduler, p: Pending, now: float) -> tuple[Victims, d
         min_runtime_s=sched.min_runtime_s,
         units=sched.units_of,
         exclude_nodes=sched.excluded_for_preemptors,
+        idle=frozenset(idle),
     )
     return None if victims is None else (victims, reasons)

@@ -3,20 +3,32 @@
 Rooms is the part of the Scheduler (engine.py) that makes room for a job that
 does not fit: it gives victims their notice and nominates the preemptor to the
 nodes it will use (no other job may take them meanwhile), stops victims whose
-notice ran out and admits their preemptor, and keeps the one backfill
-reservation of the head of line current. Split from engine.py to keep modules small.
+notice ran out and admits their preemptor, and keeps the backfill reservations
+current. Split from engine.py to keep modules small.
+
+Reservations: the head of line (the first job of a queue that does not fit) holds
+one, as in EASY backfill; up to `backfill.reservations` - 1 more go to multi-GPU
+and multi-pod jobs that do not fit (the first such job of each queue per cycle,
+so the oldest by the queue's order). Each reservation is computed on nodes no
+other reservation holds, so none can delay another; a job started now must keep
+off the nodes of every reservation that starts before it is expected to end
+(conservative backfill over all of them). Small jobs need no reservation: any
+release lets them start; without one, an 8-GPU job waits for a whole free node
+that small jobs, each of them admissible, keep taking.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 from gpunode.cluster.queueing.backfill import Reservation, reserve
-from gpunode.cluster.queueing.model import Amounts, Decisions, Job, Notice, Plan, RunningJob
+from gpunode.cluster.queueing.model import GPU, Amounts, Decisions, Job, Notice, Plan, RunningJob
 from gpunode.cluster.queueing.preempt import preemption_for
+from gpunode.contract.names import MILLI_PER_GPU
 
 if TYPE_CHECKING:
     from gpunode.cluster.queueing.capacity import ClusterCapacity
@@ -73,6 +85,8 @@ class Rooms:
         notice_s: float
         min_runtime_s: float
         default_runtime_s: float
+        reservations_max: int
+        _dead: dict[str, dict[int, int]]
         _pending: dict[str, Pending]
         _lists: dict[str, list[Pending]]
         _version: int
@@ -91,7 +105,10 @@ class Rooms:
     _excl_base: frozenset[str] = frozenset()
     _released_nodes: set[str]
     _searches_left: int
-    _excl_res: frozenset[str] = frozenset()
+    _extra: dict[str, Reservation]
+    _res_starts: tuple[float, ...] = ()  # every reservation's start, earliest first
+    _res_nodes: tuple[tuple[str, frozenset[str]], ...] = ()  # (job, nodes) in the same order
+    _excl_levels: tuple[frozenset[str], ...] = (frozenset(),)  # base plus the first k reservations' nodes
     _notices: list[tuple[float, str]]
     _young: list[tuple[float, str]]
 
@@ -123,6 +140,8 @@ class Rooms:
         self._exclusions()
         if self._reserved == p.job.name:
             self._drop_reservation()
+        if self._extra.pop(p.job.name, None) is not None:
+            self._exclusions()
         p.why = self.reasons.nominated(self._nominated[p.job.name])
         if self.notice_s <= 0:
             self._expire(now, d)
@@ -131,9 +150,11 @@ class Rooms:
 
     def _reserve(self, p: Pending, now: float) -> None:
         """Make p the head of line with a backfill reservation, when backfill is on and none is held."""
-        if not self.backfill or self._reserved is not None:
+        if not self.backfill or self._reserved is not None or p.job.name in self._extra:
             return
-        res = reserve(p.job, list(self.running.values()), self.cap, now, self.default_runtime_s)
+        res = reserve(
+            p.job, list(self.running.values()), self.cap, now, self.default_runtime_s, self._others("")
+        )
         if res is None or res.nodes & self._excl_base:  # room promised to a preemptor is not reservable
             return
         self._reserved, self._reservation = p.job.name, res
@@ -144,6 +165,8 @@ class Rooms:
     def _refresh_reservation(self, now: float) -> None:
         """Recompute the head of line's reservation after releases; drop it once the job is gone."""
         released, self._released_nodes = self._released_nodes, set()
+        for extra in list(self._extra):
+            self._refresh_extra(extra, now, released)
         name = self._reserved
         if name is None:
             return
@@ -157,7 +180,9 @@ class Rooms:
             # holds until its start; past it (estimates ran over), it is recomputed once some of its nodes
             # free up. The head itself is tried in every cycle and starts as soon as it fits anywhere.
             return
-        res = reserve(p.job, list(self.running.values()), self.cap, now, self.default_runtime_s)
+        res = reserve(
+            p.job, list(self.running.values()), self.cap, now, self.default_runtime_s, self._others(name)
+        )
         if res is None or res.nodes & self._excl_base:
             self._drop_reservation()
             return
@@ -170,12 +195,84 @@ class Rooms:
         self._reserved = self._reservation = self._reservation_stamp = None
         self._exclusions()
 
+    def _reserve_extra(self, p: Pending, now: float) -> bool:
+        """Give p, a multi-GPU or multi-pod job that does not fit, one of the further reservations."""
+        name = p.job.name
+        if (
+            not self.backfill
+            or len(self._extra) >= self.reservations_max - 1
+            or name == self._reserved
+            or name in self._extra
+            or name in self._nominated
+            or (p.demand.get(GPU, 0) <= MILLI_PER_GPU and len(p.job.pods) == 1)
+        ):
+            return False
+        exclude = self._excl_base | self._others(name)
+        res = reserve(p.job, list(self.running.values()), self.cap, now, self.default_runtime_s, exclude)
+        if res is not None:
+            self._extra[name] = res
+            self._exclusions()
+            p.why = self.reasons.reserved(p, res)
+        return True
+
+    def _refresh_extra(self, name: str, now: float, released: set[str]) -> None:
+        """As _refresh_reservation, for one of the further reservations."""
+        p = self._pending.get(name)
+        res = self._extra[name]
+        if p is not None and name not in self._nominated and (now < res.start or not released & res.nodes):
+            return
+        del self._extra[name]
+        if p is not None and name not in self._nominated:
+            exclude = self._excl_base | self._others(name)
+            new = reserve(p.job, list(self.running.values()), self.cap, now, self.default_runtime_s, exclude)
+            if new is not None:
+                self._extra[name] = new
+                p.why = self.reasons.reserved(p, new)
+        self._exclusions()
+
+    def _all_reservations(self) -> Iterator[tuple[str, Reservation]]:
+        if self._reserved is not None and self._reservation is not None:
+            yield self._reserved, self._reservation
+        yield from self._extra.items()
+
+    def _others(self, name: str) -> frozenset[str]:
+        """The nodes of every reservation but `name`'s (a reservation is computed off them)."""
+        return frozenset(n for other, res in self._all_reservations() if other != name for n in res.nodes)
+
+    def _is_reserved(self, name: str) -> bool:
+        return name == self._reserved or name in self._extra
+
+    def _level(self, p: Pending, now: float) -> int:
+        """How many reservations start before p would end (p must keep off their nodes)."""
+        return bisect.bisect_left(self._res_starts, now + p.runtime) if self._res_starts else 0
+
+    def _reserved_exclusion(self, p: Pending, now: float) -> frozenset[str]:
+        """A reserved job keeps off the other reservations that start before it would end."""
+        end, name = now + p.runtime, p.job.name
+        nodes = [
+            ns
+            for start, (other, ns) in zip(self._res_starts, self._res_nodes, strict=True)
+            if start < end and other != name
+        ]
+        return self._excl_base.union(*nodes) if nodes else self._excl_base
+
     def _exclusions(self) -> None:
-        """Recompute the two node sets admissions stay off (see _exclusion)."""
+        """Recompute the node sets admissions stay off (see _exclusion), by reservations' starts."""
         base = frozenset(n for nom in self._nominated.values() for n in nom.nodes)
         self._excl_base = base
-        res = self._reservation
-        self._excl_res = base | res.nodes if res is not None else base
+        ordered = sorted(self._all_reservations(), key=lambda item: (item[1].start, item[0]))
+        self._res_starts = tuple(res.start for _, res in ordered)
+        self._res_nodes = tuple((name, res.nodes) for name, res in ordered)
+        levels, acc = [base], base
+        for _, res in ordered:
+            acc = acc | res.nodes
+            levels.append(acc)
+        self._excl_levels = tuple(levels)
+        dead = getattr(self, "_dead", None)
+        if dead:  # failures recorded against reservation levels that have moved: forget them
+            for shapes in dead.values():
+                for shape in [s for s, level in shapes.items() if level > 0]:
+                    del shapes[shape]
 
     def _expire(self, now: float, d: Decisions) -> None:
         """Stop the victims whose notice has run out; they go back to the pending jobs."""

@@ -107,7 +107,10 @@ def write_plots(results: Sequence[RunResult], paths: dict[str, Path]) -> None:
     fig, axes = plt.subplots(1, len(loads), figsize=(6 * len(loads), 4), dpi=110, squeeze=False)
     for ax, load in zip(axes[0], loads, strict=True):
         for policy in policies:
-            delays = np.sort(np.concatenate([np.asarray(r.delays) for r in groups.get((load, policy), [])]))
+            runs = groups.get((load, policy), [])
+            delays = np.sort(
+                np.concatenate([np.asarray(r.delays, dtype=float) for r in runs] or [np.zeros(0)])
+            )
             if len(delays):
                 ax.plot(np.maximum(delays, 0.1), np.arange(1, len(delays) + 1) / len(delays), label=policy)
         ax.set_xscale("log")

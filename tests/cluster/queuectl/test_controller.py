@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from lightkube.resources.core_v1 import Node, Pod
 
 from gpunode.cluster.queuectl.controller import QueueController
 from gpunode.cluster.queuectl.core import QueueCore
@@ -107,6 +108,95 @@ def test_a_gang_of_four_is_admitted_together_with_a_plan_for_each_member(api: Ap
         await until(lambda: len([e for e in api.events() if e["reason"] == "QueueAdmitted"]) == 4, "events")
         events = [e for e in api.events() if e["reason"] == "QueueAdmitted"]
         assert sorted(e["involvedObject"]["name"] for e in events) == ["g0", "g1", "g2", "g3"]
+
+    asyncio.run(main())
+
+
+def gang_is_whole(api: ApiServerStandIn, n: int) -> bool:
+    """Every member carries one admission of the gang (the same moment), on distinct GPUs."""
+    plans = [admission(api, f"g{i}") for i in range(n)]
+    if not all(plans):
+        return False
+    places = {(p["node"], g) for p in plans if p for g in p["gpus"]}
+    return len({p["at"] for p in plans if p}) == 1 and len(places) == n
+
+
+def test_a_gang_whose_admission_fails_part_way_is_undone_and_admitted_whole(api: ApiServerStandIn) -> None:
+    add_node(api, "n1", 2)
+    add_node(api, "n2", 2)
+    api.fail("PATCH", r"/pods/g2$", 500, times=1)  # one member's mark is refused, the others land
+
+    async def main() -> None:
+        ctl = controller(api)
+        async with running(ctl):
+            for i in range(4):
+                api.put_pod(pod(f"g{i}", gang="g", size=4))
+            await until(
+                lambda: gang_is_whole(api, 4) and admission_patches(api, "g2") == 2, "gang re-admitted"
+            )
+        assert [e for e in api.events() if e["reason"] == "QueueAdmissionUndone"]
+        removals = [
+            r
+            for r in api.requests("PATCH", r"/pods/g[013]$")
+            if (r.body["metadata"]["annotations"] or {}).get(QUEUE_ADMITTED_ANNOTATION, "") is None
+        ]
+        assert len(removals) == 3  # the members that got the first admission had it taken off
+
+    asyncio.run(main())
+
+
+def test_a_gang_left_part_way_marked_by_a_previous_leader_is_admitted_whole(api: ApiServerStandIn) -> None:
+    add_node(api, "n1", 4)
+    for i in range(4):
+        member = pod(f"g{i}", gang="g", size=4)
+        if i < 2:  # a leader that stopped after two of the four marks
+            member["metadata"]["uid"] = f"uid-g{i}"
+            mark = {"job": "ml/g", "uid": f"uid-g{i}", "node": "n1", "gpus": [f"GPU-n1-{i}"]}
+            member["metadata"]["annotations"] = {
+                QUEUE_ADMITTED_ANNOTATION: json.dumps({**mark, "at": "2026-01-01T00:00:00.000000Z"})
+            }
+        api.put_pod(member)
+
+    async def main() -> None:
+        ctl = controller(api)
+        async with running(ctl):
+            await until(lambda: gang_is_whole(api, 4), "gang admitted whole")
+        assert admission(api, "g0")["at"] != "2026-01-01T00:00:00.000000Z"  # type: ignore[index]
+
+    asyncio.run(main())
+
+
+class _LosesLead:
+    """A leader elector whose lead ends after `checks` leadership checks."""
+
+    def __init__(self, checks: int) -> None:
+        self.left = checks
+
+    def is_leader(self) -> bool:
+        self.left -= 1
+        return self.left >= 0
+
+
+def test_no_write_is_sent_after_the_lead_is_lost_among_concurrent_writes(api: ApiServerStandIn) -> None:
+    add_node(api, "n1", 8)
+    add_node(api, "n2", 8)
+    for i in range(16):
+        api.put_pod(pod(f"p{i}"))
+
+    async def main() -> None:
+        ctl = controller(api, elector=_LosesLead(1 + 5))  # this reconcile's own check, then 5 writes
+        pods, _ = await ctl.client.list_json(Pod)
+        nodes, _ = await ctl.client.list_json(Node)
+        ctl.core.replace_all(pods, nodes)
+        ctl._synced = {"pods", "nodes"}
+        try:
+            actions = await ctl.reconcile_once()
+        finally:
+            await ctl.client.close()
+        assert actions is not None and len(actions.admitted_jobs) == 8  # team-a's quota; the others wait
+        assert len(actions.annotate) > 5
+        assert len(api.requests("PATCH")) == 5 and not api.events()  # 5 written, then the lead ended
+        assert len(ctl.core.written) == 5  # the 3 admissions not written are read from the pods again
 
     asyncio.run(main())
 

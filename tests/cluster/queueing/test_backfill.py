@@ -162,3 +162,59 @@ def test_reservation_is_a_plain_record() -> None:
     cap = ClusterCapacity([node("a", 1)], policy="bestfit")
     res = reserve(job("h", Request(gpus=1)), [], cap, 3.0, DEFAULT)
     assert isinstance(res, Reservation) and res.start == 3.0 and res.nodes == {"a"}
+
+
+# ----- the property in the engine: no reservation is delayed, however many are held -----------------------
+
+engine_job = st.tuples(
+    st.sampled_from(["a", "b", "c"]),
+    st.sampled_from([1, 2, 4, 8]),
+    st.integers(1, 2),  # pods
+    st.integers(0, 30),  # arrival
+    st.integers(1, 60),  # runtime, exactly as estimated
+)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    specs=st.lists(engine_job, min_size=1, max_size=25),
+    nodes=st.integers(2, 3),
+    reservations=st.sampled_from([1, 2, 4]),
+)
+def test_with_exact_estimates_every_reserved_job_starts_by_its_reservation(
+    specs: list[tuple[str, int, int, int, int]], nodes: int, reservations: int
+) -> None:
+    from tests.cluster.queueing.sched_helpers import config, scheduler
+    from tests.cluster.queueing.sched_helpers import job as queued
+
+    queues = [{"name": q, "guarantee": {"gpu": 4}} for q in ("a", "b", "c")]
+    cfg = config(queues, backfill={"reservations": reservations},
+                 preemption={"reclaim": False, "priority": False})  # fmt: skip
+    s = scheduler(cfg, nodes=nodes)
+    arrivals = sorted((t, f"j{i}", q, g, p, rt) for i, (q, g, p, t, rt) in enumerate(specs))
+    ends: dict[str, float] = {}
+    promised: dict[str, float] = {}
+    started: dict[str, float] = {}
+    k = 0
+    while k < len(arrivals) or ends:
+        now = min([*ends.values(), *([float(arrivals[k][0])] if k < len(arrivals) else [])])
+        while k < len(arrivals) and arrivals[k][0] <= now:
+            t, name, q, g, p, rt = arrivals[k]
+            s.submit(queued(name, q, g, pods=p, t=float(t), est=float(rt)), now)
+            k += 1
+        for name in [n for n, end in ends.items() if end <= now]:
+            s.finished(name, now)
+            del ends[name]
+        d = s.cycle(now)
+        for a in d.admit:
+            started[a.job.name] = now
+            ends[a.job.name] = now + (a.job.runtime_estimate or 0.0)
+        held = s.reservations
+        assert len(held) <= reservations
+        for name, res in held.items():
+            promised.setdefault(name, res.start)
+        if k == len(arrivals) and not ends:
+            break
+    assert s.pending_count == 0  # every job fits the empty cluster
+    for name, start in promised.items():
+        assert started[name] <= start, (name, started[name], start)

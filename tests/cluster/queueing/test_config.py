@@ -48,6 +48,7 @@ def test_the_example_file_loads_with_four_teams_weighted_4_3_2_1() -> None:
     assert cfg.fair_share.k == 1.0
     assert (cfg.preemption.notice_s, cfg.preemption.min_runtime_s) == (300.0, 600.0)
     assert cfg.backfill.enabled and cfg.backfill.default_runtime_s == 3600.0
+    assert cfg.backfill.reservations == 8
     assert cfg.gang_timeout_s == 1800.0 and cfg.energy_weight == 0.0 and cfg.placement_policy == "gpunode"
 
 
@@ -314,9 +315,29 @@ MISTAKES: list[tuple[str, dict[str, Any], str]] = [
         "q.yaml: preemption.reclaim: expected true or false, got 'yes'",
     ),
     (
+        "idle-first-not-bool",
+        {**base(), "preemption": {"idleFirst": "on"}},
+        "q.yaml: preemption.idleFirst: expected true or false, got 'on'",
+    ),
+    (
+        "idle-minimum-not-a-duration",
+        {**base(), "preemption": {"idleMinimum": "soon"}},
+        "q.yaml: preemption.idleMinimum: expected a duration such as 500ms, 30s or 5m, got 'soon'",
+    ),
+    (
         "zero-default-runtime",
         {**base(), "backfill": {"defaultRuntime": "0s"}},
         "q.yaml: backfill.defaultRuntime: expected a duration above 0, got 0",
+    ),
+    (
+        "zero-reservations",
+        {**base(), "backfill": {"reservations": 0}},
+        "q.yaml: backfill.reservations: expected 1..64, got 0",
+    ),
+    (
+        "reservations-not-an-integer",
+        {**base(), "backfill": {"reservations": "four"}},
+        "q.yaml: backfill.reservations: expected an integer, got 'four'",
     ),
     (
         "gang-timeout-too-long",
@@ -378,6 +399,14 @@ def test_each_mistake_is_refused_with_its_own_message(data: Any, message: str) -
 def test_the_mistakes_table_has_one_message_per_case() -> None:
     messages = [m for _, _, m in MISTAKES]
     assert len(set(messages)) == len(messages)
+
+
+def test_idle_first_is_off_by_default_and_read_with_its_minimum() -> None:
+    pre = parse_queue_config(base(), "q.yaml").preemption
+    assert (pre.idle_first, pre.idle_minimum_s) == (False, 0.0)
+    data = {**base(), "preemption": {"idleFirst": True, "idleMinimum": "15m"}}
+    pre = parse_queue_config(data, "q.yaml").preemption
+    assert (pre.idle_first, pre.idle_minimum_s) == (True, 900.0)
 
 
 def test_namespaces_map_to_leaf_queues() -> None:

@@ -156,6 +156,49 @@ def test_backfill_may_use_nodes_outside_the_reservation() -> None:
     assert free_gpus(s) == 2
 
 
+@pytest.mark.parametrize("reservations", [1, 4])
+def test_a_big_job_behind_another_queues_head_gets_a_reservation_and_starts_on_time(
+    reservations: int,
+) -> None:
+    # L0 (a) and L1 (b) leave 2 GPUs free on each node. X (a, 4 GPUs) is the head of line: its reservation
+    # is n1 from t=1000 (L0's end). B (b, 8 GPUs) needs a whole node: with further reservations it gets
+    # n0 from t=2000 (L1's end), the node X's reservation leaves; with one reservation it gets none.
+    s = scheduler(config(TWO_TEAMS, backfill={"reservations": reservations}))
+    s.submit(job("L0", "a", 6, est=1000.0), 0.0)
+    s.submit(job("L1", "b", 6, est=2000.0), 0.0)
+    assert names(s.cycle(0.0).admit) == ["L0", "L1"]
+    assert (s.running["L0"].plan.nodes, s.running["L1"].plan.nodes) == ({"n1"}, {"n0"})
+    s.submit(job("X", "a", 4, t=1.0, est=100.0), 1.0)
+    s.submit(job("B", "b", 8, t=2.0, est=500.0), 2.0)
+    d = s.cycle(2.0)
+    assert d.admit == []
+    (w,) = [w for w in d.waiting if w.job == "B"]
+    got = {name: (r.start, set(r.nodes)) for name, r in s.reservations.items()}
+    # T (a, 2 GPUs until t=5003) fits beside L1 on n0 now, but would still run there at t=2000.
+    s.submit(job("T", "a", 2, t=3.0, est=5000.0), 3.0)
+    d = s.cycle(3.0)
+    if reservations == 1:
+        assert got == {"X": (1000.0, {"n1"})}
+        assert w.reason == "queued in b, position 1: waiting for 8 GPUs: no node has room now"
+        assert names(d.admit) == ["T"] and s.running["T"].plan.nodes == {"n0"}  # no node is left whole for B
+        s.finished("L0", 1000.0)
+        assert names(s.cycle(1000.0).admit) == ["X"]
+        s.finished("L1", 2000.0)
+        assert s.cycle(2000.0).admit == []  # T holds n0 until t=5003, X holds n1
+        return
+    assert got == {"X": (1000.0, {"n1"}), "B": (2000.0, {"n0"})}
+    assert w.reason == "queued in b, position 1: waiting for 8 GPUs; reserved from t=2000s on 1 nodes"
+    assert d.admit == []  # T may not delay B
+    s.finished("L0", 1000.0)
+    d = s.cycle(1000.0)
+    assert names(d.admit) == ["X", "T"]  # T ends after t=2000, so it goes beside X on n1, off B's node
+    assert s.running["T"].plan.nodes == {"n1"} and set(s.reservations) == {"B"}
+    s.finished("L1", 2000.0)
+    d = s.cycle(2000.0)
+    assert names(d.admit) == ["B"] and d.admit[0].plan.nodes == {"n0"}  # at its reservation's start
+    assert s.reservations == {}
+
+
 def replay(policy: str, seed: int, n: int = 120) -> list[str]:
     """Drive a scheduler through a random workload; return its decisions as text, checking invariants."""
     rng = np.random.default_rng(seed)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from gpunode.cluster.queueing.engine import Scheduler
 from gpunode.cluster.queueing.model import Job
 from gpunode.cluster.queueing.preempt import Victims, choose_victims
@@ -151,3 +153,64 @@ def test_a_sibling_does_not_reclaim_beyond_its_own_guarantee_nor_below_the_other
     # The same when team-a borrows but team-b would still go above its guarantee.
     assert s.book.may_reclaim("team-b", {"gpu": 2000}, "team-a") is False
     assert s.book.may_reclaim("team-b", {"gpu": 0}, "team-a") is False  # team-a is not borrowing
+
+
+def _idle_case(**preemption: Any) -> Scheduler:
+    """One node, queue a running "old" (4 GPUs, from 0) and "young" (4 GPUs, from 500); "old" idle since 600."""
+    s = scheduler(config(ONE_QUEUE, preemption={"notice": "1m", "minRuntime": "0s", **preemption}), nodes=1)
+    start(s, [(job("old", "a", 4), 0.0), (job("young", "a", 4), 500.0)])
+    s.mark_idle("old", 600.0)
+    s.mark_idle("gone", 600.0)  # not running: ignored
+    s.submit(job("big", "hi", 4, t=1000.0, priority=10), 1000.0)
+    return s
+
+
+def test_with_idle_first_an_idle_job_goes_before_a_busy_one_losing_less() -> None:
+    s = _idle_case(idleFirst=True)
+    # "old" would lose 4 x 1000 GPU-s, "young" 4 x 500; "old" is idle and of lower priority than "big"
+    notices = s.cycle(1000.0).notices
+    assert [(n.victim, n.preemptor, n.reason) for n in notices] == [("old", "big", "idle")]
+
+
+def test_without_idle_first_lost_work_decides_as_before() -> None:
+    s = _idle_case()
+    assert [(n.victim, n.reason) for n in s.cycle(1000.0).notices] == [("young", "priority")]
+
+
+def test_an_idle_job_counts_only_once_flagged_for_idle_minimum_and_while_still_flagged() -> None:
+    s = _idle_case(idleFirst=True, idleMinimum="10m")  # "old" flagged 400 s before: not yet
+    assert [(n.victim, n.reason) for n in s.cycle(1000.0).notices] == [("young", "priority")]
+    s = _idle_case(idleFirst=True)
+    s.mark_idle("old", None)  # busy again
+    assert [n.victim for n in s.cycle(1000.0).notices] == ["young"]
+    s = _idle_case(idleFirst=True)
+    s.mark_idle("old", 2000.0)  # a time still to come (a wrong clock, or a tenant's own mark): not idle
+    assert [n.victim for n in s.cycle(1000.0).notices] == ["young"]
+
+
+def test_an_idle_job_within_its_guarantee_and_of_equal_priority_is_not_best_effort() -> None:
+    teams = [{"name": "a", "guarantee": {"gpu": 4}}, {"name": "b", "guarantee": {"gpu": 4}}]
+    s = scheduler(config(teams, preemption={"notice": "1m", "minRuntime": "0s", "idleFirst": True}), nodes=1)
+    start(s, [(job("first", "a", 4), 0.0), (job("second", "a", 4), 500.0)])
+    assert (s.running["first"].borrowed, s.running["second"].borrowed) == (False, True)
+    s.mark_idle("first", 0.0)  # idle, but within a's guarantee and of the preemptor's priority
+    s.submit(job("b1", "b", 4, t=1000.0), 1000.0)
+    assert [(n.victim, n.reason) for n in s.cycle(1000.0).notices] == [("second", "reclaim")]
+    s = scheduler(config(teams, preemption={"notice": "1m", "minRuntime": "0s", "idleFirst": True}), nodes=1)
+    start(s, [(job("first", "a", 4), 0.0), (job("second", "a", 4), 500.0)])
+    s.checkpoint("first", 900.0)  # "first" now loses less (4 x 100) than "second" (4 x 500) ...
+    s.mark_idle("second", 600.0)  # ... but "second" is idle and borrowed: best-effort, so it goes first
+    s.submit(job("b1", "b", 4, t=1000.0), 1000.0)
+    assert [(n.victim, n.reason) for n in s.cycle(1000.0).notices] == [("second", "idle")]
+
+
+def test_choose_victims_prefers_an_idle_set_to_a_busy_one_losing_less() -> None:
+    s = scheduler(config(ONE_QUEUE), nodes=1)
+    start(s, [(job("old", "a", 4), 0.0), (job("young", "a", 4), 500.0)])
+    big = job("big", "hi", 4, t=1000.0)
+    demand = {"gpu": big.gpu_milli}
+    run = list(s.running.values())
+    kw: dict[str, Any] = {"min_runtime_s": 0.0, "units": s.units_of}
+    assert chosen(choose_victims(big, demand, run, s.cap, s.book, 1000.0, **kw)) == ["young"]
+    picked = choose_victims(big, demand, run, s.cap, s.book, 1000.0, idle=frozenset({"old"}), **kw)
+    assert chosen(picked) == ["old"]
