@@ -97,6 +97,7 @@ def run(
     profile: Any = None,
     *,
     freeze: bool = True,
+    reservations: int = 8,
 ) -> dict[str, Any]:
     """Fill, queue, then time `rounds` finish+cycle rounds (freeze: gc.freeze() the setup's objects first)."""
     rng = np.random.default_rng(seed)
@@ -105,6 +106,7 @@ def run(
         {
             "queues": [{"name": n, "weight": w, "guarantee": {"gpu": total * w // 10}} for n, w in TEAMS],
             "preemption": {"notice": "5m", "minRuntime": "10m"},
+            "backfill": {"reservations": reservations},
         },
         "bench",
     )
@@ -182,13 +184,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--no-freeze", action="store_true", help="leave the setup's objects to the garbage collector"
     )
+    ap.add_argument(
+        "--reservations",
+        type=int,
+        default=8,
+        help="backfill.reservations of the queue configuration (default 8)",
+    )
     args = ap.parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
         if p not in PRESETS:
             ap.error(f"unknown policy {p!r}; known: {', '.join(PRESETS)}")
     results = [
-        run(p, args.nodes, args.pending, args.rounds, args.seed, freeze=not args.no_freeze) for p in policies
+        run(
+            p,
+            args.nodes,
+            args.pending,
+            args.rounds,
+            args.seed,
+            freeze=not args.no_freeze,
+            reservations=args.reservations,
+        )
+        for p in policies
     ]
     doc = {
         "benchmark": "admission",
