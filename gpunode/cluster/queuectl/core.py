@@ -267,6 +267,8 @@ class QueueCore:
             self._pending = set(waiting)
             self._signature, self._stale = view.signature, False
             self.rebuilds += 1
+            if sched is not None:  # the last window's usage survives the rebuild (same fair-share settings)
+                self.sched.inherit_usage(sched, now)
             sched = None  # the old Scheduler: nothing may hold it now, so settle_heap collects it
             settle_heap()  # the rebuilt state is long-lived: keep GC pauses off the admission path
             log.info(

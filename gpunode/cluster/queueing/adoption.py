@@ -2,7 +2,8 @@
 
 adopt() puts a job admitted before a restart back among the running jobs, on
 its own plan; withdraw() takes a pending job whose pods were deleted off the
-queue; mark_idle() records that a running job's GPUs are idle. Split from engine.py to keep modules small.
+queue; mark_idle() records that a running job's GPUs are idle; inherit_usage() keeps the
+fair-share usage memory across a rebuild. Split from engine.py to keep modules small.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import heapq
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from gpunode.cluster.queueing.fairshare import UsageLedger
 from gpunode.cluster.queueing.model import Amounts, Decisions, Job, Plan, RunningJob, add, sub
 from gpunode.cluster.queueing.rooms import Nomination, Pending
 
@@ -34,6 +36,9 @@ class Adoption:
         _reserved: str | None
         _version: int
         _seq: Iterator[int]
+        _ledger: UsageLedger | None
+        _charged_to: float | None
+        _now: float
 
         def _advance(self, now: float) -> None: ...
         def _start(
@@ -133,3 +138,21 @@ class Adoption:
                     lifted.append(victim)
             self._exclusions()
         return tuple(lifted)
+
+    def inherit_usage(self, previous: Adoption, now: float) -> bool:
+        """Take over `previous`'s fair-share usage memory, charged up to `now`; False when it cannot.
+
+        A controller rebuilds its Scheduler when the configuration or the cluster changes; the
+        usage of the last window must survive that, or queues that used much would be treated
+        as new. It carries over only when both keep usage and the half-life and window are the
+        same (another setting changes what the figures mean: then usage starts afresh).
+        """
+        old, new = previous._ledger, self._ledger
+        if old is None or new is None:
+            return False
+        if (old.half_life_s, old.window_s) != (new.half_life_s, new.window_s):
+            return False
+        previous._advance(max(now, previous._now))
+        self._ledger = old
+        self._charged_to = max(now, self._now)
+        return True

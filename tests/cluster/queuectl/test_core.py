@@ -199,3 +199,21 @@ preemption: {notice: 2s, minRuntime: 0s}
     core.pod_changed(with_uid(pod("b0", queue="team-b", gpus=4), "ub"))
     preempted = apply(core, 1010.0).preempted_jobs
     assert len(preempted) == 1 and preempted[0][1] == "reclaim"
+
+
+def test_a_rebuild_keeps_the_fair_share_usage_of_the_last_window() -> None:
+    core = QueueCore(config())
+    core.node_changed(node("n1", 8))
+    core.pod_changed(with_uid(pod("a0", gpus=4), "u0"))
+    assert apply(core, 1000.0).admitted_jobs == ["ml/a0"]
+    apply(core, 4600.0)  # a0's queue has held 4 GPUs for an hour
+    before = core.sched
+    assert before is not None and before._ledger is not None
+    used = before._ledger.usage(4600.0)
+    (queue,) = [q for q, amounts in used.items() if amounts.get("gpu", 0) > 0]
+    rebuilds = core.rebuilds
+    core.node_changed(node("n2", 8))  # the cluster changed: the Scheduler is rebuilt
+    apply(core, 4601.0)
+    assert core.rebuilds == rebuilds + 1 and core.sched is not before
+    assert core.sched is not None and core.sched._ledger is not None
+    assert core.sched._ledger.usage(4601.0)[queue]["gpu"] >= used[queue]["gpu"] * 0.99

@@ -337,3 +337,24 @@ def test_withdrawing_a_partly_placed_kube_job_gives_back_the_pods_it_held() -> N
     assert s.partial_gangs == {"g"} and free_gpus(s) == 0
     s.withdraw("g", 1.0)
     assert s.partial_gangs == set() and free_gpus(s) == 8 and s.pending_count == 0
+
+
+def test_a_rebuilt_scheduler_keeps_the_usage_memory_of_the_one_it_replaces() -> None:
+    cfg = config(TWO_TEAMS)
+    old = scheduler(cfg)
+    old.submit(job("a0", "a", 8, est=10_000.0), 0.0)
+    assert names(old.cycle(0.0).admit) == ["a0"]
+    old.cycle(3600.0)  # team a has held 8 GPUs for an hour
+    assert old._ledger is not None
+    used = old._ledger.usage(3600.0)["a"]["gpu"]
+    assert used > 0
+    new = scheduler(cfg)  # the controller's rebuild: same cluster, the running job adopted
+    new.adopt(job("a0", "a", 8, est=10_000.0), old.running["a0"].plan, start=0.0, now=3600.0)
+    assert new._ledger is not None and new._ledger.usage(3600.0).get("a", {}).get("gpu", 0) == 0
+    assert new.inherit_usage(old, 3600.0)
+    assert new._ledger.usage(3600.0)["a"]["gpu"] == pytest.approx(used)
+    new.cycle(7200.0)  # charged on from where the old one stopped: more than the decayed hour alone
+    assert new._ledger.usage(7200.0)["a"]["gpu"] > used
+    # Other fair-share settings give the figures another meaning: usage starts afresh.
+    other = scheduler(config(TWO_TEAMS, fairShare={"halfLife": "1h", "window": "24h"}))
+    assert not other.inherit_usage(old, 3600.0)
