@@ -24,21 +24,7 @@ from gpunode.cluster.tracesim.simulate import (
 )
 from gpunode.cluster.tracesim.trace import TracePod, build_arrivals, load_nodes, load_pods, target_workload
 from gpunode.errors import ConfigError, GpunodeError, TraceError
-
-NODE_HEADER = ["sn", "cpu_milli", "memory_mib", "gpu", "model"]
-POD_HEADER = [
-    "name",
-    "cpu_milli",
-    "memory_mib",
-    "num_gpu",
-    "gpu_milli",
-    "gpu_spec",
-    "qos",
-    "pod_phase",
-    "creation_time",
-    "deletion_time",
-    "scheduled_time",
-]
+from tests.cluster.timesim.helpers import NODE_HEADER, POD_HEADER
 
 
 def write_trace(folder: Path, *, nodes: int = 48, pods: int = 320, seed: int = 5) -> Path:

@@ -8,7 +8,6 @@ agent's own gauge (seconds idle), never from the wall clock.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import urllib.request
@@ -30,6 +29,7 @@ from tests.agentrunner import RunningAgent, make_config
 from tests.fakes.apiserver import ApiServerStandIn
 from tests.fakes.kubelet import KubeletStandIn
 from tests.fakes.podresources import PodResourcesStandIn
+from tests.node.test_publish import kubeconfig
 
 NODE = "gpu-node-1"
 NS = "team-a"
@@ -43,22 +43,6 @@ def api() -> Iterator[ApiServerStandIn]:
     with ApiServerStandIn() as server:
         server.add_node(NODE)
         yield server
-
-
-def kubeconfig(path: Path, url: str) -> Path:
-    path.write_text(
-        json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "c", "cluster": {"server": url}}],
-                "users": [{"name": "u", "user": {"token": "t"}}],
-                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
-                "current-context": "x",
-            }
-        )
-    )
-    return path
 
 
 def agent_config(sockdir: Path, api: ApiServerStandIn, **idle: Any) -> Any:

@@ -22,7 +22,7 @@ what each models and what it leaves out):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpunode.errors import ConfigError
 
@@ -117,20 +117,10 @@ KUEUE_STRICT = Preset(
     description="Kueue StrictFIFO: ClusterQueues with nominal quota and borrowing in one cohort, "
     "reclaim preemption, the head blocks its queue",
 )
-KUEUE_BESTEFFORT = Preset(
+KUEUE_BESTEFFORT = replace(
+    KUEUE_STRICT,
     name="kueue-besteffort",
-    quotas="flat",
-    order="kueue",
-    usage_memory=False,
-    gang=True,
     head_blocks=False,
-    backfill=False,
-    reclaim=True,
-    reclaim_fair_share=False,
-    priority_preemption=True,
-    within_queue_only=True,
-    notice_s=POD_GRACE_S,
-    min_runtime_s=0.0,
     description="Kueue BestEffortFIFO: as StrictFIFO, but a head that cannot be admitted does not block",
 )
 KAI = Preset(
