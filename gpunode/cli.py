@@ -259,11 +259,22 @@ def _register_queue(sub: Subparsers) -> argparse.ArgumentParser:
 
 
 def _register_simulate(sub: Subparsers) -> argparse.ArgumentParser:
-    from gpunode.cluster.tracesim.simulate import register_simulate_cli, run_simulate_cli
+    from gpunode.cluster.tracesim.simulate import register_simulate_cli
 
     p = register_simulate_cli(sub)
-    p.set_defaults(func=run_simulate_cli)
+    p.set_defaults(func=_run_simulate)
     return p
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    """`gpunode simulate`: the placement replay (--mode place) or the queueing replay (--mode time)."""
+    if args.mode == "time":
+        from gpunode.cluster.timesim.cli import run_time_cli
+
+        return run_time_cli(args)
+    from gpunode.cluster.tracesim.simulate import run_simulate_cli
+
+    return run_simulate_cli(args)
 
 
 @dataclass(frozen=True)

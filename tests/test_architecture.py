@@ -71,7 +71,7 @@ def import_cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
 def gpunode_graph() -> dict[str, set[str]]:
     """Module -> the gpunode modules it imports at run time (function-level imports included; imports
     made only for the type checker are left out, as they never execute)."""
-    graph = grimp.build_graph("gpunode", exclude_type_checking_imports=True)
+    graph = grimp.build_graph("gpunode", exclude_type_checking_imports=True, cache_dir=None)
     return {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
 
 

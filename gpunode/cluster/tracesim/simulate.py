@@ -411,11 +411,9 @@ def register_simulate_cli(
 
 
 def run_simulate_cli(args: argparse.Namespace) -> int:
-    """Run `gpunode simulate`; prints the summary as JSON on stdout, returns the exit code."""
-    if args.mode == "time":
-        from gpunode.cluster.timesim.cli import run_time_cli
+    """Run `gpunode simulate --mode place`; prints the summary as JSON on stdout, returns the exit code.
 
-        return run_time_cli(args)
+    `gpunode.cli` sends `--mode time` to gpunode.cluster.timesim.cli.run_time_cli instead."""
     spec = SimulationSpec(
         trace_dir=args.trace_dir,
         pods=args.pods,

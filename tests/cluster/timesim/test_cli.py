@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from gpunode.cli import main
-from gpunode.cluster.timesim.cli import TimeSpec, parse_loads, run_time_simulation
+from gpunode.cluster.timesim.cli import TimeSpec, parse_loads, run_time_cli, run_time_simulation
 from gpunode.cluster.timesim.rules import SimRules
-from gpunode.cluster.tracesim.simulate import register_simulate_cli, run_simulate_cli
+from gpunode.cluster.tracesim.simulate import register_simulate_cli
 from gpunode.errors import ConfigError
 
 from .helpers import QUEUES_YAML, pod, write_trace
@@ -50,7 +50,7 @@ def test_time_mode_writes_csv_json_and_plots(
     trace: Path, files: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     args = _args(trace, files, tmp_path / "out", "--policies", "gpunode,kube")
-    assert run_simulate_cli(args) == 0
+    assert run_time_cli(args) == 0
     printed = json.loads(capsys.readouterr().out)
     assert set(printed["summary"]) == {"0.6", "1.1"}
     assert set(printed["summary"]["1.1"]) == {"gpunode", "kube"}
