@@ -312,6 +312,15 @@ class QueueConfigError(ConfigError):
     default_hint = "fix the named key of the queue configuration; docs/queueing.md describes every key"
 
 
+class QueueUsageRefused(GpunodeError):
+    """The fair-share usage the queue controller saved (a ConfigMap) cannot be trusted: it starts without."""
+
+    default_hint = (
+        "only the queue controller writes this ConfigMap: delete it (the leader writes it afresh) and "
+        "check who else may write ConfigMaps in its namespace"
+    )
+
+
 class SimRulesError(ConfigError):
     """An invalid rules file of the time simulator (how trace pods become queued jobs)."""
 

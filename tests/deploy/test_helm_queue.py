@@ -115,6 +115,9 @@ def test_deployment_runs_gpunode_queue_with_the_mounted_configuration(
     ctl = build_controller(parsed)  # the rendered configuration is one the controller accepts
     assert ctl.core.config.leaves == ("team-a", "team-b", "team-c", "team-d")
     assert (ctl.reload_s, ctl.resync_s, ctl.core.memory_unit_bytes) == (10.0, 30.0, 2**30)
+    # The fair-share usage is saved to the one ConfigMap its Role names, in the release namespace.
+    assert ctl.usage is not None and ctl.usage.every_s == 30.0
+    assert (ctl.usage.store.namespace, ctl.usage.store.name) == (NAMESPACE, f"{NAME}-usage")
     # Probes and the Service point at the metrics port, where /healthz answers.
     port = DEFAULTS["queue"]["metricsPort"]
     assert parsed.metrics_listen == f"0.0.0.0:{port}"
@@ -213,6 +216,7 @@ CORE_PATHS = [
     (re.compile(r"^/api/v1/namespaces/[^/]+/events$"), "events"),
 ]
 LEASES = re.compile(r"^/apis/coordination\.k8s\.io/v1/namespaces/([^/]+)/leases(?:/([^/]+))?$")
+CONFIGMAPS = re.compile(r"^/api/v1/namespaces/([^/]+)/configmaps(?:/([^/]+))?$")
 VERBS = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}
 
 
@@ -227,7 +231,23 @@ def rbac_of(method: str, path: str, query: Mapping[str, str]) -> tuple[str, str,
     if m := LEASES.match(path):
         assert m.group(1) == NAMESPACE, path
         return "coordination.k8s.io", "leases", "get" if method == "GET" else VERBS[method], m.group(2)
+    if m := CONFIGMAPS.match(path):
+        assert m.group(1) == NAMESPACE, path
+        return "", "configmaps", "get" if method == "GET" else VERBS[method], m.group(2)
     raise AssertionError(f"the controller made a call no rule here covers: {method} {path}")
+
+
+def usage_rules(out: Rendered) -> set[tuple[str, str | None]]:
+    """(verb, ConfigMap name or None for any) granted by the usage Role."""
+    role = out.named("Role", f"{NAME}-usage")
+    assert role["metadata"]["namespace"] == NAMESPACE
+    rules = set()
+    for rule in role["rules"]:
+        assert rule["apiGroups"] == [""] and rule["resources"] == ["configmaps"], rule
+        for verb in rule["verbs"]:
+            for name in rule.get("resourceNames") or [None]:
+                rules.add((verb, name))
+    return rules
 
 
 def lease_rules(out: Rendered) -> set[tuple[str, str | None]]:
@@ -290,12 +310,22 @@ def test_rbac_grants_exactly_the_calls_the_controller_makes(api: ApiServerStandI
             await until(lambda: bool(annotation(api, "b0", QUEUE_ADMITTED_ANNOTATION)), "preemptor admitted")
             await until(lambda: bool(api.requests("PUT", r"/leases/")), "lease renewed")
         finally:
-            task.cancel()
+            task.cancel()  # as SIGTERM: the usage is saved once more (and, the first time, created)
             await asyncio.gather(task, return_exceptions=True)
             await ctl.client.close()
 
     asyncio.run(main())
     needed = {rbac_of(r.method, r.path, r.query) for r in api.requests()}
+    in_namespace = {(verb, name) for group, res, verb, name in needed if res == "configmaps"}
+    assert {verb for verb, _ in in_namespace} == {"get", "update", "create"}
+    granted_usage = usage_rules(out)
+    for verb, name in in_namespace:  # create names no object in its URL: a Role cannot restrict it by name
+        assert (verb, None) in granted_usage or (verb, name) in granted_usage, (verb, name)
+    assert granted_usage == {("create", None), ("get", f"{NAME}-usage"), ("update", f"{NAME}-usage")}
+    usage_binding = out.named("RoleBinding", f"{NAME}-usage")
+    assert usage_binding["subjects"] == [{"kind": "ServiceAccount", "name": NAME, "namespace": NAMESPACE}]
+    assert usage_binding["roleRef"]["name"] == f"{NAME}-usage"
+    needed = {n for n in needed if n[1] != "configmaps"}
     cluster = {(res, verb) for group, res, verb, _ in needed if group == ""}
     granted_cluster = {(res, verb) for res, verbs in (granted(out, NAME) or {}).items() for verb in verbs}
     assert cluster == granted_cluster, (sorted(cluster - granted_cluster), sorted(granted_cluster - cluster))
@@ -323,6 +353,7 @@ def test_an_unforeseen_call_is_not_passed_over() -> None:
 def test_without_ha_there_is_no_lease_role_and_without_rbac_create_no_roles() -> None:
     single = render(ON)
     assert ("Role", f"{NAME}-leader") not in queue_docs(single)
+    assert usage_rules(single) == usage_rules(render(HA))  # a restart needs the saved usage too
     assert set(granted(single, NAME) or {}) == {"pods", "pods/eviction", "events", "nodes"}
     bare = render(merged(HA, {"rbac": {"create": False}}))
     assert [k for k, _ in queue_docs(bare) if k.endswith(("Role", "RoleBinding"))] == []
@@ -343,6 +374,8 @@ def exported_metrics() -> set[str]:
     metrics.admissions.labels("team-a").inc()
     metrics.api_errors.labels("evict").inc()
     metrics.config_refused.inc()
+    metrics.usage_saves.labels("saved").inc()
+    metrics.usage_loads.labels("loaded").inc()
     names = set()
     for family in text_string_to_metric_families(metrics.render().decode()):
         assert family.samples, f"{family.name} exported no sample: populate it here"

@@ -187,9 +187,14 @@ class ControlPlane:
         apiserver.wait_until(lambda: admin.ok("/readyz"), timeout_s=START_TIMEOUT_S, what="ready API server")
 
     def start_scheduler(
-        self, extenders: Sequence[Mapping[str, Any]] = (), *, name: str = "kube-scheduler"
+        self,
+        extenders: Sequence[Mapping[str, Any]] = (),
+        *,
+        name: str = "kube-scheduler",
+        profiles: Sequence[Mapping[str, Any]] = ({"schedulerName": "default-scheduler"},),
     ) -> Proc:
-        """Start a kube-scheduler with these `extenders` entries (v1beta1 fields) and wait until healthy."""
+        """Start a kube-scheduler with these `extenders` entries and `profiles` (v1beta1 fields) and wait
+        until healthy."""
         health = free_port()
         config = {
             "apiVersion": SCHEDULER_API,
@@ -198,7 +203,7 @@ class ControlPlane:
             "leaderElection": {"leaderElect": False},
             "healthzBindAddress": f"127.0.0.1:{health}",
             "metricsBindAddress": f"127.0.0.1:{health}",
-            "profiles": [{"schedulerName": "default-scheduler"}],
+            "profiles": [dict(p) for p in profiles],
             "extenders": [dict(e) for e in extenders],
         }
         path = self.workdir / f"{name}.yaml"

@@ -4,7 +4,8 @@ build_queue_cluster starts, on the session's real control plane:
 
 - the chart's RBAC for the extender, the agent and the queue controller (helm/gpunode rendered with
   queue.enabled and queue.ha.enabled: its ServiceAccount, ClusterRole and binding, and the Role and
-  RoleBinding of its Lease), each component acting as its chart's service account;
+  RoleBindings of its Lease and of its usage ConfigMap), each component acting as its chart's service
+  account;
 - `gpunode extender` as the chart runs it (HTTPS with client certificates, --bind) with --queue-config
   naming the controllers' file;
 - two SimNodes (four simulated T4s each, a real `gpunode agent --backend sim` publishing
@@ -22,6 +23,7 @@ SimNode, so its agent publishes them free, as a kubelet does once the containers
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import sys
 import threading
@@ -54,6 +56,7 @@ NAMESPACE = "e2e-queue"
 NODES = ("e2e-queue-n1", "e2e-queue-n2")  # four T4s each
 WAIT_S = 180.0  # generous: two shared cores
 LEASE = f"{chart.RELEASE}-gpunode-queue"
+USAGE = f"{LEASE}-usage"  # the ConfigMap the leader saves the fair-share usage to
 NOTICE_S = 3
 CHART_VALUES = {
     "extender": {
@@ -67,6 +70,7 @@ CHART_VALUES = {
         "replicas": 2,
         "configReload": "1s",
         "resync": "1s",
+        "usageSave": "1s",
         "ha": {"enabled": True, "leaseDuration": "4s", "renewDeadline": "3s", "retryPeriod": "1s"},
     },
 }
@@ -195,6 +199,16 @@ class QueueCluster:
         )
         return proc
 
+    def saved_usage(self) -> dict[str, Any] | None:
+        """The fair-share usage the leader last saved (usage.json of the ConfigMap), or None."""
+        try:
+            cm = self.cp.api().get(f"/api/v1/namespaces/{chart.NAMESPACE}/configmaps/{USAGE}")
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return dict(json.loads(cm["data"]["usage.json"]))
+
     def leader(self) -> str:
         """The identity holding the controllers' Lease ("" when none)."""
         lease = self.cp.api().get(f"/apis/coordination.k8s.io/v1/namespaces/{chart.NAMESPACE}/leases/{LEASE}")
@@ -221,9 +235,9 @@ def _apply_chart_rbac(cp: ControlPlane, docs: list[dict[str, Any]]) -> None:
     ensure_namespace(admin, NAMESPACE)
     for part in ("extender", "agent", "queue"):
         chart.apply_rbac(admin, docs, part)
-    leader = f"{chart.RELEASE}-gpunode-queue-leader"
-    roles = [d for d in docs if d["kind"] in ROLE_PATHS and d["metadata"]["name"] == leader]
-    assert sorted(d["kind"] for d in roles) == ["Role", "RoleBinding"], "the chart rendered no Lease role"
+    names = (f"{LEASE}-leader", USAGE)  # the Lease's and the usage ConfigMap's
+    roles = [d for d in docs if d["kind"] in ROLE_PATHS and d["metadata"]["name"] in names]
+    assert sorted(d["kind"] for d in roles) == ["Role", "Role", "RoleBinding", "RoleBinding"], roles
     for doc in roles:
         admin.apply(ROLE_PATHS[doc["kind"]], doc)
 

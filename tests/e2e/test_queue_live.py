@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from functools import partial
 from pathlib import Path
@@ -230,6 +231,12 @@ def test_borrowed_gpus_are_reclaimed_with_notice_then_eviction(cluster: QueueClu
     assert len(gpus) == len(set(gpus)) == 8, gpus
 
 
+def _usage_saved(cluster: QueueCluster, check: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
+    """The saved fair-share usage once `check` holds for it, else None."""
+    usage = cluster.saved_usage()
+    return usage if usage is not None and check(usage) else None
+
+
 def test_standby_takes_over_from_a_killed_leader_without_double_admission(cluster: QueueCluster) -> None:
     admin = cluster.cp.api()
     submit(admin, *(queued_pod(f"k1-{i}", "team-a", 1, gang="k1", size=2) for i in range(2)))
@@ -239,6 +246,13 @@ def test_standby_takes_over_from_a_killed_leader_without_double_admission(cluste
     }
     leader = cluster.leader()
     standby = next(c for c in CONTROLLERS if c != leader)
+    # The leader saves team-a's fair-share usage every second; wait for 3 s of the gang's 2 GPUs.
+    saved = eventually(
+        partial(_usage_saved, cluster, lambda u: u["usage"].get("team-a", {}).get("gpu", 0) >= 6000),
+        timeout_s=WAIT_S,
+        what="team-a's usage saved",
+    )
+    assert saved["savedBy"] == leader, saved
     proc = cluster.controllers[leader]
     assert proc.popen is not None
     os.killpg(proc.popen.pid, signal.SIGKILL)
@@ -263,6 +277,16 @@ def test_standby_takes_over_from_a_killed_leader_without_double_admission(cluste
     eventually(partial(bound_published, admin), timeout_s=WAIT_S, what="every bound pod published")
     holders = held_gpus(admin)
     assert sorted(g for g, pods in holders.items() if len(pods) == 1) == sorted(gpus), holders
+    # The standby went on from the usage the killed leader saved last, decayed by the half-life: not from 0.
+    log = cluster.controllers[standby].log.read_text(errors="replace")
+    assert re.search(r"fair-share usage of [1-9]\d* queue\(s\) loaded from ConfigMap", log), log[-2000:]
+    resumed = eventually(
+        partial(_usage_saved, cluster, lambda u: u["savedBy"] == standby),
+        timeout_s=WAIT_S,
+        what=f"{standby} saving the usage",
+    )
+    decay = 2 ** (-(resumed["at"] - saved["at"]) / resumed["halfLifeSeconds"])
+    assert resumed["usage"]["team-a"]["gpu"] >= saved["usage"]["team-a"]["gpu"] * decay * (1 - 1e-9)
     # The killed replica comes back as the standby.
     cluster.start_controller(f"{leader}-restarted")
 

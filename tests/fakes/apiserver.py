@@ -6,7 +6,7 @@ merge-PATCH a pod, POST a pod eviction (201, or 429 while a
 PodDisruptionBudget blocks it), POST a pod binding (409 when already bound),
 DELETE a pod (UID preconditions answered with 409), POST Events, GET and PATCH a
 node (JSON merge patch, strategic merge of conditions on the status subresource,
-JSON patch with `test`), create, get and update coordination.k8s.io/v1 Leases
+JSON patch with `test`), create, get and update coordination.k8s.io/v1 Leases and v1 ConfigMaps
 (an update whose metadata.resourceVersion is not the stored one is a 409
 Conflict), and list and watch pods and nodes: lists carry the
 resourceVersion (and pages with limit/continue), a watch streams every change

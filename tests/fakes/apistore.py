@@ -48,6 +48,7 @@ class _State:
     pods: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
     leases: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)  # coordination.k8s.io/v1
+    configmaps: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)
     requests: list[Recorded] = field(default_factory=list)
     pdb_blocks: dict[tuple[str, str], int | None] = field(default_factory=dict)
@@ -133,6 +134,7 @@ _EVENTS = re.compile(r"^/api/v1/namespaces/([^/]+)/events$")
 _NODE = re.compile(r"^/api/v1/nodes/([^/]+)$")
 _NODE_STATUS = re.compile(r"^/api/v1/nodes/([^/]+)/status$")
 _LEASES = re.compile(r"^/apis/coordination\.k8s\.io/v1/namespaces/([^/]+)/leases(?:/([^/]+))?$")
+_CONFIGMAPS = re.compile(r"^/api/v1/namespaces/([^/]+)/configmaps(?:/([^/]+))?$")
 
 
 def selected(obj: dict[str, Any], query: dict[str, str]) -> bool:
@@ -284,6 +286,8 @@ class ApiStore:
             return 201, body, {}
         if m := _LEASES.match(path):
             return self._lease(m.group(1), m.group(2), method, body)
+        if m := _CONFIGMAPS.match(path):
+            return self._lease(m.group(1), m.group(2), method, body, self._state.configmaps, "configmaps")
         if m := _NODE_STATUS.match(path):
             return self._patch_node(m.group(1), method, body, content_type, status=True)
         if m := _NODE.match(path):
@@ -320,26 +324,35 @@ class ApiStore:
         return 201, status_body(201, "", ""), {}
 
     def _lease(
-        self, namespace: str, name: str | None, method: str, body: Any
+        self,
+        namespace: str,
+        name: str | None,
+        method: str,
+        body: Any,
+        store: dict[tuple[str, str], dict[str, Any]] | None = None,
+        kind: str = "leases.coordination.k8s.io",
     ) -> tuple[int, Any, dict[str, str]]:
-        """Leases as the API server keeps them: create (409 AlreadyExists), get, and update guarded by
-        metadata.resourceVersion (409 Conflict when it is not the stored one)."""
-        leases = self._state.leases
+        """Leases (or, with `store` and `kind`, ConfigMaps) as the API server keeps them: create (409
+        AlreadyExists), get, and update guarded by metadata.resourceVersion when the body carries one
+        (409 Conflict when it is not the stored one)."""
+        leases = self._state.leases if store is None else store
+        plural = kind.split(".")[0]
         if name is None:
             if method != "POST" or not isinstance(body, dict) or not (body.get("metadata") or {}).get("name"):
-                return 400, status_body(400, "BadRequest", "expected a Lease with metadata.name"), {}
+                return 400, status_body(400, "BadRequest", f"expected one of {plural} with metadata.name"), {}
             key = (namespace, body["metadata"]["name"])
             if key in leases:
-                message = f'leases.coordination.k8s.io "{key[1]}" already exists'
-                return 409, status_body(409, "AlreadyExists", message, name=key[1], kind="leases"), {}
+                message = f'{kind} "{key[1]}" already exists'
+                return 409, status_body(409, "AlreadyExists", message, name=key[1], kind=plural), {}
             lease = json.loads(json.dumps(body))
-            lease["metadata"].update(namespace=namespace, uid=f"lease-{key[1]}", resourceVersion=self._bump())
+            uid = f"{plural[:-1]}-{key[1]}"
+            lease["metadata"].update(namespace=namespace, uid=uid, resourceVersion=self._bump())
             leases[key] = lease
             return 201, lease, {}
         key = (namespace, name)
         if key not in leases:
-            message = f'leases.coordination.k8s.io "{name}" not found'
-            return 404, status_body(404, "NotFound", message, name=name, kind="leases"), {}
+            message = f'{kind} "{name}" not found'
+            return 404, status_body(404, "NotFound", message, name=name, kind=plural), {}
         if method == "GET":
             return 200, leases[key], {}
         if method != "PUT" or not isinstance(body, dict):
@@ -347,10 +360,10 @@ class ApiStore:
         want = (body.get("metadata") or {}).get("resourceVersion")
         if want and want != leases[key]["metadata"]["resourceVersion"]:
             message = (
-                f'Operation cannot be fulfilled on leases.coordination.k8s.io "{name}": the object has been '
+                f'Operation cannot be fulfilled on {kind} "{name}": the object has been '
                 "modified; please apply your changes to the latest version and try again"
             )
-            return 409, status_body(409, "Conflict", message, name=name, kind="leases"), {}
+            return 409, status_body(409, "Conflict", message, name=name, kind=plural), {}
         lease = json.loads(json.dumps(body))
         lease["metadata"].update(
             namespace=namespace, uid=leases[key]["metadata"]["uid"], resourceVersion=self._bump()

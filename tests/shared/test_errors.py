@@ -45,6 +45,7 @@ CASES: dict[type[GpunodeError], tuple[Callable[[str], GpunodeError], int]] = {
     errors.TraceError: (errors.TraceError, 1),
     errors.MetricsFeedError: (errors.MetricsFeedError, 1),
     errors.QueueConfigError: (errors.QueueConfigError, 2),
+    errors.QueueUsageRefused: (errors.QueueUsageRefused, 1),
     errors.SimRulesError: (errors.SimRulesError, 2),
     errors.AgentPartFailed: (errors.AgentPartFailed, 1),
     errors.HealthStateError: (errors.HealthStateError, 1),

@@ -14,6 +14,7 @@ from typing import Any
 
 from gpunode.cluster.queuectl.controller import QueueController
 from gpunode.cluster.queuectl.core import QueueCore
+from gpunode.cluster.queuectl.usagestore import UsageStore
 from gpunode.cluster.queueing.config import load_queue_config
 from gpunode.contract.names import GIB
 from gpunode.contract.reader import parse_bytes, parse_duration
@@ -53,6 +54,17 @@ def register_queue_cli(sub: Any) -> argparse.ArgumentParser:
         "--leader-elect-renew-deadline", default="10s", help="leader steps down unrenewed after this"
     )
     p.add_argument("--leader-elect-retry-period", default="2s", help="time between renewals and attempts")
+    p.add_argument(
+        "--usage-configmap",
+        default="gpunode-queue-usage",
+        help="ConfigMap the leader saves the fair-share usage to, and a new leader loads it from ('' = off)",
+    )
+    p.add_argument(
+        "--usage-namespace",
+        default=os.environ.get("POD_NAMESPACE", ""),
+        help="namespace of --usage-configmap (default: $POD_NAMESPACE, else --leader-elect-namespace)",
+    )
+    p.add_argument("--usage-save", default="30s", help="how often the leader saves the fair-share usage")
     p.set_defaults(func=run_queue_cli)
     return p
 
@@ -95,6 +107,15 @@ def build_controller(args: argparse.Namespace) -> QueueController:
             ),
         )
         elector = LeaderElector(LeaseLock(client, election.namespace, election.name), election)
+    usage = None
+    namespace = args.usage_namespace or args.leader_elect_namespace
+    if args.usage_configmap and namespace:
+        usage = UsageStore(client, namespace, args.usage_configmap)
+    elif args.usage_configmap:
+        log.warning(
+            "fair-share usage is not saved: no namespace for ConfigMap %s (hint: set --usage-namespace)",
+            args.usage_configmap,
+        )
     return QueueController(
         client,
         QueueCore(config, memory_unit_bytes=unit),
@@ -103,6 +124,8 @@ def build_controller(args: argparse.Namespace) -> QueueController:
         resync_s=parse_duration(args.resync, where="--resync") or 30.0,
         reload_s=parse_duration(args.config_reload, where="--config-reload") or 10.0,
         identity=identity,
+        usage=usage,
+        usage_save_s=parse_duration(args.usage_save, where="--usage-save") or 30.0,
     )
 
 

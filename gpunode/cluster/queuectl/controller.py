@@ -13,12 +13,15 @@ QueueController runs on one asyncio loop with one gpunode.infra.kube.KubeClient:
   evictions through the Eviction API (policy/v1, policy/v1beta1 on servers without
   it: KubeClient.evict_pod), each stage with up to `max_in_flight` requests under way
   at once (one pod's writes stay in order). A failed admission write makes the core
-  rebuild from what the pods say (a gang left marked part-way is undone there and
-  waits again whole); a refused eviction (a PodDisruptionBudget) is tried again at the
+  rebuild from what the pods say (a gang left marked part-way is completed there
+  or undone, its bound members evicted: repair.py); a refused eviction (a PodDisruptionBudget) is tried again at the
   next reconcile;
 - the queue configuration file is read again every `reload_s` when its content
   changed (a ConfigMap volume swaps the file); a bad file is logged with its
-  message, counted, and the running configuration stays.
+  message, counted, and the running configuration stays;
+- with a UsageStore, the fair-share usage memory outlives the process: loaded on
+  taking the lead before the first cycle, saved every `usage_save_s` and on stopping
+  (usagestore.UsageKeeper).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from lightkube.resources.core_v1 import Node, Pod
 
 from gpunode.cluster.queuectl.core import Actions, Annotate, PodRef, QueueCore
 from gpunode.cluster.queuectl.metrics import QueueMetrics
+from gpunode.cluster.queuectl.usagestore import UsageKeeper, UsageStore
 from gpunode.cluster.queueing.config import load_queue_config
 from gpunode.errors import EvictionBlocked, GpunodeError, KubeError, KubeNotFound
 from gpunode.infra.kube import DELETED, SYNC, KubeClient, LeaderElector, ObjectRef
@@ -65,6 +69,8 @@ class QueueController:
         identity: str = "",
         max_in_flight: int = 16,
         clock: Callable[[], float] = time.time,
+        usage: UsageStore | None = None,
+        usage_save_s: float = 30.0,
     ) -> None:
         self.client, self.core, self.elector = client, core, elector
         self.config_path = config_path
@@ -79,6 +85,19 @@ class QueueController:
         self._synced: set[str] = set()
         self._config_digest = self._digest() if config_path is not None else b""
         self._was_leading = False
+        self.usage = (  # the fair-share usage memory kept across processes (usagestore.py)
+            UsageKeeper(
+                usage,
+                lambda: self.core,
+                self.metrics,
+                leading=self.leading,
+                clock=clock,
+                identity=identity,
+                every_s=usage_save_s,
+            )
+            if usage is not None
+            else None
+        )
 
     def leading(self) -> bool:
         """Whether this replica may act now."""
@@ -96,9 +115,13 @@ class QueueController:
             tasks.append(asyncio.create_task(self._reload_loop()))
         if self.elector is not None:
             tasks.append(asyncio.create_task(self.elector.run()))
+        if self.usage is not None:
+            tasks.append(asyncio.create_task(self.usage.run()))
         try:
             await self._loop()
         finally:
+            if self.usage is not None:  # on stopping (SIGTERM), while the Lease is still held
+                await self.usage.final_save()
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -143,10 +166,16 @@ class QueueController:
         if self._was_leading and not leading:
             log.warning("queue controller %s no longer leads: its scheduler state is dropped", self.identity)
             self.core.reset()
+            if self.usage is not None:
+                self.usage.lost_lead()
         self._was_leading = leading
         if not leading or self._synced != {"pods", "nodes"}:
             return None
+        if self.usage is not None:
+            await self.usage.on_lead()  # the saved usage, before this leadership's first cycle
         actions = self.core.reconcile(self.clock())
+        if self.usage is not None:
+            self.usage.report()
         self.reconciles += 1
         await self._apply(actions)
         return actions
@@ -164,6 +193,8 @@ class QueueController:
         for victim, reason in actions.preempted_jobs:
             j = self.core.last_jobs.get(victim)
             self.metrics.preemptions.labels(j.queue if j else "", reason).inc()
+        for _, outcome in actions.repairs:
+            self.metrics.gang_repairs.labels(outcome).inc()
         by_pod: dict[str, list[Annotate]] = {}  # one pod's writes stay in order; pods go in parallel
         for a in actions.annotate:
             by_pod.setdefault(a.pod.key, []).append(a)

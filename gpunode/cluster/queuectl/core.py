@@ -12,14 +12,14 @@ them by its own calls: jobs that appear are submitted, jobs whose pods are gone
 finished, waiting jobs whose pods vanish withdrawn (victims stopping for them keep
 running: their notice is removed), jobs admitted by someone else adopted. A job whose
 notice ran out is "stopping": it is evicted (again at every reconcile while its pods
-remain, for a PodDisruptionBudget may refuse) and neither admitted nor counted.
+remain, for a PodDisruptionBudget may refuse) and neither admitted nor counted. A
+gang admitted part-way is completed or undone before the cycle (repair.GangRepair).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from gpunode.cluster.extender.workload import WorkloadTracker
@@ -34,7 +34,10 @@ from gpunode.cluster.queuectl.jobs import (
     rfc3339,
 )
 from gpunode.cluster.queuectl.nodes import ClusterView, cluster_view
+from gpunode.cluster.queuectl.repair import GangRepair, partly_marked
 from gpunode.cluster.queuectl.sched import Running, adopt, build, follow_idle, settle_heap
+from gpunode.cluster.queuectl.usage import Outcome, SavedUsage, seed, snapshot
+from gpunode.cluster.queuectl.writes import Actions, Annotate, PodRef, ref
 from gpunode.cluster.queueing.config import QueueConfig
 from gpunode.cluster.queueing.engine import Scheduler
 from gpunode.cluster.queueing.model import Decisions, Job
@@ -49,46 +52,11 @@ from gpunode.placement.model import NodeState
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class PodRef:
-    """One pod to write to."""
-
-    namespace: str
-    name: str
-    uid: str
-
-    @property
-    def key(self) -> str:
-        """namespace/name."""
-        return f"{self.namespace}/{self.name}"
-
-
-@dataclass(frozen=True)
-class Annotate:
-    """Set annotations of one pod (None removes one), with an Event (reason, message) when given."""
-
-    pod: PodRef
-    annotations: Mapping[str, str | None]
-    event: tuple[str, str] | None = None
-    warning: bool = False
-    job: str = ""
-
-
-@dataclass
-class Actions:
-    """What one reconcile asks the API server for, in this order."""
-
-    annotate: list[Annotate] = field(default_factory=list)
-    evict: list[PodRef] = field(default_factory=list)
-    admitted_jobs: list[str] = field(default_factory=list)
-    preempted_jobs: list[tuple[str, str]] = field(default_factory=list)  # (victim, reason)
-
-
 def _ref(m: QueuedPod) -> PodRef:
-    return PodRef(m.namespace, m.name, m.uid)
+    return ref(m)
 
 
-class QueueCore:
+class QueueCore(GangRepair):
     """The controller's state and decisions (see the module docstring)."""
 
     def __init__(
@@ -117,8 +85,10 @@ class QueueCore:
         # written but perhaps not yet seen through the watch: read back from here until it is
         self.written: dict[str, Running] = {}
         self.noticed: dict[str, NoticeMark] = {}
-        self._undoing: dict[str, set[str]] = {}  # partly marked job -> members whose mark removal was sent
+        self._undoing: dict[str, set[str]] = {}  # gang being undone -> members whose mark removal was sent
         self._node_views: dict[str, tuple[object, NodeState]] = {}  # cluster_view's, kept between reconciles
+        self._usage_seed: tuple[SavedUsage, str] | None = None  # saved usage for the next Scheduler
+        self._usage_seeded: Outcome | None = None
 
     # ----- inputs --------------------------------------------------------------------------------------
 
@@ -136,9 +106,35 @@ class QueueCore:
     def reset(self) -> None:
         """Forget the Scheduler (on losing leadership): the next leader rebuilds from the API server."""
         self.sched, self._stale = None, True
+        self._usage_seed = None
         self.written.clear()
         self.noticed.clear()
         self._undoing.clear()
+
+    def seed_usage(self, state: SavedUsage, where: str) -> None:
+        """Saved fair-share usage (checked by usage.decode): into the Scheduler now, or the next one built."""
+        self._usage_seed = (state, where)
+        if self.sched is not None:
+            self._seed()
+
+    def _seed(self) -> None:
+        if self._usage_seed is not None and self.sched is not None:
+            state, where = self._usage_seed
+            self._usage_seed = None
+            state.at = min(state.at, self._now)  # never after the scheduler's time (a clock stepped back)
+            self._usage_seeded = seed(self.sched, state, self.config, where)
+
+    def take_seeded(self) -> Outcome | None:
+        """What became of the saved usage last put into a Scheduler (once; None when nothing new)."""
+        out, self._usage_seeded = self._usage_seeded, None
+        return out
+
+    def usage_state(self, now: float, identity: str) -> SavedUsage | None:
+        """The Scheduler's fair-share usage charged up to `now`, to save; None without a Scheduler."""
+        if self.sched is None:
+            return None
+        now = self._now = max(now, self._now)  # the scheduler's time may not go back
+        return snapshot(self.sched, now, identity)
 
     def pod_changed(self, pod: Mapping[str, Any], *, deleted: bool = False) -> None:
         """A pod added, changed or deleted."""
@@ -197,28 +193,25 @@ class QueueCore:
             out.evict.extend(_ref(m) for m in jobs[name].members)
         running: dict[str, Running] = {}
         waiting: dict[str, Job] = {}
-        partial: set[str] = set()
+        partial: dict[str, JobPods] = {}
         for name, j in jobs.items():
-            problem = j.problem
+            problem, partly = j.problem, partly_marked(j)
             if problem:
                 if self._reported.get(name) != problem:
                     self._reported[name] = problem
                     out.annotate.extend(
                         Annotate(_ref(m), {}, ("QueueRefused", problem), warning=True) for m in j.members
                     )
-                continue
+                if not partly:  # a partial gang holds no GPUs, with a problem or not: repaired below
+                    continue
             if name in stopping:
                 continue
-            if name in self.written and not j.marked:  # written, not all seen through the watch yet
+            if not problem and name in self.written and not j.marked:  # written, not all seen yet
                 running[name] = self.written[name]
                 continue
             self.written.pop(name, None)
-            if j.admitted and not j.marked and not any(m.node for m in j.members):
-                partial.add(name)  # its admission was written part-way: undone, then it waits again
-                sent = self._undoing.setdefault(name, set())
-                if todo := [m for m in j.members if m.admitted is not None and m.key not in sent]:
-                    sent.update(m.key for m in todo)
-                    self._undo(j, todo, out)
+            if partly:  # admitted part-way: completed or undone (_repair), never left holding GPUs
+                partial[name] = j
                 continue
             notice = j.notice or self.noticed.get(name)
             if j.notice is not None:
@@ -236,6 +229,7 @@ class QueueCore:
             self.written.pop(gone, None)
             self.noticed.pop(gone, None)
         self._sync(running, waiting, now, out)
+        self._repair(partial, now, out)
         if self.sched is None:
             return out
         follow_idle(self.sched, jobs)
@@ -270,6 +264,7 @@ class QueueCore:
             if sched is not None:  # the last window's usage survives the rebuild (same fair-share settings)
                 self.sched.inherit_usage(sched, now)
             sched = None  # the old Scheduler: nothing may hold it now, so settle_heap collects it
+            self._seed()  # saved usage loaded on taking the lead goes into its first Scheduler
             settle_heap()  # the rebuilt state is long-lived: keep GC pauses off the admission path
             log.info(
                 "queue scheduler rebuilt: %d running, %d waiting jobs, %d nodes",
@@ -292,18 +287,6 @@ class QueueCore:
             if name not in self._pending and name not in sched.running:
                 sched.submit(job, now)
                 self._pending.add(name)
-
-    def _undo(self, j: JobPods, marked: list[QueuedPod], out: Actions) -> None:
-        """Remove the admission marks of a job some of whose members lack theirs (a write that failed
-        part-way, or a leader that stopped part-way): none is bound yet, so the job waits again whole."""
-        log.warning("job %s was admitted part-way: the admission marks are removed, it waits again", j.name)
-        message = f"{j.name} was admitted part-way (a member lacks the mark): it waits again"
-        out.annotate.extend(
-            Annotate(
-                _ref(m), {QUEUE_ADMITTED_ANNOTATION: None}, ("QueueAdmissionUndone", message), job=j.name
-            )
-            for m in marked
-        )
 
     def _withdraw(self, name: str, now: float, out: Actions) -> None:
         """Take a job off the pending ones; victims stopping for it keep running: their notice is removed."""

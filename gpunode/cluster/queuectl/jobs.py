@@ -75,6 +75,7 @@ class QueuedPod:
     request: Any = None  # placement Request (None with a problem)
     problem: str = ""
     idle_since: float | None = None  # gpunode.io/gpu-idle-since (None: absent or unreadable)
+    foreign_mark: bool = False  # an admission annotation that is not this pod's own (another UID, unreadable)
 
     @property
     def key(self) -> str:
@@ -172,6 +173,7 @@ def queued_pod(
         request=request,
         problem=problem,
         idle_since=parse_time(notes.get(GPU_IDLE_ANNOTATION)),
+        foreign_mark=admitted is None and bool(notes.get(QUEUE_ADMITTED_ANNOTATION)),
     )
 
 

@@ -1,8 +1,9 @@
 """The queue controller's own metrics for Prometheus (prometheus_client, served on gpunode.infra.http).
 
 Per queue: jobs pending and admitted, GPUs used against the guarantee and the fair
-share, the wait from the pods' creation to admission (histogram), preemptions by reason;
-and the controller's leadership, Scheduler rebuilds and refused configurations.
+share, the fair-share usage memory (decayed GPU-seconds), the wait from the pods' creation to
+admission (histogram), preemptions by reason; and the controller's leadership, Scheduler
+rebuilds, refused configurations and the saves and loads of the usage memory (usagestore.py).
 The gauges are read from the controller at scrape time (on the controller's loop).
 """
 
@@ -17,6 +18,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from gpunode.cluster.queueing.fairshare import roll_up
 from gpunode.cluster.queueing.model import GPU
 from gpunode.contract.names import MILLI_PER_GPU
 from gpunode.infra.http import HttpServer
@@ -71,7 +73,17 @@ class _State(Collector):
             guarantee.add_metric([q], spec.guarantee.get(GPU, 0) / MILLI_PER_GPU)
             if q in shares:
                 share.add_metric([q], shares[q].get(GPU, 0) / MILLI_PER_GPU)
-        yield from (pending, admitted, used, guarantee, share)
+        usage = GaugeMetricFamily(
+            "gpunode_queue_usage_gpu_seconds",
+            "The queue's fair-share usage memory: GPU-seconds decayed by the half-life, within the window",
+            labels=labels,
+        )
+        memory = sched.usage_memory() if sched is not None else None
+        if memory is not None:
+            rolled = roll_up(core.config, memory[0])
+            for q in core.config.queues:
+                usage.add_metric([q], rolled.get(q, {}).get(GPU, 0.0) / MILLI_PER_GPU)
+        yield from (pending, admitted, used, guarantee, share, usage)
 
 
 class QueueMetrics:
@@ -101,12 +113,33 @@ class QueueMetrics:
             "Queue configuration files refused on reload",
             registry=self.registry,
         )
+        self.usage_saves = Counter(
+            "gpunode_queue_usage_saves",
+            "Saves of the fair-share usage to its ConfigMap, by outcome (saved, error)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.usage_loads = Counter(
+            "gpunode_queue_usage_loads",
+            "Loads of the saved fair-share usage on taking the lead, by outcome "
+            "(loaded, absent, discarded, refused, error)",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.api_errors = Counter(
             "gpunode_queue_api_errors",
             "Writes to the API server that failed",
             ["verb"],
             registry=self.registry,
         )
+        self.gang_repairs = Counter(
+            "gpunode_queue_gang_repairs",
+            "Gangs found admitted part-way, by what was done: completed (the rest marked) or undone",
+            ["outcome"],
+            registry=self.registry,
+        )
+        for outcome in ("completed", "undone"):
+            self.gang_repairs.labels(outcome)
 
     def render(self) -> bytes:
         """The exposition text."""

@@ -3,7 +3,8 @@
 adopt() puts a job admitted before a restart back among the running jobs, on
 its own plan; withdraw() takes a pending job whose pods were deleted off the
 queue; mark_idle() records that a running job's GPUs are idle; inherit_usage() keeps the
-fair-share usage memory across a rebuild. Split from engine.py to keep modules small.
+fair-share usage memory across a rebuild; usage_memory() and seed_usage() read it out and put
+saved figures back (across processes: a restart, a failover). Split from engine.py to keep modules small.
 """
 
 from __future__ import annotations
@@ -156,3 +157,30 @@ class Adoption:
         self._ledger = old
         self._charged_to = max(now, self._now)
         return True
+
+    def usage_memory(self, now: float | None = None) -> tuple[dict[str, dict[str, float]], float] | None:
+        """The decayed usage per leaf and the time it is figured at; None without usage memory.
+
+        With `now`, the allocations are charged up to it first (as a cycle at `now` would);
+        without, the figures are those of the last call that moved the scheduler's time.
+        """
+        if self._ledger is None or self._now == -float("inf"):
+            return None
+        if now is not None:
+            self._advance(max(now, self._now))
+        return self._ledger.usage(self._now), self._now
+
+    def seed_usage(self, usage: dict[str, dict[str, float]], at: float) -> int:
+        """Add usage saved by another process (decayed figures at `at`, no later than now) to the memory.
+
+        Entries of queues that are not leaves here are dropped; returns how many leaves were seeded
+        (0 without usage memory). The figures must be finite and non-negative (ValueError).
+        """
+        if self._ledger is None:
+            return 0
+        seeded = 0
+        for queue, amounts in usage.items():
+            if queue in self._pending_demand and any(amounts.values()):
+                self._ledger.seed(queue, amounts, at)
+                seeded += 1
+        return seeded

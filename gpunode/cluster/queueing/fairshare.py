@@ -5,6 +5,7 @@ API:
         .charge(queue, amounts, t0, t1)       amounts held over [t0, t1) (charge only the past)
         .usage(now, config=None)              decayed resource-seconds per leaf (and per inner queue
                                               when config is given): {queue: {resource: float}}
+        .seed(queue, amounts, at)             add usage another process saved (usage() figures at `at`)
     fair_shares(config, capacity, demand, usage, *, k=None) -> {queue: Amounts}   every queue, inner too
     dominant_share(amounts, capacity) -> float    max over resources of amount / capacity
     over_quota_weights(weights, usages, k) -> list[float]   the renormalised P of one group of siblings
@@ -143,6 +144,34 @@ class UsageLedger:
                         total[resource] = total.get(resource, 0.0) + amount * weight
             start = end
             index += 1
+
+    def seed(self, queue: str, amounts: Mapping[str, float], at: float) -> None:
+        """Add usage already decayed to `at` (from usage(at), saved by another process) as charged at `at`.
+
+        It is kept in the bucket of `at`, so it is forgotten whole once `at` is older than the
+        window: by then it is decayed by the whole window, the bound of the bucketing error above.
+        """
+        if not math.isfinite(at) or not all(math.isfinite(v) and v >= 0 for v in amounts.values()):
+            raise ValueError(f"seed of {queue} at {at}: expected finite, non-negative figures")
+        index = math.floor(at / self._width)
+        if index < self._horizon or not any(amounts.values()):
+            return
+        self._latest = max(self._latest, at)
+        if self._ref is None:
+            self._ref = at
+        if self._rate * (at - self._ref) > _REBASE:
+            self._rebase(at)
+        weight = math.exp(self._rate * (at - self._ref))
+        bucket = self._buckets.get(index)
+        if bucket is None:
+            bucket = self._buckets[index] = {}
+            heapq.heappush(self._heap, index)
+        held = bucket.setdefault(queue, {})
+        total = self._totals.setdefault(queue, {})
+        for resource, amount in amounts.items():
+            if amount:
+                held[resource] = held.get(resource, 0.0) + amount * weight
+                total[resource] = total.get(resource, 0.0) + amount * weight
 
     def usage(self, now: float, config: QueueConfig | None = None) -> dict[str, dict[str, float]]:
         """Decayed resource-seconds per charged queue at `now`; with config, per leaf and inner queue."""

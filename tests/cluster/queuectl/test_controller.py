@@ -201,6 +201,11 @@ def test_no_write_is_sent_after_the_lead_is_lost_among_concurrent_writes(api: Ap
     asyncio.run(main())
 
 
+def queued_to(api: ApiServerStandIn) -> set[str]:
+    """The pods that got a Queued event."""
+    return {e["involvedObject"]["name"] for e in api.events() if e["reason"] == "Queued"}
+
+
 def test_a_queue_over_its_quota_is_held_with_the_reason(api: ApiServerStandIn) -> None:
     add_node(api, "n1", 8)
 
@@ -212,6 +217,8 @@ def test_a_queue_over_its_quota_is_held_with_the_reason(api: ApiServerStandIn) -
             api.put_pod(pod("a0", queue="team-a", gpus=2))
             await until(lambda: admission(api, "a0") is not None, "team-a admitted")
             await until(lambda: annotation(api, "b0", QUEUE_REASON_ANNOTATION) is not None, "reason written")
+            # the Events follow every pod's annotations: wait for them before the controller stops
+            await until(lambda: {"b0", "b1", "b2"} <= queued_to(api), "Queued events")
         reason = annotation(api, "b0", QUEUE_REASON_ANNOTATION)
         assert reason is not None and reason.startswith(
             "queued in team-b, position 1: team-b is over its quota"
