@@ -300,7 +300,8 @@ COMMANDS: dict[str, Command] = {
     "sim": Command("inject faults into a running simulated node", _register_sim),
     "health": Command("clear a GPU that a fatal XID holds unhealthy", _register_health),
     "extender": Command(
-        "run the kube-scheduler extender (filter, prioritize, bind) for GPU placement", _register_extender
+        "run the kube-scheduler extender (filter, prioritize, bind, preempt) for GPU placement",
+        _register_extender,
     ),
     "queue": Command("run the queue controller: admission, gangs, preemption with notice", _register_queue),
     "simulate": Command(

@@ -401,7 +401,7 @@ def test_an_impossible_request_fails_every_node_as_unresolvable(
             id="pod-without-name",
         ),
         pytest.param("POST", "/bind", b'{"PodName": "p"}', 400, "needs PodName and Node", id="bind-no-node"),
-        pytest.param("POST", "/preempt", b"{}", 404, "no such verb", id="unknown-verb"),
+        pytest.param("POST", "/evict", b"{}", 404, "no such verb", id="unknown-verb"),
         pytest.param("GET", "/filter", None, 405, "takes POST", id="get-filter"),
         pytest.param("GET", "/nowhere", None, 404, "no such path", id="unknown-path"),
     ],

@@ -647,6 +647,7 @@ def test_extender_deployment_service_and_scheduler_configuration(
         assert "tlsConfig" not in entry and parsed.tls_cert_file is None
     assert (entry["filterVerb"], entry["prioritizeVerb"], entry["weight"]) == ("filter", "prioritize", 10)
     assert entry.get("bindVerb") == ("bind" if ext["bind"] else None)
+    assert entry["preemptVerb"] == "preempt"  # kube-scheduler's own preemption asks: none for queued pods
     assert entry["nodeCacheCapable"] is ext["nodeCacheCapable"] and entry["ignorable"] is False
     assert entry["managedResources"] == [
         {"name": r, "ignoredByScheduler": False}
@@ -826,6 +827,7 @@ def test_scheduler_configuration_agrees_with_the_example_and_selects_its_api_ver
         "filterVerb",
         "prioritizeVerb",
         "bindVerb",
+        "preemptVerb",
     ):
         assert got[key] == want[key], key
     for older in ("v1beta3", "v1beta2"):  # Kubernetes 1.23-1.24 and 1.22: the same entry

@@ -178,6 +178,7 @@ INVALID = {
     "port-out-of-range": ({"queue": {"metricsPort": 70000}}, "queue.metricsPort: Must be less than or equal to 65535"),
     "network-peers-not-a-list": ({"queue": {"networkPolicy": {"metricsFrom": {"podSelector": {}}}}},
                                  "queue.networkPolicy.metricsFrom: Invalid type. Expected: array"),
+    "unknown-hold": ({"extender": {"queueHold": "ignore"}}, "extender.queueHold: extender.queueHold must be one of"),
 }  # fmt: skip
 
 
@@ -196,6 +197,9 @@ REFUSED = {
     "config-not-yaml": ({"queue": {"enabled": True, "config": "queues: [\n"}}, "queue.config is not a queue configuration"),
     "config-without-queues": ({"queue": {"enabled": True, "config": "fairShare: {}\n"}},
                               "queue.config is not a queue configuration"),
+    # kube-scheduler skips an ignorable extender's Error: every held pod would be scheduled past the queue
+    "ignorable-hold-error": ({"queue": {"enabled": True}, "extender": {"enabled": True, "ignorable": True}},
+                             "extender.ignorable is true with queue.enabled and extender.queueHold error"),
 }  # fmt: skip
 
 
@@ -501,6 +505,7 @@ def test_the_extender_reads_the_queue_file_to_hold_the_namespaces_it_maps(tmp_pa
     parsed = extender_parser().parse_args(args)
     parsed.queue_config = tmp_path / "queues.yaml"
     extender, _ = build_extender(parsed)
+    assert extender.config.queue_hold == "error"  # the chart's default: no preemption on any version
     research = pod("r0", queue=None, namespace="research")
     assert extender.queue_namespaces() == {"research": "team-b"}
     assert pod("x", queue=None)["metadata"]["namespace"] not in extender.queue_namespaces()
@@ -509,3 +514,19 @@ def test_the_extender_reads_the_queue_file_to_hold_the_namespaces_it_maps(tmp_pa
     alone = render({"extender": {"enabled": True}})
     (plain,) = alone.named("Deployment", f"{FULLNAME}-extender")["spec"]["template"]["spec"]["containers"]
     assert "--queue-config" not in plain["args"] and "volumeMounts" not in plain
+    assert "--queue-hold" not in plain["args"]
+
+
+@needs_helm
+def test_the_hold_mode_reaches_the_extender_and_unschedulable_may_be_ignorable() -> None:
+    from gpunode.cluster.extender.cli import build_extender
+    from tests.deploy.test_helm_chart import extender_parser
+
+    values = {"extender": {"enabled": True, "ignorable": True, "queueHold": "unschedulable"}}
+    out = render(merged(ON, values))
+    (ext,) = out.named("Deployment", f"{FULLNAME}-extender")["spec"]["template"]["spec"]["containers"]
+    args = ext["args"]
+    assert args[args.index("--queue-hold") + 1] == "unschedulable"
+    parsed = extender_parser().parse_args(args)
+    parsed.queue_config = None  # the mounted file is not here; the flag is what is checked
+    assert build_extender(parsed)[0].config.queue_hold == "unschedulable"

@@ -242,7 +242,7 @@ def _apply_chart_rbac(cp: ControlPlane, docs: list[dict[str, Any]]) -> None:
         admin.apply(ROLE_PATHS[doc["kind"]], doc)
 
 
-def _start_extender(cp: ControlPlane, config: Path) -> tuple[Proc, int, CertFiles]:
+def _start_extender(cp: ControlPlane, config: Path, hold: str) -> tuple[Proc, int, CertFiles]:
     serving = cp.issue("queue-extender", common_name="gpunode-extender", server=True, hosts=("127.0.0.1",))
     client = cp.issue("queue-scheduler", common_name="kube-scheduler", client=True)
     port, health = free_port(), free_port()
@@ -253,7 +253,7 @@ def _start_extender(cp: ControlPlane, config: Path) -> tuple[Proc, int, CertFile
             "--listen", f"127.0.0.1:{port}", "--health-listen", f"127.0.0.1:{health}",
             "--kube-api", cp.server, "--kube-token-file", str(cp.token_file("extender")),
             "--kube-ca-file", str(cp.ca_file), "--node-refresh", "1s", "--bind",
-            "--queue-config", str(config),
+            "--queue-config", str(config), "--queue-hold", hold,
             "--tls-cert-file", str(serving.cert), "--tls-key-file", str(serving.key),
             "--client-ca-file", str(cp.ca_file), "--allowed-client-names", "kube-scheduler",
         ],
@@ -281,13 +281,14 @@ def _published(api: Api, node: str) -> bool:
     return NODE_STATE_ANNOTATION in api.get(f"/api/v1/nodes/{node}")["metadata"].get("annotations", {})
 
 
-def build_queue_cluster(cp: ControlPlane, tmp: Path) -> QueueCluster:
-    """Start everything (see the module docstring) but the controllers; stop_queue_cluster ends it all."""
+def build_queue_cluster(cp: ControlPlane, tmp: Path, *, hold: str = "error") -> QueueCluster:
+    """Start everything (see the module docstring) but the controllers; stop_queue_cluster ends it all.
+    `hold`: the extender's --queue-hold (the chart's default, error, unless a test compares the modes)."""
     docs = chart.render(CHART_VALUES, tmp)
     _apply_chart_rbac(cp, docs)
     config = tmp / "queues.yaml"
     config.write_text(QUEUE_CONFIG)
-    extender, port, client = _start_extender(cp, config)
+    extender, port, client = _start_extender(cp, config, hold)
     nodes = {name: SimNode(cp, name, tmp / name, profile=str(_seeded_t4(tmp, name))) for name in NODES}
     try:
         for node in nodes.values():

@@ -23,7 +23,7 @@ from gpunode.cluster.extender.kubeapi import (
 )
 from gpunode.cluster.extender.nodes import NodeCache
 from gpunode.cluster.extender.promfeed import PromFeed
-from gpunode.cluster.extender.queued import QueueNamespaces
+from gpunode.cluster.extender.queued import HOLD_ERROR, HOLD_MODES, QueueNamespaces
 from gpunode.cluster.extender.server import DEFAULT_MAX_BODY_BYTES, serve_extender
 from gpunode.cluster.extender.workload import WorkloadTracker
 from gpunode.contract.names import EXTENDER_ROLE_LABEL, GIB, NODE_SERIES_LABEL
@@ -41,7 +41,8 @@ def register_extender_cli(
 ) -> argparse.ArgumentParser:
     """Add `extender` to a subparsers object; run it with run_extender_cli(args)."""
     p: argparse.ArgumentParser = subparsers.add_parser(
-        "extender", help="run the kube-scheduler extender (filter, prioritize, bind) for GPU placement"
+        "extender",
+        help="run the kube-scheduler extender (filter, prioritize, bind, preempt) for GPU placement",
     )
     p.add_argument("--listen", default="127.0.0.1:8888", help="host:port to serve on")
     p.add_argument("--policy", default="gpunode", choices=sorted(POLICIES), help="placement policy")
@@ -176,6 +177,14 @@ def register_extender_cli(
         "admitted (pods labelled gpunode.io/queue are held without it); re-read when it changes",
     )
     p.add_argument(
+        "--queue-hold",
+        default=HOLD_ERROR,
+        choices=HOLD_MODES,
+        help="how filter holds a queued pod not yet admitted: error (an Error with the queue's reason: "
+        "kube-scheduler never preempts for it, on any version) or unschedulable (failed nodes: only for a "
+        "kube-scheduler that calls the preempt verb, 1.20.9+/1.21.3+); never error with ignorable: true",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=("debug", "info", "warning", "error"),
@@ -253,6 +262,7 @@ def build_extender(args: argparse.Namespace) -> tuple[Extender, KubeApi | None]:
             ),
             energy_weight=args.energy_weight,
             load_weight=args.load_weight,
+            queue_hold=args.queue_hold,
         )
     except PlacementError as exc:
         raise ConfigError(str(exc)) from exc

@@ -6,8 +6,9 @@ ExtenderBindingArgs {PodName, PodNamespace, PodUID, Node} to /bind when the
 bind verb is configured. Answers use the protocol's field names:
 ExtenderFilterResult {Nodes, NodeNames, FailedNodes, FailedAndUnresolvableNodes,
 Error}, HostPriorityList [{Host, Score}] with scores 0..10, and
-ExtenderBindingResult {Error}. Keys are matched case-insensitively, as Go's JSON
-decoder does.
+ExtenderBindingResult {Error}. With the preempt verb configured, kube-scheduler POSTs
+ExtenderPreemptionArgs to /preempt before its own preemption evicts anyone (preempt.py: never for a
+pod a queue governs). Keys are matched case-insensitively, as Go's JSON decoder does.
 
 Each node's GPU state comes from its gpunode.io/gpu-state annotation (see
 nodestate.py; an annotation older than the node cache's max age fails its node);
@@ -50,8 +51,18 @@ from gpunode.cluster.extender.binding import (
 from gpunode.cluster.extender.decide import NodeLocks, decide_and_reserve
 from gpunode.cluster.extender.nodes import NodeCache, NodeView, OnDemandRefresh
 from gpunode.cluster.extender.pods import pod_key, request_from_pod
+from gpunode.cluster.extender.preempt import answer_preemption
 from gpunode.cluster.extender.promfeed import FeedMetrics, LoadFeed, blend
-from gpunode.cluster.extender.queued import Hold, hold_filter, hold_filter_again, hold_scores, queue_hold
+from gpunode.cluster.extender.queued import (
+    HOLD_ERROR,
+    HOLD_MODES,
+    Hold,
+    hold_error,
+    hold_filter,
+    hold_filter_again,
+    hold_scores,
+    queue_hold,
+)
 from gpunode.cluster.extender.reservations import (
     DEFAULT_BOUND_TTL_S,
     Reservation,
@@ -118,7 +129,7 @@ class ExtenderConfig:
     provisional_reservations makes filter (when one node passes) and prioritize reserve; bind binds
     only pods whose spec.schedulerName is in scheduler_names. energy_weight and load_weight (0..100)
     weigh the energy and load terms against the policy's score (weight 1) at prioritize, when the
-    Extender has a load feed.
+    Extender has a load feed. queue_hold (queued.HOLD_MODES) is how filter holds a queued pod.
     """
 
     policy: str = "gpunode"
@@ -129,9 +140,14 @@ class ExtenderConfig:
     bound_reservation_max_age_s: float = DEFAULT_BOUND_TTL_S
     energy_weight: float = 0.5
     load_weight: float = 0.2
+    queue_hold: str = HOLD_ERROR
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
+        if self.queue_hold not in HOLD_MODES:
+            raise InvalidRequest(
+                f"queue hold must be one of {', '.join(HOLD_MODES)}, got {self.queue_hold!r}"
+            )
         for weight in (self.energy_weight, self.load_weight):
             if not (math.isfinite(weight) and 0 <= weight <= MAX_WEIGHT):
                 raise InvalidRequest(f"energy and load weights must be in 0..{MAX_WEIGHT}, got {weight}")
@@ -287,10 +303,10 @@ class Extender:
         """Answer /filter: an ExtenderFilterResult dict for ExtenderArgs `body`.
 
         Nodes the pod does not fit go to FailedNodes with the reason; an invalid GPU request fails every node
-        in both maps (kube-scheduler 1.20 shows only FailedNodes in the pod's events). A pod without a GPU request passes every node. A queued pod fails every
-        node until admitted, then passes only its admission's node (queued.py); its reasons go to both maps
-        (kube-scheduler 1.20 reads only FailedNodes, later ones prefer the unresolvable entry, so its own
-        preemption does not act for the pod). Raises BadRequest when `body` is not valid ExtenderArgs.
+        in both maps (kube-scheduler 1.20 shows only FailedNodes in the pod's events). A pod without a GPU request passes every node. A queued pod is held until
+        admitted (config.queue_hold error: Error with the queue's reason, so kube-scheduler does not preempt
+        for it; unschedulable: every node failed, the reason in both maps), then passes only its admission's
+        node (queued.py). Raises BadRequest when `body` is not valid ExtenderArgs.
         """
         args = parse_args(body)
         failed: dict[str, str] = {}
@@ -309,6 +325,9 @@ class Extender:
             return filter_result(args, passing, failed, unresolvable)
         self.workload.observe(request)
         if (hold := self._hold(args.pod)) is not None:
+            if (error := hold_error(hold, self.config.queue_hold)) is not None:
+                self.filtered.record(uid, key, request, [])
+                return {**filter_result(args, [], failed, unresolvable), "Error": error}
             passing, failed = hold_filter(hold, views, request, self.reservations, uid=uid, key=key)
             if not passing and hold.admitted is not None:
                 passing, failed = self._hold_filter_again(hold, args, views, request, uid=uid, key=key)
@@ -421,6 +440,17 @@ class Extender:
                 final=False,
                 annotation=view.fingerprint,
             )
+
+    # ----- preempt --------------------------------------------------------------------------------
+
+    def preempt(self, body: object) -> dict[str, Any]:
+        """Answer /preempt: the ExtenderPreemptionResult for ExtenderPreemptionArgs `body` (preempt.py).
+
+        No candidates for a GPU pod a queue governs (the queue controller alone preempts for queues), the
+        candidates as sent for any other pod. Raises BadRequest when `body` is malformed.
+        """
+        namespaces = self.queue_namespaces()
+        return answer_preemption(body, memory_unit_bytes=self.config.memory_unit_bytes, namespaces=namespaces)
 
     # ----- bind -----------------------------------------------------------------------------------
 

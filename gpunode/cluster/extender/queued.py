@@ -7,8 +7,9 @@ gpunode.io/queue-admitted on it: JSON {"job", "uid", "node", "gpus", "at"}. The 
 counts only when its "uid" is the pod's own UID: a pod created with a mark already on
 it cannot know the UID the API server will give it, so a tenant cannot admit itself.
 
-The extender holds a waiting pod by failing its filter on every node, with the
-controller's gpunode.io/queue-reason as the reason kube-scheduler puts in the pod's
+The extender holds a waiting pod by answering its filter with an Error (--queue-hold error, the
+default: kube-scheduler then never preempts for it) or by failing every node (unschedulable), with the
+controller's gpunode.io/queue-reason as the text kube-scheduler puts in the pod's
 events (bounded and cleaned: the pod's owner can write that annotation too, and
 gains nothing by it but a misleading message on their own pod). An admitted pod
 passes filter only on the node of its mark, and bind reserves exactly the GPUs the
@@ -41,6 +42,9 @@ from gpunode.placement import NodeState, Request, apply_request
 log = logging.getLogger(__name__)
 
 WAITING_REASON = "waiting for admission by the queue controller"
+HOLD_ERROR = "error"  # --queue-hold: a held pod's filter answers Error (no preemption on any version)
+HOLD_UNSCHEDULABLE = "unschedulable"  # failed nodes (the scheduler must call preempt or honour unresolvable)
+HOLD_MODES = (HOLD_ERROR, HOLD_UNSCHEDULABLE)
 MAX_REASON = 200  # characters of the controller's reason shown in the pod's events
 MAX_MARK = 64 * 1024  # characters of a JSON mark read at all
 
@@ -221,6 +225,19 @@ class QueueNamespaces:
             return self._map
         finally:
             self._lock.release()
+
+
+def hold_error(hold: Hold, mode: str) -> str | None:
+    """The filter's Error for a held pod in mode HOLD_ERROR (the queue's reason), None when the filter is to
+    answer with failed nodes instead (the pod is admitted, or mode HOLD_UNSCHEDULABLE).
+
+    kube-scheduler returns an extender's Error as a plain scheduling error, not a fit error: no PostFilter,
+    so its own preemption never runs for the pod, whether or not it calls the preempt verb. The event and
+    the pod's condition show the text as is, but 1.20 reads it as a Go format string: '%' (the pod's owner
+    can write the reason) is shown as a fullwidth percent sign rather than garbled."""
+    if hold.admitted is not None or mode != HOLD_ERROR:
+        return None
+    return hold.reason.replace("%", "\uff05")
 
 
 def hold_filter(

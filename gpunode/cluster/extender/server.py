@@ -1,6 +1,6 @@
 """The extender's HTTP server, on gpunode.infra.http.
 
-ExtenderServer routes POST <prefix>/filter, /prioritize, /bind and GET /healthz
+ExtenderServer routes POST <prefix>/filter, /prioritize, /bind, /preempt and GET /healthz
 (and /readyz) to an Extender. Malformed JSON and wrong shapes (bad UTF-8,
 nesting deeper than 1,024 levels, an empty body) get 400 with {"Error": "..."};
 an unknown path 404; a wrong method 405. Only a defect in our code gives 500,
@@ -68,7 +68,7 @@ DEFAULT_MAX_BODY_BYTES = 32 * 2**20
 WORKERS = 8  # the Extender serialises on its lock; more threads only let binds wait on the API together
 MAX_PENDING = 256  # requests read, queued or running at once (kube-scheduler opens dozens at a time)
 MAX_CONNECTIONS = 1024
-VERBS = ("filter", "prioritize", "bind")
+VERBS = ("filter", "prioritize", "bind", "preempt")
 _HINT = "choose another --listen address, or stop the process that already listens there"
 
 
@@ -240,7 +240,7 @@ class ExtenderServer:
         if verb not in VERBS:
             if request.method == "POST":
                 return _json(
-                    404, {"Error": f"no such verb {request.path_qs}; use filter, prioritize or bind"}
+                    404, {"Error": f"no such verb {request.path_qs}; use filter, prioritize, bind or preempt"}
                 )
             return _json(404, {"Error": f"no such path {request.path_qs}"})
         if request.method != "POST":
@@ -261,6 +261,7 @@ class ExtenderServer:
             "filter": self.extender.filter,
             "prioritize": self.extender.prioritize,
             "bind": self.extender.bind,
+            "preempt": self.extender.preempt,
         }
         try:
             status, body = await asyncio.get_running_loop().run_in_executor(

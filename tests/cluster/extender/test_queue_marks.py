@@ -1,5 +1,8 @@
 """The extender holds queued GPU pods until the queue controller admits them, and then honours its plan.
 
+Every test of the `ext` fixture runs in both hold modes (--queue-hold): error (the filter answers Error,
+so kube-scheduler never preempts for the pod) and unschedulable (every node failed with the reason).
+
 Each attack is performed: a tenant forges an admission (a mark copied from another pod, one written
 before the pod had a UID), writes a long or odd waiting reason, or POSTs a bind for a waiting pod;
 the marks are written with the controller's own admitted_text so both sides are proven to agree.
@@ -17,11 +20,19 @@ import pytest
 from gpunode.cluster.extender.cli import build_extender
 from gpunode.cluster.extender.core import Extender, ExtenderConfig
 from gpunode.cluster.extender.kubeapi import KubeApi
-from gpunode.cluster.extender.queued import MAX_REASON, WAITING_REASON, QueueNamespaces, clean_reason
+from gpunode.cluster.extender.queued import (
+    HOLD_ERROR,
+    HOLD_MODES,
+    HOLD_UNSCHEDULABLE,
+    MAX_REASON,
+    WAITING_REASON,
+    QueueNamespaces,
+    clean_reason,
+)
 from gpunode.cluster.queuectl.jobs import admitted_text, queued_pod
 from gpunode.cluster.queueing.model import PodPlacement
 from gpunode.contract.names import QUEUE_ADMITTED_ANNOTATION, QUEUE_LABEL, QUEUE_REASON_ANNOTATION
-from gpunode.errors import KubeError, QueueConfigError
+from gpunode.errors import InvalidRequest, KubeError, QueueConfigError
 from tests.cluster.queuectl.helpers import config
 from tests.cluster.test_extender import (
     FakeApiServer,
@@ -83,10 +94,10 @@ NODES = node_list(
 )
 
 
-@pytest.fixture
-def ext() -> tuple[Extender, Binder]:
+@pytest.fixture(params=HOLD_MODES)
+def ext(request: pytest.FixtureRequest) -> tuple[Extender, Binder]:
     binder = Binder()
-    extender = Extender(config=ExtenderConfig(policy="bestfit"), binder=binder)
+    extender = Extender(config=ExtenderConfig(policy="bestfit", queue_hold=request.param), binder=binder)
     extender.refresh_nodes(NODES["items"])
     return extender, binder
 
@@ -100,6 +111,18 @@ def passing(result: dict[str, Any]) -> list[str]:
     return [n["metadata"]["name"] for n in result["Nodes"]["items"]]
 
 
+def held(extender: Extender, result: dict[str, Any]) -> set[str]:
+    """Why a held pod's filter passed no node, checked against the extender's hold mode: the Error alone
+    (error), or every node failed with the reason in both maps and no Error (unschedulable)."""
+    assert passing(result) == []
+    if extender.config.queue_hold == HOLD_ERROR:
+        assert result["Error"] and result["FailedNodes"] == result["FailedAndUnresolvableNodes"] == {}
+        return {result["Error"]}
+    assert result["Error"] == "" and set(result["FailedNodes"]) == {"n1", "n2", "n3"}
+    assert result["FailedAndUnresolvableNodes"] == result["FailedNodes"]
+    return set(result["FailedNodes"].values())
+
+
 # ----- waiting pods ---------------------------------------------------------------------------------------
 
 
@@ -109,15 +132,20 @@ def test_a_waiting_pod_is_refused_everywhere_with_the_controllers_reason(
     extender, _ = ext
     pod = queued("train-0", "uid-0", **{QUEUE_REASON_ANNOTATION: REASON})
     result = extender.filter({"Pod": pod, "Nodes": NODES})
-    assert passing(result) == []
-    assert result["FailedNodes"] == {"n1": REASON, "n2": REASON, "n3": REASON}
-    # later kube-schedulers read the unresolvable map first: their own preemption never acts for it
-    assert result["FailedAndUnresolvableNodes"] == result["FailedNodes"]
+    assert held(extender, result) == {REASON}
+    if extender.config.queue_hold == HOLD_ERROR:
+        # kube-scheduler takes an Error as a scheduling error, not a fit failure: no preemption at all,
+        # and the text is the pod's event as it is
+        assert result["Error"] == REASON
+    else:
+        assert result["FailedNodes"] == {"n1": REASON, "n2": REASON, "n3": REASON}
+        # later kube-schedulers read the unresolvable map first: their own preemption never acts for it
+        assert result["FailedAndUnresolvableNodes"] == result["FailedNodes"]
     assert {h["Score"] for h in extender.prioritize({"Pod": pod, "Nodes": NODES})} == {0}
     assert len(extender.reservations) == 0  # a waiting pod holds nothing
     # without a reason written yet, the pod still waits, saying for whom
     bare = queued("train-1", "uid-1")
-    assert extender.filter({"Pod": bare, "Nodes": NODES})["FailedNodes"]["n1"] == WAITING_REASON
+    assert held(extender, extender.filter({"Pod": bare, "Nodes": NODES})) == {WAITING_REASON}
 
 
 def test_a_bind_posted_for_a_waiting_pod_is_refused(ext: tuple[Extender, Binder]) -> None:
@@ -154,7 +182,7 @@ def test_a_forged_admission_does_not_admit(ext: tuple[Extender, Binder], forge: 
     pod["metadata"]["annotations"][QUEUE_ADMITTED_ANNOTATION] = json.dumps(mark)
     binder.add(pod)
     result = extender.filter({"Pod": pod, "Nodes": NODES})
-    assert passing(result) == [] and set(result["FailedNodes"].values()) == {WAITING_REASON}
+    assert held(extender, result) == {WAITING_REASON}
     assert extender.bind(bind_args(pod, "n1"))["Error"] and binder.binds == []
 
 
@@ -166,11 +194,11 @@ def test_a_mark_copied_from_an_admitted_pod_does_not_admit_the_copy(ext: tuple[E
         "uid-sneaky",
         **{QUEUE_ADMITTED_ANNOTATION: admitted["metadata"]["annotations"][QUEUE_ADMITTED_ANNOTATION]},
     )
-    assert passing(extender.filter({"Pod": copy, "Nodes": NODES})) == []
+    assert held(extender, extender.filter({"Pod": copy, "Nodes": NODES})) == {WAITING_REASON}
     # the pod without a UID (as created, before the API server gives one) is not admitted either
     no_uid = admit(queued("early", "uid-early"), "n1", ("GPU-n1-0",))
     del no_uid["metadata"]["uid"]
-    assert passing(extender.filter({"Pod": no_uid, "Nodes": NODES})) == []
+    assert held(extender, extender.filter({"Pod": no_uid, "Nodes": NODES})) == {WAITING_REASON}
     # the controller reads the same marks the same way
     for pod in (copy, no_uid):
         q = queued_pod(pod, config())
@@ -188,7 +216,7 @@ def test_an_admitted_gang_lands_on_its_plan_and_binds_to_its_gpus(ext: tuple[Ext
     for pod, node in ((a, "n2"), (b, "n3")):
         binder.add(pod)
         result = extender.filter({"Pod": pod, "Nodes": NODES})
-        assert passing(result) == [node]
+        assert passing(result) == [node] and result["Error"] == ""
         others = {n for n in ("n1", "n2", "n3") if n != node}
         assert set(result["FailedNodes"]) == others
         assert all(f"admitted this pod to node {node}" in r for r in result["FailedNodes"].values())
@@ -224,7 +252,9 @@ def test_a_plan_that_no_longer_fits_is_refused_so_the_controller_replans(
     result = extender.bind(bind_args(pod, "n1"))
     assert "no longer fits" in result["Error"] and "re-plan" in result["Error"] and binder.binds == []
     filtered = extender.filter({"Pod": pod, "Nodes": node_list(taken, *NODES["items"][1:])})
-    assert passing(filtered) == []
+    # an admitted pod whose plan fails keeps failed nodes in both modes (never an Error): the controller
+    # re-plans it, and kube-scheduler tries it again at once
+    assert passing(filtered) == [] and filtered["Error"] == ""
     assert "queue controller's plan (node n1, GPUs GPU-n1-1) no longer fits" in filtered["FailedNodes"]["n1"]
     # a plan naming a GPU the node does not have is refused the same way
     ghost = admit(queued("gang-1", "uid-g"), "n2", ("GPU-n2-7",))
@@ -317,7 +347,7 @@ def test_pods_outside_any_queue_are_unaffected_even_with_marks(ext: tuple[Extend
 def test_an_odd_or_long_reason_is_bounded_and_one_line(ext: tuple[Extender, Binder], text: str) -> None:
     extender, _ = ext
     pod = queued("train-0", "uid-0", **{QUEUE_REASON_ANNOTATION: text})
-    shown = extender.filter({"Pod": pod, "Nodes": NODES})["FailedNodes"]["n1"]
+    (shown,) = held(extender, extender.filter({"Pod": pod, "Nodes": NODES}))
     assert 0 < len(shown) <= MAX_REASON
     assert shown.isprintable() and shown == shown.strip() and "  " not in shown
     assert "\u202e" not in shown and "\x1b" not in shown
@@ -325,6 +355,31 @@ def test_an_odd_or_long_reason_is_bounded_and_one_line(ext: tuple[Extender, Bind
         assert shown == WAITING_REASON
     assert clean_reason(None) == clean_reason(7) == WAITING_REASON
     assert clean_reason(REASON) == REASON
+
+
+def test_a_percent_in_the_reason_survives_kube_schedulers_format_string(ext: tuple[Extender, Binder]) -> None:
+    # kube-scheduler 1.20 builds the error with fmt.Errorf(Error): the pod's owner writes '%d %s %%' into
+    # the reason; the event must not be garbled (nor the text lose what it said)
+    extender, _ = ext
+    pod = queued("train-0", "uid-0", **{QUEUE_REASON_ANNOTATION: "queued: 90% of quota %d %s %%"})
+    (shown,) = held(extender, extender.filter({"Pod": pod, "Nodes": NODES}))
+    if extender.config.queue_hold == HOLD_ERROR:
+        assert shown == "queued: 90\uff05 of quota \uff05d \uff05s \uff05\uff05" and "%" not in shown
+    else:  # failed-node reasons are not format strings
+        assert shown == "queued: 90% of quota %d %s %%"
+
+
+def test_the_hold_mode_flag(tmp_path: Path) -> None:
+    def hold(*flags: str) -> str:
+        return build_extender(parser().parse_args(["extender", *flags]))[0].config.queue_hold
+
+    assert hold() == HOLD_ERROR == ExtenderConfig().queue_hold  # the default: safe on every version
+    assert hold("--queue-hold", "unschedulable") == HOLD_UNSCHEDULABLE
+    assert hold("--queue-hold", "error") == HOLD_ERROR
+    with pytest.raises(SystemExit):
+        parser().parse_args(["extender", "--queue-hold", "ignore"])
+    with pytest.raises(InvalidRequest, match="queue hold must be one of error, unschedulable"):
+        ExtenderConfig(queue_hold="ignore")
 
 
 QUEUES = """
@@ -390,7 +445,7 @@ def test_over_http_a_waiting_pod_is_held_and_the_admitted_one_bound_to_its_plan(
         pod = queued("train-0", "uid-0", **{QUEUE_REASON_ANNOTATION: REASON})
         api.add_pod(pod)
         status, result = client.post("filter", {"Pod": pod, "Nodes": NODES})
-        assert status == 200 and result["Nodes"]["items"] == [] and result["FailedNodes"]["n2"] == REASON
+        assert status == 200 and result["Nodes"]["items"] == [] and result["Error"] == REASON  # mode error
         status, result = client.post("bind", bind_args(pod, "n2"))
         assert status == 200 and result["Error"] and not [c for c in api.calls if c[0] != "GET"]
         admit(pod, "n2", ("GPU-n2-1",))  # the controller's write; kube-scheduler retries the pod
