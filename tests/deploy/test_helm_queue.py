@@ -179,6 +179,16 @@ INVALID = {
     "network-peers-not-a-list": ({"queue": {"networkPolicy": {"metricsFrom": {"podSelector": {}}}}},
                                  "queue.networkPolicy.metricsFrom: Invalid type. Expected: array"),
     "unknown-hold": ({"extender": {"queueHold": "ignore"}}, "extender.queueHold: extender.queueHold must be one of"),
+    "guard-namespace-not-a-name": ({"queue": {"priorityGuard": {"namespaces": ["Team_A"]}}},
+                                   "queue.priorityGuard.namespaces.0: Does not match pattern"),
+    "guard-class-not-a-name": ({"queue": {"priorityGuard": {"priorityClasses": ["high priority"]}}},
+                               "queue.priorityGuard.priorityClasses.0: Does not match pattern"),
+    "guard-classes-not-a-list": ({"queue": {"priorityGuard": {"priorityClasses": "high"}}},
+                                 "queue.priorityGuard.priorityClasses: Invalid type. Expected: array"),
+    "guard-namespace-twice": ({"queue": {"priorityGuard": {"namespaces": ["ml", "ml"]}}},
+                              "queue.priorityGuard.namespaces: array items[0,1] must be unique"),
+    "guard-misspelt-key": ({"queue": {"priorityGuard": {"namespace": ["ml"]}}},
+                           "queue.priorityGuard: Additional property namespace is not allowed"),
 }  # fmt: skip
 
 
@@ -200,6 +210,11 @@ REFUSED = {
     # kube-scheduler skips an ignorable extender's Error: every held pod would be scheduled past the queue
     "ignorable-hold-error": ({"queue": {"enabled": True}, "extender": {"enabled": True, "ignorable": True}},
                              "extender.ignorable is true with queue.enabled and extender.queueHold error"),
+    # one list of the priority guard without the other would guard nothing
+    "guard-without-classes": ({"queue": {"enabled": True, "priorityGuard": {"namespaces": ["ml"]}}},
+                              "queue.priorityGuard.namespaces is set but queue.priorityGuard.priorityClasses is empty"),
+    "guard-without-namespaces": ({"queue": {"enabled": True, "priorityGuard": {"priorityClasses": ["high"]}}},
+                                 "queue.priorityGuard.priorityClasses is set but queue.priorityGuard.namespaces is empty"),
 }  # fmt: skip
 
 
@@ -209,6 +224,48 @@ def test_contradicting_queue_values_fail_with_a_hint(values: dict[str, Any], mes
     proc = run_helm("template", RELEASE, values=values)
     assert proc.returncode != 0
     assert message in proc.stderr and "HINT:" in proc.stderr, proc.stderr
+
+
+# -- the priority guard ------------------------------------------------------------------------------
+
+GUARD = f"{FULLNAME}-queue-priority-guard"
+
+
+def guard_quotas(
+    namespaces: list[str], classes: list[str], *, enabled: bool = True
+) -> dict[str, dict[str, Any]]:
+    """The ResourceQuotas the chart renders for this guard, by namespace."""
+    values = {
+        "queue": {"enabled": enabled, "priorityGuard": {"namespaces": namespaces, "priorityClasses": classes}}
+    }
+    quotas = render(merged(ON, values)).kinds("ResourceQuota")
+    return {q["metadata"]["namespace"]: q for q in quotas}
+
+
+@needs_helm
+def test_the_priority_guard_is_one_quota_per_namespace_refusing_every_pod_of_the_classes() -> None:
+    assert DEFAULTS["queue"]["priorityGuard"] == {"namespaces": [], "priorityClasses": []}
+    assert render(ON).kinds("ResourceQuota") == []  # both lists empty (the default): no guard
+    quotas = guard_quotas(["ml", "team-b"], ["high", "system-cluster-critical"])
+    assert set(quotas) == {"ml", "team-b"}
+    deployment_labels = render(ON).named("Deployment", NAME)["metadata"]["labels"]
+    for quota in quotas.values():
+        assert quota["apiVersion"] == "v1" and quota["metadata"]["name"] == GUARD
+        assert quota["metadata"]["labels"] == deployment_labels  # the chart's labels, as the controller's
+        assert quota["spec"] == {
+            "hard": {"pods": "0"},
+            "scopeSelector": {
+                "matchExpressions": [
+                    {
+                        "scopeName": "PriorityClass",
+                        "operator": "In",
+                        "values": ["high", "system-cluster-critical"],
+                    }
+                ]
+            },
+        }
+    # without the queue controller there is no queue to guard
+    assert guard_quotas(["ml"], ["high"], enabled=False) == {}
 
 
 # -- RBAC: exactly the calls the controller makes ---------------------------------------------------------

@@ -16,6 +16,8 @@ far above everyone's. The queue never admits it.
 - Every GPU taken: kube-scheduler's own filters fail everywhere, so it never asks the extender's filter,
   and 1.20.0-1.20.8 / 1.21.0-1.21.2 never call its preempt verb either (kubernetes issue 102971): it
   evicts a pod for the tenant whatever the extender would answer. Marked xfail(strict) on this tier.
+  The guard there is the chart's queue.priorityGuard: a ResourceQuota allowing no pod of the PriorityClass
+  in the namespace, so the API server refuses to create the attacking pod (403, exceeded quota).
 
 Each try is made to happen at once by touching the pod (an update moves it out of kube-scheduler's
 unschedulable queue) and counted in kube-scheduler's log: "Unable to schedule pod; no fit; waiting" for a
@@ -34,6 +36,7 @@ import pytest
 
 from gpunode.cluster.extender.queued import WAITING_REASON
 from gpunode.contract.names import ASSIGNMENT_ANNOTATION, GPU_RESOURCE, QUEUE_REASON_ANNOTATION
+from tests.deploy.test_helm_chart import needs_helm, render
 from tests.e2e.api import Api, ApiError, eventually
 from tests.e2e.controlplane import ControlPlane
 from tests.e2e.objects import get_pod, pod_body, pod_events
@@ -121,19 +124,32 @@ def _try_again_and_again(cluster: QueueCluster) -> list[tuple[str, str]]:
     return _tries(cluster)[start:]
 
 
-def _fill_and_jump(cluster: QueueCluster, others: list[str]) -> dict[str, str]:
-    """Start from an empty namespace, place `others` (two GPUs each), submit the jumper; the others' UIDs."""
+def _fill(cluster: QueueCluster, others: list[str]) -> dict[str, str]:
+    """Start from an empty namespace and place `others` (two GPUs each); their UIDs."""
     admin = cluster.cp.api()
     delete_all_pods(cluster)
     for name in others:  # an earlier test's pods of these names
         cluster.reaper.terminated.pop(f"{NAMESPACE}/{name}", None)
     submit(admin, *(pod_body(name, limits={GPU_RESOURCE: "2"}) for name in others))
     placed = {n: eventually(partial(_bound, admin, n), timeout_s=WAIT_S, what=f"{n} bound") for n in others}
-    jumper = queued_pod(JUMPER, "team-c", 2)  # team-c may borrow one GPU at most: never admitted
-    jumper["spec"]["priorityClassName"] = PRIORITY_CLASS
-    submit(admin, jumper)
-    assert get_pod(admin, NAMESPACE, JUMPER)["spec"]["priority"] == 1_000_000_000
     return {n: p["metadata"]["uid"] for n, p in placed.items()}
+
+
+def _jumper() -> dict[str, Any]:
+    """The attacking pod: two GPUs in team-c (which may borrow one GPU at most: never admitted), in the
+    tenant's PriorityClass."""
+    jumper = queued_pod(JUMPER, "team-c", 2)
+    jumper["spec"]["priorityClassName"] = PRIORITY_CLASS
+    return jumper
+
+
+def _fill_and_jump(cluster: QueueCluster, others: list[str]) -> dict[str, str]:
+    """Start from an empty namespace, place `others` (two GPUs each), submit the jumper; the others' UIDs."""
+    admin = cluster.cp.api()
+    placed = _fill(cluster, others)
+    submit(admin, _jumper())
+    assert get_pod(admin, NAMESPACE, JUMPER)["spec"]["priority"] == 1_000_000_000
+    return placed
 
 
 def _check_no_preemption(cluster: QueueCluster, others: dict[str, str]) -> None:
@@ -214,3 +230,60 @@ def test_a_held_high_priority_pod_preempts_nobody_when_every_gpu_is_taken(cluste
     # The extender was asked, and said why it allowed nothing.
     log = cluster.extender.log.read_text(errors="replace")
     assert f"no preemption for pod {NAMESPACE}/{JUMPER}" in log and "only the queue controller" in log
+
+
+QUOTAS = f"/api/v1/namespaces/{NAMESPACE}/resourcequotas"
+PROBE = "guard-probe"
+
+
+@needs_helm
+def test_the_charts_priority_guard_refuses_the_attacking_pod_when_every_gpu_is_taken(
+    cluster: QueueCluster,
+) -> None:
+    # The guard for the case above (docs/queueing.md): the chart's queue.priorityGuard, rendered by helm
+    # for the harness's namespace and the attack's PriorityClass, applied to the API server. Its
+    # ResourceQuota admission plugin (on by default in 1.20; the tier disables only ServiceAccount)
+    # then refuses to create the pod at all, so kube-scheduler never sees it.
+    admin = cluster.cp.api()
+    values = {
+        "queue": {
+            "enabled": True,
+            "priorityGuard": {"namespaces": [NAMESPACE], "priorityClasses": [PRIORITY_CLASS]},
+        }
+    }
+    (quota,) = render(values).kinds("ResourceQuota")
+    name = quota["metadata"]["name"]
+    others = _fill(cluster, OTHERS)  # every GPU taken: nothing the extender answers would help
+    try:
+        admin.apply(QUOTAS, quota)
+        # Until the quota controller has filled in a new quota's status, quota admission lets a matching pod
+        # through (it checks against status.hard, still empty). Shown with a harmless pod of the class: no
+        # GPU, and a node selector no node matches (nothing to preempt for); deleted at once.
+        probe = pod_body(PROBE)
+        probe["spec"] |= {"priorityClassName": PRIORITY_CLASS, "nodeSelector": {POKE: "nowhere"}}
+        submit(admin, probe)
+        admin.delete(f"/api/v1/namespaces/{NAMESPACE}/pods/{PROBE}?gracePeriodSeconds=0")
+        # No kube-controller-manager on this tier: its quota controller would fill in the quota's status
+        # (the hard limits and the usage counted) moments after the quota is created. The test does so
+        # itself, acting as that controller, through the status subresource.
+        admin.patch(f"{QUOTAS}/{name}/status", {"status": {"hard": {"pods": "0"}, "used": {"pods": "0"}}})
+        with pytest.raises(ApiError) as refused:
+            submit(admin, _jumper())
+        assert refused.value.status == 403, refused.value
+        assert f"exceeded quota: {name}" in refused.value.body, refused.value.body
+        with pytest.raises(ApiError) as gone:
+            get_pod(admin, NAMESPACE, JUMPER)
+        assert gone.value.status == 404
+        # the other tenants' pods (default priority: outside the quota's scope) are there as they were
+        for pod_name, uid in others.items():
+            assert cluster.reaper.terminated.get(f"{NAMESPACE}/{pod_name}") is None, pod_name
+            pod = get_pod(admin, NAMESPACE, pod_name)
+            assert pod["metadata"]["uid"] == uid and not pod["metadata"].get("deletionTimestamp")
+            preempted = [  # this pod's: the pod of that name an earlier test had evicted had its own
+                e
+                for e in events(admin, pod_name, "Preempted")
+                if (e.get("involvedObject") or e.get("regarding") or {}).get("uid") == uid
+            ]
+            assert not preempted, preempted
+    finally:
+        admin.delete(f"{QUOTAS}/{name}")

@@ -61,6 +61,7 @@ from gpunode.cluster.extender.queued import (
     hold_filter,
     hold_filter_again,
     hold_scores,
+    plan_error,
     queue_hold,
 )
 from gpunode.cluster.extender.reservations import (
@@ -306,7 +307,9 @@ class Extender:
         in both maps (kube-scheduler 1.20 shows only FailedNodes in the pod's events). A pod without a GPU request passes every node. A queued pod is held until
         admitted (config.queue_hold error: Error with the queue's reason, so kube-scheduler does not preempt
         for it; unschedulable: every node failed, the reason in both maps), then passes only its admission's
-        node (queued.py). Raises BadRequest when `body` is not valid ExtenderArgs.
+        node (queued.py); when that node does not pass, error answers Error with why (no preemption for it
+        either: the controller re-plans), unschedulable fails the nodes. Raises BadRequest when `body` is not
+        valid ExtenderArgs.
         """
         args = parse_args(body)
         failed: dict[str, str] = {}
@@ -331,6 +334,9 @@ class Extender:
             passing, failed = hold_filter(hold, views, request, self.reservations, uid=uid, key=key)
             if not passing and hold.admitted is not None:
                 passing, failed = self._hold_filter_again(hold, args, views, request, uid=uid, key=key)
+            if not passing and (error := plan_error(hold, failed, self.config.queue_hold)) is not None:
+                self.filtered.record(uid, key, request, [])
+                return {**filter_result(args, [], {}, {}), "Error": error}
             self.filtered.record(uid, key, request, passing)
             return filter_result(args, passing, failed, dict(failed))
         ctx = self._context(uid)

@@ -14,7 +14,9 @@ events (bounded and cleaned: the pod's owner can write that annotation too, and
 gains nothing by it but a misleading message on their own pod). An admitted pod
 passes filter only on the node of its mark, and bind reserves exactly the GPUs the
 mark names (admitted_filter, marked_fit): the controller's plan wins over the
-extender's own choice. This module is the one place both sides read these marks;
+extender's own choice. When that node does not pass (the plan no longer fits), the
+filter answers as for a waiting pod: an Error saying why (plan_error), or failed nodes
+(unschedulable), and the controller re-plans. This module is the one place both sides read these marks;
 gpunode.cluster.queuectl imports it. No I/O but QueueNamespaces' reading of its file.
 """
 
@@ -229,7 +231,7 @@ class QueueNamespaces:
 
 def hold_error(hold: Hold, mode: str) -> str | None:
     """The filter's Error for a held pod in mode HOLD_ERROR (the queue's reason), None when the filter is to
-    answer with failed nodes instead (the pod is admitted, or mode HOLD_UNSCHEDULABLE).
+    answer with failed nodes instead (mode HOLD_UNSCHEDULABLE) or is admitted (plan_error then).
 
     kube-scheduler returns an extender's Error as a plain scheduling error, not a fit error: no PostFilter,
     so its own preemption never runs for the pod, whether or not it calls the preempt verb. The event and
@@ -237,7 +239,31 @@ def hold_error(hold: Hold, mode: str) -> str | None:
     can write the reason) is shown as a fullwidth percent sign rather than garbled."""
     if hold.admitted is not None or mode != HOLD_ERROR:
         return None
-    return hold.reason.replace("%", "\uff05")
+    return _error_text(hold.reason)
+
+
+def plan_error(hold: Hold, failed: Mapping[str, str], mode: str) -> str | None:
+    """The filter's Error for an admitted pod that passed no node, in mode HOLD_ERROR: why the node of its
+    admission did not pass (`failed`, hold_filter's), cleaned as a waiting reason; None for a waiting pod
+    or in mode HOLD_UNSCHEDULABLE (then the failed nodes are the answer).
+
+    Failed nodes would make kube-scheduler's own preemption run for the pod (a plan that no longer fits
+    because something took its GPUs is a fit failure on every node), so a pod whose owner gave it a high
+    PriorityClass could have the GPUs' new holders evicted; with an Error it waits for the controller to
+    re-plan. The node names and GPUs come from the mark, which the pod's owner can rewrite: cleaned too."""
+    if hold.admitted is None or mode != HOLD_ERROR:
+        return None
+    node = hold.admitted.node
+    why = failed.get(node) or (
+        f"the queue controller's plan names node {node}, which kube-scheduler did not offer (its own "
+        "filters failed it, or it is gone); waiting for the queue controller to re-plan"
+    )
+    return _error_text(clean_reason(why))
+
+
+def _error_text(reason: str) -> str:
+    """A cleaned reason as an extender Error: 1.20 reads it as a Go format string, so '%' is shown as '\uff05'."""
+    return reason.replace("%", "\uff05")
 
 
 def hold_filter(

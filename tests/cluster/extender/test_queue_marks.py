@@ -123,6 +123,19 @@ def held(extender: Extender, result: dict[str, Any]) -> set[str]:
     return set(result["FailedNodes"].values())
 
 
+def plan_refused(extender: Extender, result: dict[str, Any], node: str) -> str:
+    """Why an admitted pod's filter passed no node, checked against the hold mode: the Error alone (error:
+    kube-scheduler's preemption never runs for the pod, the controller re-plans it), or the plan's `node`
+    failed with the reason and no Error (unschedulable); that reason."""
+    assert not (result.get("Nodes") or {}).get("items") and not result.get("NodeNames")
+    if extender.config.queue_hold == HOLD_ERROR:
+        assert result["Error"] and result["FailedNodes"] == result["FailedAndUnresolvableNodes"] == {}
+        assert result["Error"].isprintable() and len(result["Error"]) <= MAX_REASON
+        return str(result["Error"])
+    assert result["Error"] == "" and node in result["FailedNodes"]
+    return str(result["FailedNodes"][node])
+
+
 # ----- waiting pods ---------------------------------------------------------------------------------------
 
 
@@ -252,13 +265,48 @@ def test_a_plan_that_no_longer_fits_is_refused_so_the_controller_replans(
     result = extender.bind(bind_args(pod, "n1"))
     assert "no longer fits" in result["Error"] and "re-plan" in result["Error"] and binder.binds == []
     filtered = extender.filter({"Pod": pod, "Nodes": node_list(taken, *NODES["items"][1:])})
-    # an admitted pod whose plan fails keeps failed nodes in both modes (never an Error): the controller
-    # re-plans it, and kube-scheduler tries it again at once
-    assert passing(filtered) == [] and filtered["Error"] == ""
-    assert "queue controller's plan (node n1, GPUs GPU-n1-1) no longer fits" in filtered["FailedNodes"]["n1"]
+    # an admitted pod whose plan fails is refused as a waiting one is: in mode error with an Error saying why
+    # (failed nodes would make kube-scheduler preempt for it, evicting the GPUs' new holder when its owner
+    # gave it a high PriorityClass); the controller re-plans it, and kube-scheduler tries it again at once
+    shown = plan_refused(extender, filtered, "n1")
+    assert "queue controller's plan (node n1, GPUs GPU-n1-1) no longer fits" in shown
+    if extender.config.queue_hold == HOLD_UNSCHEDULABLE:  # the other nodes say where the plan is
+        assert "admitted this pod to node n1" in filtered["FailedNodes"]["n2"]
+    seen = extender.filtered.get("uid-a")
+    assert seen is not None and not seen.passed_node("n1")  # a bind of the earlier answer is refused
     # a plan naming a GPU the node does not have is refused the same way
     ghost = admit(queued("gang-1", "uid-g"), "n2", ("GPU-n2-7",))
-    assert "no longer fits" in extender.filter({"Pod": ghost, "Nodes": NODES})["FailedNodes"]["n2"]
+    assert "no longer fits" in plan_refused(extender, extender.filter({"Pod": ghost, "Nodes": NODES}), "n2")
+
+
+def test_a_plan_whose_node_was_not_offered_is_refused(ext: tuple[Extender, Binder]) -> None:
+    # kube-scheduler's own filters failed the plan's node (or it is gone): the others are offered
+    extender, _ = ext
+    pod = admit(queued("gang-0", "uid-a"), "n1", ("GPU-n1-1",))
+    result = extender.filter({"Pod": pod, "Nodes": node_list(*NODES["items"][1:])})
+    shown = plan_refused(extender, result, "n2")
+    if extender.config.queue_hold == HOLD_ERROR:
+        assert shown.startswith(
+            "the queue controller's plan names node n1, which kube-scheduler did not offer"
+        )
+        assert "re-plan" in shown
+    else:
+        assert shown == "the queue controller admitted this pod to node n1"
+    assert len(extender.reservations) == 0
+
+
+def test_an_odd_plan_is_refused_in_one_clean_line(ext: tuple[Extender, Binder]) -> None:
+    # The pod's owner rewrites its own mark (keeping its UID) with a node that is not offered, or GPUs named
+    # with control characters, a '%' and length: the Error is one printable bounded line, no format verbs.
+    extender, _ = ext
+    odd = "n9\n\x1b[31m%s%d\u202e" + "x" * 5000
+    away = admit(queued("gang-0", "uid-a"), odd, ("GPU-n1-0",))
+    gpus = admit(queued("gang-1", "uid-b"), "n1", ("GPU-%s\r\n" + "y" * 5000, "GPU-n1-1"))
+    for pod, node in ((away, "n1"), (gpus, "n1")):
+        shown = plan_refused(extender, extender.filter({"Pod": pod, "Nodes": NODES}), node)
+        if extender.config.queue_hold == HOLD_ERROR:
+            assert "%" not in shown and "\uff05" in shown and "\x1b" not in shown and "\u202e" not in shown
+            assert shown == shown.strip() and "  " not in shown
 
 
 def test_an_admission_onto_gpus_freed_since_the_last_refresh_is_judged_on_fresh_nodes() -> None:
@@ -275,7 +323,7 @@ def test_an_admission_onto_gpus_freed_since_the_last_refresh_is_judged_on_fresh_
     pod = admit(queued("late", "uid-late"), "n1", ("GPU-n1-0",))
     binder.add(pod)
     stale = extender.filter({"Pod": pod, "NodeNames": ["n1"]})
-    assert passing_names(stale) == [] and "no longer fits" in stale["FailedNodes"]["n1"]
+    assert passing_names(stale) == [] and "no longer fits" in plan_refused(extender, stale, "n1")
     assert extender.on_demand is not None and extender.on_demand.refreshes == 1  # it did look again
     listed.append([freed])  # the agent published the GPU free
     assert passing_names(extender.filter({"Pod": pod, "NodeNames": ["n1"]})) == ["n1"]
@@ -302,7 +350,7 @@ def test_an_admission_onto_the_gpu_of_a_pod_deleted_after_its_bind_is_not_held_b
     pod = admit(queued("next", "uid-next"), "n1", ("GPU-n1-0",))
     binder.add(pod)
     # While the short pod exists, its reservation holds the GPU: the plan does not fit.
-    assert "no longer fits" in extender.filter({"Pod": pod, "Nodes": NODES})["FailedNodes"]["n1"]
+    assert "no longer fits" in plan_refused(extender, extender.filter({"Pod": pod, "Nodes": NODES}), "n1")
     assert extender.reservations.get("uid-short") is not None
     del binder.pods["team-a/short"]
     assert passing(extender.filter({"Pod": pod, "Nodes": NODES})) == ["n1"]
