@@ -6,7 +6,8 @@ the configured default; a job already past its estimate is expected to end now):
 on a what-if copy of the cluster it releases the running jobs in order of expected
 end, and finds the fewest groups of equal end times to release before the head
 plans: galloping (1, 2, 4, ... groups) then bisection, so a reservation costs a few
-dozen placement trials at most however many jobs run. The head's plan at that time
+dozen placement trials at most however many jobs run (earliest.py: each trial
+builds only the nodes that free up enough for the head). The head's plan at that time
 reserves its nodes. (Bisection takes the head's fit as monotone in time, which it is
 for any exact placement; a greedy gang placement may rarely find a later time than
 the earliest one. The reservation is valid either way.)
@@ -24,10 +25,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import groupby
 
 from gpunode.cluster.queueing.capacity import ClusterCapacity
-from gpunode.cluster.queueing.model import GPU, Job, Plan, RunningJob
+from gpunode.cluster.queueing.earliest import FastSearch, Groups, Search
+from gpunode.cluster.queueing.model import Job, Plan, RunningJob
 
 
 @dataclass(frozen=True)
@@ -52,92 +53,35 @@ def reserve(
     now: float,
     default_runtime: float,
     exclude: frozenset[str] = frozenset(),
+    *,
+    ends: Sequence[tuple[float, str]] | None = None,
+    fast: bool = True,
 ) -> Reservation | None:
     """The earliest start (and plan) of `head` as the running jobs end; None if it never fits.
 
     `running` are the committed jobs of `cap` (others are ignored: they are taken to
     run on for ever). The result is `now` with a plan when the head fits already.
     The plan stays off `exclude` (nodes other reservations hold). cap is left as it was.
+    `ends`, when given, replaces `running`: every running job's (expected end, name),
+    sorted (the engine keeps it current, so a reservation does not sort the running
+    jobs again; only the groups the search reaches are built). `fast` (the default) makes
+    the same placement trials on node states built only where they can matter
+    (earliest.py); False releases jobs on a fork as the plain search does.
     """
     plan = cap.plan(head, exclude_nodes=exclude)
     if plan is not None:
         return Reservation(job=head.name, start=now, plan=plan, nodes=plan.nodes)
     if not cap.fits_empty(head):
         return None
-    groups = [
-        (end, [name for _, name in group])
-        for end, group in groupby(
-            sorted(
-                (max(now, r.expected_end(default_runtime)), r.job.name) for r in running if r.job.name in cap
-            ),
-            key=lambda item: item[0],
-        )
-    ]
-    found = _Search(cap.fork(), head, groups, exclude).earliest()
+    if ends is None:
+        ends = sorted((r.expected_end(default_runtime), r.job.name) for r in running)
+    groups = Groups(ends, now, cap)
+    search = FastSearch(cap, head, groups, exclude) if fast else Search(cap.fork(), head, groups, exclude)
+    found = search.earliest()
     if found is None:
         return None
     k, plan = found
-    return Reservation(job=head.name, start=groups[k - 1][0], plan=plan, nodes=plan.nodes)
-
-
-class _Search:
-    """The fewest end-time groups to release before the head plans: galloping, then bisection.
-
-    Going forward releases groups (release_many, each node rebuilt once per step);
-    going back commits them again with their own plans. A step whose released GPUs
-    cannot cover the head's in all is decided without a placement trial.
-    """
-
-    def __init__(
-        self, cap: ClusterCapacity, head: Job, groups: list[tuple[float, list[str]]], exclude: frozenset[str]
-    ) -> None:
-        self.cap, self.head, self.groups, self.exclude = cap, head, groups, exclude
-        self.pos = 0
-        self.free = [cap.free()[GPU]]  # free GPU after releasing the first k groups, extended as needed
-        self.kept: dict[str, tuple[Job, Plan]] = {}
-
-    def _free_after(self, k: int) -> int:
-        while len(self.free) <= k:
-            names = self.groups[len(self.free) - 1][1]
-            self.free.append(self.free[-1] + sum(self.cap.held(name).get(GPU, 0) for name in names))
-        return self.free[k]
-
-    def _probe(self, k: int) -> Plan | None:
-        if self._free_after(k) < self.head.gpu_milli:
-            return None
-        cap = self.cap
-        if k > self.pos:
-            names = [n for _, group in self.groups[self.pos : k] for n in group]
-            for name in names:
-                self.kept.setdefault(name, (cap.job_of(name), cap.plan_of(name)))
-            cap.release_many(names)
-        for _, group in self.groups[k : self.pos]:
-            for name in group:
-                cap.commit(name, *self.kept[name])
-        self.pos = k
-        return cap.plan(self.head, exclude_nodes=self.exclude)
-
-    def earliest(self) -> tuple[int, Plan] | None:
-        n = len(self.groups)
-        low, k = 0, 1  # releasing `low` groups is known not to be enough
-        best: tuple[int, Plan] | None = None
-        while k <= n:
-            plan = self._probe(k)
-            if plan is not None:
-                best = (k, plan)
-                break
-            low, k = k, min(2 * k, n) if k < n else n + 1
-        if best is None:
-            return None
-        high = best[0]
-        while high - low > 1:
-            mid = (low + high) // 2
-            plan = self._probe(mid)
-            if plan is not None:
-                best, high = (mid, plan), mid
-            else:
-                low = mid
-        return best
+    return Reservation(job=head.name, start=groups.items[k - 1][0], plan=plan, nodes=plan.nodes)
 
 
 def backfill_plan(

@@ -15,6 +15,8 @@ API (all deterministic for a given seed):
   bumps .epoch.
 - .held(job_name) / .amounts(job, plan) -> Amounts: what a job holds (gpu, gpu_memory, gpu/<model>);
   .plan_of(job_name), .job_of(job_name), .jobs, `name in cap`.
+- .free_gpu(), .footprint(name), .free_by_row(), .show_without(gone, rows): per-node views for
+  the engine's and backfill's shortcuts (nodeview.py).
 - .free() / .capacity() -> Amounts; .fits_empty(job): could it ever fit (on the initial cluster).
 - .epoch: changes with every release (and only then): a job that failed to plan at the same
   epoch, with the same exclude_nodes, still fails, because commits only take resources away.
@@ -44,6 +46,7 @@ import numpy as np
 from gpunode.cluster.queueing.energy import DEFAULT_POWER, GpuActivity, PowerModel, extra_watts_rank
 from gpunode.cluster.queueing.model import GPU, GPU_MEMORY, Amounts, Job, Plan, PodPlacement, model_key
 from gpunode.cluster.queueing.nodetable import Allocation, VersionedArrays, rebuild
+from gpunode.cluster.queueing.nodeview import NodeView
 from gpunode.errors import InvalidRequest, InvalidState
 from gpunode.placement.arrays import BoolArray, FloatArray, IntArray
 from gpunode.placement.batch import BATCH_POLICIES
@@ -71,7 +74,7 @@ class _Shared:
     empty: ClusterCapacity | None = None
 
 
-class ClusterCapacity:
+class ClusterCapacity(NodeView):
     """The cluster's GPUs as admission sees them (see the module docstring for the API)."""
 
     def __init__(
@@ -327,6 +330,10 @@ class ClusterCapacity:
         """What a committed job holds (see amounts)."""
         return dict(self._jobs[job_name].amounts)
 
+    def held_gpu(self, job_name: str) -> int:
+        """The milli-GPU a committed job holds (held()[gpu], without copying the amounts)."""
+        return self._jobs[job_name].amounts.get(GPU, 0)
+
     def plan_of(self, job_name: str) -> Plan:
         """The plan a committed job holds."""
         return self._jobs[job_name].plan
@@ -379,12 +386,12 @@ class ClusterCapacity:
 
     # ----- what-if ------------------------------------------------------------------------------------
 
-    def _fork_fields(self) -> dict[str, object]:
+    def _fork_fields(self, books: bool = True) -> dict[str, object]:
         fields = dict(self.__dict__)
         fields.update(
             _arrays=self._arrays.fork(),
-            _alloc=dict(self._alloc),
-            _jobs=dict(self._jobs),
+            _alloc=dict(self._alloc) if books else self._alloc,
+            _jobs=dict(self._jobs) if books else self._jobs,
             _rng=copy.deepcopy(self._rng),
             _used=self._used.copy(),
             _busy=self._busy.copy(),
@@ -392,10 +399,14 @@ class ClusterCapacity:
         )
         return fields
 
-    def fork(self) -> ClusterCapacity:
-        """An independent copy (same jobs, same free GPUs) for what-if; the original is untouched."""
+    def fork(self, *, books: bool = True) -> ClusterCapacity:
+        """An independent copy (same jobs, same free GPUs) for what-if; the original is untouched.
+
+        books=False: the fork shares the records of committed jobs with the original, for a fork
+        that is only planned on (and shown states, nodeview.py): never commit or release on it.
+        """
         new = ClusterCapacity.__new__(ClusterCapacity)
-        new.__dict__.update(self._fork_fields())
+        new.__dict__.update(self._fork_fields(books))
         return new
 
     @contextmanager

@@ -37,7 +37,10 @@ Speed: a pending job whose shape (its pods) failed to place at the current
 capacity epoch, with the same excluded nodes, is skipped without a trial
 (commits only take room away; only a release can make it fit); a job whose
 GPUs exceed the free GPUs is skipped; the queue's limit is checked before any
-placement; a queue that cannot admit is not walked again in the same cycle.
+placement; a queue that cannot admit is not walked again in the same cycle;
+a one-pod job is not tried when a smaller pod of its kind failed at this epoch
+(admit.py). Running jobs are kept sorted by expected end for backfill, whose
+search builds only the nodes that can take the head (earliest.py).
 Fair shares are recomputed only when they can have moved (ordering.py); notices
 and young jobs are heaps and running jobs are indexed by queue, so no cycle
 walks all running jobs; a failed victim search waits PREEMPT_RETRY_S (rooms.py).
@@ -49,8 +52,9 @@ import bisect
 import heapq
 import itertools
 from collections.abc import Iterable
-from dataclasses import replace
+from operator import attrgetter
 
+from gpunode.cluster.queueing.admit import Admit
 from gpunode.cluster.queueing.adoption import Adoption
 from gpunode.cluster.queueing.backfill import Reservation
 from gpunode.cluster.queueing.capacity import ClusterCapacity
@@ -73,15 +77,18 @@ from gpunode.cluster.queueing.preempt import Unit
 from gpunode.cluster.queueing.presets import Preset
 from gpunode.cluster.queueing.quotas import QuotaBook, job_demand
 from gpunode.cluster.queueing.reasons import Reasons
-from gpunode.cluster.queueing.rooms import ALL, Nomination, Pending, Rooms
+from gpunode.cluster.queueing.rooms import ALL, ANY, Nomination, Pending, Rooms
 from gpunode.contract.names import MILLI_PER_GPU
+from gpunode.placement.model import Request
+
+_key = attrgetter("key")
 
 # Victim searches per cycle (each walks the running jobs and makes placement trials); heads of other queues
 # search in later cycles. Notices take minutes, so this delays a preemption by a cycle, not a notice period.
 PREEMPTION_SEARCHES_PER_CYCLE = 1
 
 
-class Scheduler(Adoption, Rooms, Ordering):
+class Scheduler(Adoption, Rooms, Ordering, Admit):
     """Admission for one cluster: queues, quotas, fair share, gangs, preemption and backfill."""
 
     def __init__(self, config: QueueConfig, cap: ClusterCapacity, preset: Preset) -> None:
@@ -101,8 +108,12 @@ class Scheduler(Adoption, Rooms, Ordering):
         self._reservation_stamp: tuple[int, int] | None = None
         self._extra: dict[str, Reservation] = {}  # the further reservations of multi-GPU jobs (rooms.py)
         self._released_nodes: set[str] = set()
+        self._ends: list[tuple[float, str]] = []  # running jobs' (expected end, name), sorted (backfill)
         self._shapes: dict[tuple[object, ...], int] = {}
         self._failed: dict[tuple[int, frozenset[str]], tuple[int, str]] = {}
+        self._fits_empty: dict[int, bool] = {}
+        self._why_cache: dict[tuple[int, frozenset[str], bool], str] = {}
+        self._small_fails: dict[tuple[str, frozenset[str] | None], list[tuple[Request, frozenset[str]]]] = {}
         self._preempt_failed: dict[str, tuple[int, int, float, float]] = {}
         self._by_queue: dict[str, dict[str, RunningJob]] = {q: {} for q in config.leaves}
         self._priorities: dict[str, dict[int, int]] = {
@@ -221,7 +232,7 @@ class Scheduler(Adoption, Rooms, Ordering):
         self._admit_nominated(now, d)
         self._refresh_reservation(now)
         order = self._orderer()
-        self._dead: dict[str, dict[int, int]] = {}
+        self._dead: dict[str, dict[int, float]] = {}
         self._heads_tried: set[str] = set()
         self._extra_tried: set[str] = set()
         self._searches_left = PREEMPTION_SEARCHES_PER_CYCLE
@@ -254,15 +265,17 @@ class Scheduler(Adoption, Rooms, Ordering):
         reservation for its first multi-GPU job that does not fit (rooms.py).
         """
         lst = self._lists[q]
-        dead = self._dead.setdefault(q, {})
+        dead = self._dead.setdefault(q, {})  # shape -> the k-th start (level k), or -inf (level 0)
         dead_get, nominated = dead.get, self._nominated
         i = cursors[q]
         n = len(lst)
-        while i < n:  # the skips are this loop's hot path
+        while i < n:  # the skips are this loop's hot path: now + runtime > k-th start is p's level >= k
             p = lst[i]
-            level = dead_get(p.shape)
-            if level is not None and (
-                level == 0 or (not self._is_reserved(p.job.name) and self._level(p, now) >= level)
+            limit = dead_get(p.shape)
+            if (
+                limit is not None
+                and now + p.runtime > limit
+                and (limit == ANY or p.job.name not in self._reserved_names)
             ):
                 i += 1
                 continue
@@ -283,86 +296,21 @@ class Scheduler(Adoption, Rooms, Ordering):
                     n = len(lst)  # a notice of 0 s stops and requeues victims at once
                     continue
                 self._reserve(p, now)
-            if verdict == "capacity" and q not in self._extra_tried and self._reserve_extra(p, now):
+            if (
+                verdict == "capacity"
+                and q not in self._extra_tried
+                and len(self._extra) < self.reservations_max - 1
+                and self._reserve_extra(p, now)
+            ):
                 self._extra_tried.add(q)
             if self.preset.head_blocks and verdict != "never":
                 break
             if not self._is_reserved(p.job.name) and p.held == []:
-                dead[p.shape] = self._level(p, now) if verdict == "capacity" else 0
+                level = self._level(p, now) if verdict == "capacity" else 0
+                dead[p.shape] = self._res_starts[level - 1] if level else ANY
             i += 1
         cursors[q] = i
         return False
-
-    def _try(self, p: Pending, now: float, d: Decisions) -> str:
-        """Try to admit p now: "admitted", "quota", "capacity" or "never"."""
-        job = p.job
-        over = self.book.over_limit(job.queue, {GPU: p.demand.get(GPU, 0)})
-        if over is not None:
-            p.why = self.reasons.over_quota(p, *over)
-            return "quota"
-        if not self.preset.gang:
-            return self._try_pods(p, now, d)
-        if not self.cap.fits_empty(job):
-            p.why = self.reasons.never_fits(p)
-            return "never"
-        exclude = self._exclusion(p, now)
-        key = (p.shape, exclude)
-        failed = self._failed.get(key)
-        if failed is not None and failed[0] == self.cap.epoch:
-            p.why = failed[1]
-            return "capacity"
-        plan = None
-        if p.demand.get(GPU, 0) <= self._free_gpu():
-            plan = self.cap.plan(job, exclude_nodes=exclude)
-        if plan is None:
-            p.why = self.reasons.no_room(p, exclude)
-            self._failed[key] = (self.cap.epoch, p.why)
-            return "capacity"
-        amounts = self.cap.amounts(job, plan)
-        over = self.book.over_limit(job.queue, amounts)
-        if over is not None:
-            p.why = self.reasons.over_quota(p, *over)
-            return "quota"
-        self._start(p, plan, amounts, now, d)
-        return "admitted"
-
-    def _try_pods(self, p: Pending, now: float, d: Decisions) -> str:
-        """kube-scheduler's way: place the job's remaining pods one by one; each placed pod is held."""
-        job = p.job
-        exclude = self._exclusion(p, now)
-        while len(p.held) < len(job.pods):
-            i = len(p.held)
-            pod_job = replace(job, name=f"{job.name}/{i}", pods=(job.pods[i],))
-            key = (self._shape_of(pod_job.pods), exclude)
-            failed = self._failed.get(key)
-            if failed is not None and failed[0] == self.cap.epoch:
-                plan = None
-            else:
-                plan = self.cap.plan(pod_job, exclude_nodes=exclude)
-            if plan is None:
-                self._failed[key] = (self.cap.epoch, "")
-                p.why = self.reasons.pods_placed(p)
-                return "capacity"
-            self.cap.commit(pod_job.name, pod_job, plan)
-            self._version += 1
-            p.held.append((pod_job.name, pod_job, plan))
-            if len(p.held) < len(job.pods) and job.gang:
-                self.partial_gangs.add(job.name)
-        plan = Plan(pods=tuple(pl.pods[0] for _, _, pl in p.held))
-        units = list(p.held)
-        p.held.clear()
-        self._start(p, plan, self.cap.amounts(job, plan), now, d, units=units)
-        return "admitted"
-
-    def _exclusion(self, p: Pending, now: float) -> frozenset[str]:
-        """Nodes p must stay off: room promised to other preemptors and the nodes of every
-        reservation (but its own) that starts before p would end."""
-        if p.job.name in self._nominated:
-            nodes = {n for name, nom in self._nominated.items() if name != p.job.name for n in nom.nodes}
-            return frozenset(nodes)
-        if self._is_reserved(p.job.name):
-            return self._reserved_exclusion(p, now)
-        return self._excl_levels[self._level(p, now)]
 
     # ----- state changes ---------------------------------------------------------------------------------
 
@@ -377,7 +325,7 @@ class Scheduler(Adoption, Rooms, Ordering):
         )
         self._pending[job.name] = p
         lst = self._lists.setdefault(ALL if self.preset.order == "global" else job.queue, [])
-        bisect.insort(lst, p, key=lambda x: x.key)
+        bisect.insort(lst, p, key=_key)
         acc = self._pending_demand[job.queue]
         for k, v in p.demand.items():
             acc[k] = acc.get(k, 0) + v
@@ -410,6 +358,7 @@ class Scheduler(Adoption, Rooms, Ordering):
             job=job, start=now, plan=plan, usage=amounts, borrowed=borrowed
         )
         self._by_queue[job.queue][job.name] = r
+        bisect.insort(self._ends, (r.expected_end(self.default_runtime_s), job.name))
         count = self._priorities[job.queue]
         count[job.priority] = count.get(job.priority, 0) + 1
         heapq.heappush(self._young, (now, job.name))
@@ -422,6 +371,7 @@ class Scheduler(Adoption, Rooms, Ordering):
     def _stop(self, name: str) -> RunningJob:
         r = self.running.pop(name)
         del self._by_queue[r.job.queue][name]
+        del self._ends[bisect.bisect_left(self._ends, (r.expected_end(self.default_runtime_s), name))]
         count = self._priorities[r.job.queue]
         count[r.job.priority] -= 1
         if not count[r.job.priority]:
@@ -458,7 +408,7 @@ class Scheduler(Adoption, Rooms, Ordering):
     def _free_gpu(self) -> int:
         stamp = (self.cap.epoch, self._version)
         if self._free_stamp != stamp:
-            self._free_cache = self.cap.free().get(GPU, 0)
+            self._free_cache = self.cap.free_gpu()
             self._free_stamp = stamp
         return self._free_cache
 

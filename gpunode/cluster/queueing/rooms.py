@@ -41,6 +41,7 @@ ALL = "*"  # the one list of the "global" order
 # seconds): a search walks the running jobs and makes placement trials, and most fail the same way in
 # the next cycle. Against a notice period of minutes it delays a preemption by well under one.
 PREEMPT_RETRY_S = 30.0
+ANY = -float("inf")  # a shape dead at level 0 in a cycle: every job of it is passed over (engine._walk)
 
 
 @dataclass
@@ -57,10 +58,11 @@ class Pending:
     why: str = ""
     reported_why: str = ""
 
-    @property
-    def key(self) -> tuple[int, float, int]:
-        """Order within a queue: higher priority first, then earlier arrival, then submission order."""
-        return (-self.job.priority, self.job.arrival, self.seq)
+    key: tuple[int, float, int] = field(init=False, repr=False)
+    # order within a queue: higher priority first, then earlier arrival, then submission order
+
+    def __post_init__(self) -> None:
+        self.key = (-self.job.priority, self.job.arrival, self.seq)
 
 
 @dataclass
@@ -86,7 +88,9 @@ class Rooms:
         min_runtime_s: float
         default_runtime_s: float
         reservations_max: int
-        _dead: dict[str, dict[int, int]]
+        _ends: list[tuple[float, str]]
+        _why_cache: dict[tuple[int, frozenset[str], bool], str]
+        _dead: dict[str, dict[int, float]]
         _pending: dict[str, Pending]
         _lists: dict[str, list[Pending]]
         _version: int
@@ -109,8 +113,10 @@ class Rooms:
     _res_starts: tuple[float, ...] = ()  # every reservation's start, earliest first
     _res_nodes: tuple[tuple[str, frozenset[str]], ...] = ()  # (job, nodes) in the same order
     _excl_levels: tuple[frozenset[str], ...] = (frozenset(),)  # base plus the first k reservations' nodes
+    _reserved_names: frozenset[str] = frozenset()  # the jobs holding a reservation (as of _exclusions)
     _notices: list[tuple[float, str]]
     _young: list[tuple[float, str]]
+    fast_reserve = True  # backfill.reserve's fast search (False: the plain one, for tests comparing them)
 
     def _preempt(self, p: Pending, now: float, d: Decisions) -> bool:
         """Give notices to the victims that make room for p (nominating it to that room); True if any."""
@@ -153,7 +159,14 @@ class Rooms:
         if not self.backfill or self._reserved is not None or p.job.name in self._extra:
             return
         res = reserve(
-            p.job, list(self.running.values()), self.cap, now, self.default_runtime_s, self._others("")
+            p.job,
+            (),
+            self.cap,
+            now,
+            self.default_runtime_s,
+            self._others(""),
+            ends=self._ends,
+            fast=self.fast_reserve,
         )
         if res is None or res.nodes & self._excl_base:  # room promised to a preemptor is not reservable
             return
@@ -181,7 +194,14 @@ class Rooms:
             # free up. The head itself is tried in every cycle and starts as soon as it fits anywhere.
             return
         res = reserve(
-            p.job, list(self.running.values()), self.cap, now, self.default_runtime_s, self._others(name)
+            p.job,
+            (),
+            self.cap,
+            now,
+            self.default_runtime_s,
+            self._others(name),
+            ends=self._ends,
+            fast=self.fast_reserve,
         )
         if res is None or res.nodes & self._excl_base:
             self._drop_reservation()
@@ -208,7 +228,9 @@ class Rooms:
         ):
             return False
         exclude = self._excl_base | self._others(name)
-        res = reserve(p.job, list(self.running.values()), self.cap, now, self.default_runtime_s, exclude)
+        res = reserve(
+            p.job, (), self.cap, now, self.default_runtime_s, exclude, ends=self._ends, fast=self.fast_reserve
+        )
         if res is not None:
             self._extra[name] = res
             self._exclusions()
@@ -224,7 +246,16 @@ class Rooms:
         del self._extra[name]
         if p is not None and name not in self._nominated:
             exclude = self._excl_base | self._others(name)
-            new = reserve(p.job, list(self.running.values()), self.cap, now, self.default_runtime_s, exclude)
+            new = reserve(
+                p.job,
+                (),
+                self.cap,
+                now,
+                self.default_runtime_s,
+                exclude,
+                ends=self._ends,
+                fast=self.fast_reserve,
+            )
             if new is not None:
                 self._extra[name] = new
                 p.why = self.reasons.reserved(p, new)
@@ -268,10 +299,12 @@ class Rooms:
             acc = acc | res.nodes
             levels.append(acc)
         self._excl_levels = tuple(levels)
+        self._reserved_names = frozenset(name for name, _ in ordered)
+        self._why_cache.clear()
         dead = getattr(self, "_dead", None)
         if dead:  # failures recorded against reservation levels that have moved: forget them
             for shapes in dead.values():
-                for shape in [s for s, level in shapes.items() if level > 0]:
+                for shape in [s for s, limit in shapes.items() if limit != ANY]:
                     del shapes[shape]
 
     def _expire(self, now: float, d: Decisions) -> None:

@@ -1,0 +1,176 @@
+"""Backfill's search for the earliest start of a head of line (backfill.reserve).
+
+The running jobs are taken in groups of equal expected end (Groups); the search
+finds the fewest groups to release before the head plans: galloping (1, 2, 4, ...
+groups), then bisection. Search makes each trial on a fork where the groups are
+really released (each node rebuilt, scored again) and committed again going back.
+
+FastSearch makes the very same trials in the same order, with the same random
+generator (a copy of the cluster's), but does not release anything: for a trial
+after k groups it sets to their state after those releases only the nodes where
+a member of the head could then fit (by a necessary test on the node's free GPU,
+CPU and memory once its released pods are added back); every other node keeps
+its present state. That changes no trial's outcome: a node without releases is
+in its state after k groups already; a node that fails the test cannot take any
+member after k groups, nor (holding more) now; and a node's feasibility and score
+depend only on its own state. So each trial sees the same feasible nodes with the
+same scores, breaks ties with the same draws, and returns the same plan as the
+plain search's; a reservation costs the nodes that free up, not every node the
+released jobs touched (tests/cluster/queueing/test_earliest.py compares the two).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+from gpunode.cluster.queueing.capacity import ClusterCapacity
+from gpunode.cluster.queueing.model import GPU, Job, Plan
+
+
+def _end(item: tuple[float, str]) -> float:
+    return item[0]
+
+
+class Groups:
+    """The committed running jobs by expected end, in groups of equal end, earliest first.
+
+    A job already past its expected end is expected to end now: all of those make the
+    first group. Groups are built as the search reaches them (reach), so a head that
+    fits after the first few ends costs a few bisections of `ends`, not a pass over it.
+    """
+
+    def __init__(self, ends: Sequence[tuple[float, str]], now: float, cap: ClusterCapacity) -> None:
+        self.ends, self.cap = ends, cap
+        self.items: list[tuple[float, list[str]]] = []
+        self.next = bisect.bisect_right(ends, now, key=_end)
+        first = sorted(name for _, name in ends[: self.next] if name in cap)
+        if first:
+            self.items.append((now, first))
+
+    def reach(self, k: int) -> int:
+        """Build groups until there are k or no more; how many there are then."""
+        ends, cap, items = self.ends, self.cap, self.items
+        while len(items) < k and self.next < len(ends):
+            end = ends[self.next][0]
+            stop = bisect.bisect_right(ends, end, lo=self.next, key=_end)
+            names = [name for _, name in ends[self.next : stop] if name in cap]
+            self.next = stop
+            if names:
+                items.append((end, names))
+        return len(items)
+
+
+class Search:
+    """The fewest end-time groups to release before the head plans: galloping, then bisection.
+
+    Going forward releases groups (release_many, each node rebuilt once per step);
+    going back commits them again with their own plans. A step whose released GPUs
+    cannot cover the head's in all is decided without a placement trial.
+    """
+
+    def __init__(self, cap: ClusterCapacity, head: Job, groups: Groups, exclude: frozenset[str]) -> None:
+        self.cap, self.head, self.groups, self.exclude = cap, head, groups, exclude
+        self.pos = 0
+        self.free = [cap.free()[GPU]]  # free GPU after releasing the first k groups, extended as needed
+        self.kept: dict[str, tuple[Job, Plan]] = {}
+
+    def _free_after(self, k: int) -> int:
+        items, held = self.groups.items, self.cap.held_gpu
+        while len(self.free) <= k:
+            names = items[len(self.free) - 1][1]
+            self.free.append(self.free[-1] + sum(held(name) for name in names))
+        return self.free[k]
+
+    def _probe(self, k: int) -> Plan | None:
+        if self._free_after(k) < self.head.gpu_milli:
+            return None
+        cap, items = self.cap, self.groups.items
+        if k > self.pos:
+            names = [n for _, group in items[self.pos : k] for n in group]
+            for name in names:
+                self.kept.setdefault(name, (cap.job_of(name), cap.plan_of(name)))
+            cap.release_many(names)
+        for _, group in items[k : self.pos]:
+            for name in group:
+                cap.commit(name, *self.kept[name])
+        self.pos = k
+        return cap.plan(self.head, exclude_nodes=self.exclude)
+
+    def earliest(self) -> tuple[int, Plan] | None:
+        """(k, plan): the fewest groups after whose release the head plans, with that plan; None: never."""
+        groups = self.groups
+        low, k = 0, 1  # releasing `low` groups is known not to be enough
+        best: tuple[int, Plan] | None = None
+        while groups.reach(k) >= k:
+            plan = self._probe(k)
+            if plan is not None:
+                best = (k, plan)
+                break
+            n = groups.reach(2 * k)  # min(2k, the number of groups)
+            if n <= k:
+                return None
+            low, k = k, n
+        if best is None:
+            return None
+        high = best[0]
+        while high - low > 1:
+            mid = (low + high) // 2
+            plan = self._probe(mid)
+            if plan is not None:
+                best, high = (mid, plan), mid
+            else:
+                low = mid
+        return best
+
+
+class FastSearch(Search):
+    """Search's trials on one fork that only shows, per trial, the nodes that can matter (module docstring)."""
+
+    def __init__(self, cap: ClusterCapacity, head: Job, groups: Groups, exclude: frozenset[str]) -> None:
+        super().__init__(cap.fork(books=False), head, groups, exclude)  # only planned on
+        self.now_free = cap.free_by_row()  # the real state: the fork's rows change as trials show them
+        self.needs = {(q.gpus * 1000 + q.gpu_milli, q.cpu_milli, q.memory_bytes) for q in head.pods}
+        self.gone: set[str] = set()  # the jobs of the first `pos` groups
+        self.freed: dict[int, list[int]] = {}  # row -> [milli-GPU, CPU, memory, pods] those jobs free on it
+        self.shown: dict[int, int] = {}  # row -> how many released pods its state on the fork leaves out
+
+    def _move(self, k: int) -> None:
+        items, freed = self.groups.items, self.freed
+        forward = k > self.pos
+        sign = 1 if forward else -1
+        for _, group in items[self.pos : k] if forward else items[k : self.pos]:
+            for name in group:
+                for row, milli, cpu, mem in self.cap.footprint(name):
+                    acc = freed.get(row)
+                    if acc is None:
+                        acc = freed[row] = [0, 0, 0, 0]
+                    acc[0] += sign * milli
+                    acc[1] += sign * cpu
+                    acc[2] += sign * mem
+                    acc[3] += sign
+                if forward:
+                    self.gone.add(name)
+                else:
+                    self.gone.discard(name)
+        self.pos = k
+
+    def _may_fit(self, row: int, acc: list[int]) -> bool:
+        milli, cpu, mem = (int(a[row]) for a in self.now_free)
+        milli, cpu, mem = milli + acc[0], cpu + acc[1], mem + acc[2]
+        return any(milli >= m and cpu >= c and mem >= b for m, c, b in self.needs)
+
+    def _probe(self, k: int) -> Plan | None:
+        if self._free_after(k) < self.head.gpu_milli:
+            return None
+        self._move(k)
+        shown, freed = self.shown, self.freed
+        for row, acc in freed.items():
+            if acc[3] > 0 and row not in shown and self._may_fit(row, acc):
+                shown[row] = 0  # shown from now on, at its state after each trial's releases
+        changed = [row for row, n in shown.items() if n != (freed[row][3] if row in freed else 0)]
+        if changed:
+            self.cap.show_without(self.gone, changed)
+            for row in changed:
+                shown[row] = freed[row][3] if row in freed else 0
+        return self.cap.plan(self.head, exclude_nodes=self.exclude)

@@ -1,0 +1,112 @@
+"""The fast search for a reservation's start makes the same trials as the plain one: same start, same plan."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpunode.cluster.queueing.backfill import reserve
+from gpunode.cluster.queueing.capacity import ClusterCapacity
+from gpunode.cluster.queueing.model import Job, RunningJob
+from gpunode.placement.frag import TargetPod, TargetWorkload
+from gpunode.placement.model import GpuState, NodeState, Request
+
+DEFAULT = 30.0
+WORKLOAD = TargetWorkload(
+    (
+        TargetPod(cpu_milli=2000, gpu_milli=1000, gpus=1, gpu_models=None, weight=3),
+        TargetPod(cpu_milli=0, gpu_milli=500, gpus=1, gpu_models=None, weight=1),
+        TargetPod(cpu_milli=8000, gpu_milli=1000, gpus=4, gpu_models=None, weight=1),
+    )
+)
+
+
+def node(name: str, gpus: int, cpu: int, model: str) -> NodeState:
+    """An empty node of fractional GPUs with `cpu` cores."""
+    return NodeState(
+        name=name,
+        gpus=tuple(
+            GpuState(
+                uuid=f"{name}/gpu{j}",
+                index=j,
+                model=model,
+                milli_free=1000,
+                memory_total_bytes=16 << 30,
+                memory_free_bytes=16 << 30,
+                numa_node=None,
+            )
+            for j in range(gpus)
+        ),
+        cpu_milli_free=cpu * 1000,
+        memory_free_bytes=64 << 30,
+    )
+
+
+pod = st.one_of(
+    st.builds(Request, gpus=st.integers(1, 4), cpu_milli=st.sampled_from([0, 1000, 4000, 12000])),
+    st.builds(Request, gpu_milli=st.sampled_from([100, 300, 500, 700]), cpu_milli=st.sampled_from([0, 2000])),
+    st.builds(Request, cpu_milli=st.sampled_from([1000, 8000]), memory_bytes=st.sampled_from([0, 32 << 30])),
+)
+
+
+@settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    nodes=st.lists(
+        st.tuples(
+            st.sampled_from([1, 2, 4, 8]), st.sampled_from([8, 16, 64]), st.sampled_from(["T4", "V100"])
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    running=st.lists(
+        st.tuples(
+            st.lists(pod, min_size=1, max_size=3), st.sampled_from([5, 10, 20, 40, 80]), st.integers(0, 60)
+        ),
+        min_size=2,
+        max_size=20,
+    ),
+    head=st.lists(pod, min_size=1, max_size=3),
+    excluded=st.sets(st.integers(0, 3), max_size=1),
+    policy=st.sampled_from(["gpunode", "bestfit", "random", "fgd"]),
+    energy=st.sampled_from([0.0, 0.5]),
+    seed=st.integers(0, 3),
+)
+def test_the_fast_search_gives_the_plain_searchs_reservation(
+    nodes: list[tuple[int, int, str]],
+    running: list[tuple[list[Request], int, int]],
+    head: list[Request],
+    excluded: set[int],
+    policy: str,
+    energy: float,
+    seed: int,
+) -> None:
+    now = 50.0
+    states = [node(f"n{i}", g, cpu, model) for i, (g, cpu, model) in enumerate(nodes)]
+    caps = [
+        ClusterCapacity(states, policy=policy, seed=seed, workload=WORKLOAD, energy_weight=energy)
+        for _ in range(2)
+    ]
+    jobs: list[RunningJob] = []
+    for i, (pods, estimate, age) in enumerate(running):  # the same commits on both (same seed, same draws)
+        j = Job(name=f"r{i}", queue="q", pods=tuple(pods), arrival=0.0, runtime_estimate=float(estimate))
+        plans = [cap.plan(j) for cap in caps]
+        assert plans[0] == plans[1]
+        if plans[0] is not None:
+            for cap in caps:
+                cap.commit(j.name, j, plans[0])
+            jobs.append(RunningJob(job=j, start=now - age, plan=plans[0], usage=caps[0].held(j.name)))
+    head_job = Job(name="head", queue="q", pods=tuple(head), arrival=0.0)
+    exclude = frozenset(f"n{i}" for i in excluded if i < len(nodes))
+    ends = sorted((r.expected_end(DEFAULT), r.job.name) for r in jobs)
+    fast = reserve(head_job, (), caps[0], now, DEFAULT, exclude, ends=ends)
+    plain = reserve(head_job, jobs, caps[1], now, DEFAULT, exclude, fast=False)
+    assert fast == plain
+    if plain is not None and plain.start > now:  # the search really ran: its result is the earliest start
+        gone = [r.job.name for r in jobs if max(now, r.expected_end(DEFAULT)) < plain.start]
+        with caps[1].trial():
+            caps[1].release_many(gone)
+            assert caps[1].plan(head_job, exclude_nodes=exclude) is None or len(head) > 1
+    # neither search changed its cluster; both leave the cluster's random generator in the same state
+    assert caps[0].jobs == caps[1].jobs and caps[0].free() == caps[1].free()
+    assert caps[0]._rng.bit_generator.state == caps[1]._rng.bit_generator.state
+    assert caps[0].plan(head_job) == caps[1].plan(head_job)
