@@ -321,6 +321,16 @@ class QueueUsageRefused(GpunodeError):
     )
 
 
+class AdmissionKeyError(ConfigError):
+    """The key that signs queue admission marks (--admission-key-file) cannot be read or is too short."""
+
+    default_hint = (
+        "give `gpunode queue` and `gpunode extender` the same file of at least 32 random bytes, e.g. "
+        "`head -c 48 /dev/urandom | base64 > key` (the chart keeps one in the Secret "
+        "<release>-queue-admission-key)"
+    )
+
+
 class SimRulesError(ConfigError):
     """An invalid rules file of the time simulator (how trace pods become queued jobs)."""
 

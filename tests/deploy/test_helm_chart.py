@@ -141,6 +141,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
 
 TYPED = {
     ("v1", "ConfigMap"): "V1ConfigMap",
+    ("v1", "Secret"): "V1Secret",
     ("v1", "Service"): "V1Service",
     ("v1", "ServiceAccount"): "V1ServiceAccount",
     ("apps/v1", "DaemonSet"): "V1DaemonSet",

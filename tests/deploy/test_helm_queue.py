@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import json
 import re
@@ -69,6 +70,22 @@ def container(out: Rendered) -> dict[str, Any]:
     return dict(c)
 
 
+def mounted_key(out: Rendered, deployment: str, tmp_path: Path) -> Path:
+    """The file --admission-key-file names in `deployment`, checked to be the mounted Secret
+    <fullname>-queue-admission-key (read-only) and written, from the rendered Secret, under tmp_path."""
+    pod_spec = out.named("Deployment", deployment)["spec"]["template"]["spec"]
+    (c,) = pod_spec["containers"]
+    path = Path(c["args"][c["args"].index("--admission-key-file") + 1])
+    (mount,) = [m for m in c["volumeMounts"] if Path(m["mountPath"]) == path.parent]
+    assert mount["readOnly"] is True and "subPath" not in mount
+    (volume,) = [v for v in pod_spec["volumes"] if v["name"] == mount["name"]]
+    secret = out.named("Secret", f"{NAME}-admission-key")
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    local = tmp_path / f"{deployment}-{path.name}"
+    local.write_bytes(base64.b64decode(secret["data"][path.name]))
+    return local
+
+
 def queue_docs(out: Rendered) -> list[tuple[str, str]]:
     return [(d["kind"], d["metadata"]["name"]) for d in out.docs if "-queue" in d["metadata"]["name"]]
 
@@ -102,7 +119,7 @@ def test_deployment_runs_gpunode_queue_with_the_mounted_configuration(
         env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]}
         assert env == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
     # The ConfigMap is mounted as a directory (a subPath mount never sees the kubelet's updates).
-    (mount,) = c["volumeMounts"]
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "config"]
     assert "subPath" not in mount and mount["readOnly"] is True
     assert Path(mount["mountPath"]) == parsed.config.parent
     volumes = {v["name"]: v for v in spec["template"]["spec"]["volumes"]}
@@ -112,7 +129,9 @@ def test_deployment_runs_gpunode_queue_with_the_mounted_configuration(
     (tmp_path / parsed.config.name).write_text(data[parsed.config.name])
     parsed.config = tmp_path / parsed.config.name
     parsed.kube_api = "https://127.0.0.1:1"
+    parsed.admission_key_file = mounted_key(out, NAME, tmp_path)
     ctl = build_controller(parsed)  # the rendered configuration is one the controller accepts
+    assert ctl.core.mark_key is not None  # its admission marks are signed
     assert ctl.core.config.leaves == ("team-a", "team-b", "team-c", "team-d")
     assert (ctl.reload_s, ctl.resync_s, ctl.core.memory_unit_bytes) == (10.0, 30.0, 2**30)
     # The fair-share usage is saved to the one ConfigMap its Role names, in the release namespace.
@@ -351,6 +370,7 @@ def test_rbac_grants_exactly_the_calls_the_controller_makes(api: ApiServerStandI
     parsed = queue_parser().parse_args(container(out)["args"])
     (tmp_path / "queues.yaml").write_text(out.named("ConfigMap", f"{NAME}-config")["data"]["queues.yaml"])
     parsed.config, parsed.kube_api = tmp_path / "queues.yaml", api.url
+    parsed.admission_key_file = mounted_key(out, NAME, tmp_path)  # a mounted Secret needs no API rights
     api.add_node("n1", annotations={NODE_STATE_ANNOTATION: node_annotation("n1", 8)})
 
     async def main() -> None:
@@ -561,7 +581,11 @@ def test_the_extender_reads_the_queue_file_to_hold_the_namespaces_it_maps(tmp_pa
     (tmp_path / "queues.yaml").write_text(data["queues.yaml"])
     parsed = extender_parser().parse_args(args)
     parsed.queue_config = tmp_path / "queues.yaml"
+    parsed.admission_key_file = mounted_key(out, f"{FULLNAME}-extender", tmp_path)
     extender, _ = build_extender(parsed)
+    # the extender checks marks with the key the controller signs them with: the same Secret
+    assert extender.mark_key is not None
+    assert parsed.admission_key_file.read_bytes() == mounted_key(out, NAME, tmp_path).read_bytes()
     assert extender.config.queue_hold == "error"  # the chart's default: no preemption on any version
     research = pod("r0", queue=None, namespace="research")
     assert extender.queue_namespaces() == {"research": "team-b"}
@@ -571,11 +595,45 @@ def test_the_extender_reads_the_queue_file_to_hold_the_namespaces_it_maps(tmp_pa
     alone = render({"extender": {"enabled": True}})
     (plain,) = alone.named("Deployment", f"{FULLNAME}-extender")["spec"]["template"]["spec"]["containers"]
     assert "--queue-config" not in plain["args"] and "volumeMounts" not in plain
+    assert "--admission-key-file" not in plain["args"] and not alone.kinds("Secret")
     assert "--queue-hold" not in plain["args"]
 
 
 @needs_helm
-def test_the_hold_mode_reaches_the_extender_and_unschedulable_may_be_ignorable() -> None:
+def test_the_admission_key_is_one_secret_mounted_in_the_controller_and_the_extender(tmp_path: Path) -> None:
+    from gpunode.cluster.extender.cli import build_extender
+    from gpunode.cluster.queuemark import MIN_KEY_BYTES
+    from tests.deploy.test_helm_chart import extender_parser
+
+    out = render(merged(ON, {"extender": {"enabled": True}}))
+    secret = out.named("Secret", f"{NAME}-admission-key")
+    assert secret["type"] == "Opaque" and set(secret["data"]) == {"key"}
+    key = base64.b64decode(secret["data"]["key"])
+    assert len(key) == 64 >= MIN_KEY_BYTES and key.isalnum()  # randAlphaNum 64: about 380 bits
+    # no cluster to look the Secret up in: each render makes a fresh key (an upgrade keeps the existing one)
+    assert base64.b64decode(render(ON).named("Secret", f"{NAME}-admission-key")["data"]["key"]) != key
+    controller_file = mounted_key(out, NAME, tmp_path)
+    extender_file = mounted_key(out, f"{FULLNAME}-extender", tmp_path)
+    assert controller_file.read_bytes() == extender_file.read_bytes() == key
+    # what the controller signs with its file, the extender accepts with its own
+    parsed = queue_parser().parse_args(container(out)["args"])
+    parsed.config, parsed.kube_api = tmp_path / "queues.yaml", "https://127.0.0.1:1"
+    parsed.config.write_text(CONFIG_YAML)
+    parsed.admission_key_file = controller_file
+    signer = build_controller(parsed).core.mark_key
+    (ext,) = out.named("Deployment", f"{FULLNAME}-extender")["spec"]["template"]["spec"]["containers"]
+    ext_args = extender_parser().parse_args(ext["args"])
+    ext_args.queue_config, ext_args.admission_key_file = None, extender_file
+    checker = build_extender(ext_args)[0].mark_key
+    assert signer is not None and checker is not None
+    fields = {"job": "ml/a", "uid": "u", "node": "n1", "gpus": [], "at": "2026-01-01T00:00:00Z"}
+    assert checker.verify({**fields, "sig": signer.sign(fields)})
+    # the queue off: no Secret, no flag
+    assert not [d for d in render({"extender": {"enabled": True}}).kinds("Secret") if "admission" in str(d)]
+
+
+@needs_helm
+def test_the_hold_mode_reaches_the_extender_and_unschedulable_may_be_ignorable(tmp_path: Path) -> None:
     from gpunode.cluster.extender.cli import build_extender
     from tests.deploy.test_helm_chart import extender_parser
 
@@ -586,4 +644,5 @@ def test_the_hold_mode_reaches_the_extender_and_unschedulable_may_be_ignorable()
     assert args[args.index("--queue-hold") + 1] == "unschedulable"
     parsed = extender_parser().parse_args(args)
     parsed.queue_config = None  # the mounted file is not here; the flag is what is checked
+    parsed.admission_key_file = mounted_key(out, f"{FULLNAME}-extender", tmp_path)
     assert build_extender(parsed)[0].config.queue_hold == "unschedulable"

@@ -7,7 +7,8 @@ build_queue_cluster starts, on the session's real control plane:
   RoleBindings of its Lease and of its usage ConfigMap), each component acting as its chart's service
   account;
 - `gpunode extender` as the chart runs it (HTTPS with client certificates, --bind) with --queue-config
-  naming the controllers' file;
+  naming the controllers' file and --admission-key-file the key of the chart's Secret, which the
+  controllers read too (QueueCluster.key_file);
 - two SimNodes (four simulated T4s each, a real `gpunode agent --backend sim` publishing
   gpunode.io/gpu-state) and a Reaper doing the kubelet's part when a pod terminates;
 - kube-scheduler configured from gpunode/examples/kube-scheduler-config.yaml (the extender's entry);
@@ -22,6 +23,7 @@ SimNode, so its agent publishes them free, as a kubelet does once the containers
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import re
@@ -172,7 +174,9 @@ class QueueCluster:
     extender: Proc
     scheduler: Proc
     reaper: Reaper
+    key_file: Path  # the chart's admission key Secret, as both the controllers and the extender read it
     controllers: dict[str, Proc] = field(default_factory=dict)  # identity -> process
+    metrics_ports: dict[str, int] = field(default_factory=dict)  # identity -> its /metrics port
 
     def start_controller(self, identity: str) -> Proc:
         """Start one `gpunode queue` with the chart Deployment's arguments; wait until it serves /healthz."""
@@ -181,6 +185,7 @@ class QueueCluster:
         port = free_port()
         args[args.index("--config") + 1] = str(self.config)
         args[args.index("--metrics-listen") + 1] = f"127.0.0.1:{port}"
+        args[args.index("--admission-key-file") + 1] = str(self.key_file)
         assert args[args.index("--leader-elect-lease-name") + 1] == LEASE, args
         args += [
             "--leader-elect-identity", identity,
@@ -192,6 +197,7 @@ class QueueCluster:
         proc.start()
         self.cp.procs.append(proc)
         self.controllers[identity] = proc
+        self.metrics_ports[identity] = port
         proc.wait_until(
             lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5).status == 200,
             timeout_s=WAIT_S,
@@ -208,6 +214,13 @@ class QueueCluster:
                 return None
             raise
         return dict(json.loads(cm["data"]["usage.json"]))
+
+    def metric(self, identity: str, name: str, queue: str) -> float:
+        """One queue's value of a gauge of the controller `identity` (its /metrics)."""
+        url = f"http://127.0.0.1:{self.metrics_ports[identity]}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        prefix = f'{name}{{queue="{queue}"}} '
+        return float(next(ln[len(prefix) :] for ln in text.splitlines() if ln.startswith(prefix)))
 
     def leader(self) -> str:
         """The identity holding the controllers' Lease ("" when none)."""
@@ -242,7 +255,17 @@ def _apply_chart_rbac(cp: ControlPlane, docs: list[dict[str, Any]]) -> None:
         admin.apply(ROLE_PATHS[doc["kind"]], doc)
 
 
-def _start_extender(cp: ControlPlane, config: Path, hold: str) -> tuple[Proc, int, CertFiles]:
+def _admission_key(docs: list[dict[str, Any]], tmp: Path) -> Path:
+    """The key of the chart's Secret <fullname>-queue-admission-key, written where both sides read it."""
+    (secret,) = [
+        d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == f"{LEASE}-admission-key"
+    ]
+    path = tmp / "admission-key"
+    path.write_bytes(base64.b64decode(secret["data"]["key"]))
+    return path
+
+
+def _start_extender(cp: ControlPlane, config: Path, hold: str, key_file: Path) -> tuple[Proc, int, CertFiles]:
     serving = cp.issue("queue-extender", common_name="gpunode-extender", server=True, hosts=("127.0.0.1",))
     client = cp.issue("queue-scheduler", common_name="kube-scheduler", client=True)
     port, health = free_port(), free_port()
@@ -253,7 +276,7 @@ def _start_extender(cp: ControlPlane, config: Path, hold: str) -> tuple[Proc, in
             "--listen", f"127.0.0.1:{port}", "--health-listen", f"127.0.0.1:{health}",
             "--kube-api", cp.server, "--kube-token-file", str(cp.token_file("extender")),
             "--kube-ca-file", str(cp.ca_file), "--node-refresh", "1s", "--bind",
-            "--queue-config", str(config), "--queue-hold", hold,
+            "--queue-config", str(config), "--queue-hold", hold, "--admission-key-file", str(key_file),
             "--tls-cert-file", str(serving.cert), "--tls-key-file", str(serving.key),
             "--client-ca-file", str(cp.ca_file), "--allowed-client-names", "kube-scheduler",
         ],
@@ -288,7 +311,8 @@ def build_queue_cluster(cp: ControlPlane, tmp: Path, *, hold: str = "error") -> 
     _apply_chart_rbac(cp, docs)
     config = tmp / "queues.yaml"
     config.write_text(QUEUE_CONFIG)
-    extender, port, client = _start_extender(cp, config, hold)
+    key_file = _admission_key(docs, tmp)
+    extender, port, client = _start_extender(cp, config, hold, key_file)
     nodes = {name: SimNode(cp, name, tmp / name, profile=str(_seeded_t4(tmp, name))) for name in NODES}
     try:
         for node in nodes.values():
@@ -316,7 +340,7 @@ def build_queue_cluster(cp: ControlPlane, tmp: Path, *, hold: str = "error") -> 
         extender.stop()
         raise
     reaper = Reaper(cp.api(), nodes).start()
-    return QueueCluster(cp, tmp, docs, config, nodes, extender, scheduler, reaper)
+    return QueueCluster(cp, tmp, docs, config, nodes, extender, scheduler, reaper, key_file)
 
 
 def delete_all_pods(cluster: QueueCluster) -> None:

@@ -24,10 +24,12 @@ import pytest
 from gpunode.contract.names import (
     ASSIGNMENT_ANNOTATION,
     GPU_RESOURCE,
+    NODE_STATE_ANNOTATION,
     PREEMPTION_NOTICE_ANNOTATION,
     QUEUE_ADMITTED_ANNOTATION,
     QUEUE_REASON_ANNOTATION,
 )
+from gpunode.contract.nodestate import decode
 from tests.e2e.api import Api, eventually
 from tests.e2e.conftest import E2E_USERS
 from tests.e2e.controlplane import ControlPlane
@@ -35,6 +37,7 @@ from tests.e2e.objects import get_pod
 from tests.e2e.queue import (
     BAD_QUEUE_CONFIG,
     NAMESPACE,
+    NODES,
     QUEUE_CONFIG,
     REFUSED_LINE,
     WAIT_S,
@@ -172,6 +175,125 @@ def test_queue_over_its_quota_is_held_with_the_reason_in_its_events(cluster: Que
     assert pod["status"]["phase"] == "Pending" and not pod["spec"].get("nodeName")
     assert _mark(pod) is None
     assert any(reason == event_text(e) for e in events(admin, "c-2", "Queued")), "the controller's event"
+
+
+# The pod rights of the `edit` ClusterRole (aggregated by kube-controller-manager, which is not run here).
+TENANT_ROLE = {
+    "apiVersion": "rbac.authorization.k8s.io/v1",
+    "kind": "Role",
+    "metadata": {"name": "e2e-tenant-edit", "namespace": NAMESPACE},
+    "rules": [
+        {
+            "apiGroups": [""],
+            "resources": ["pods"],
+            "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"],
+        }
+    ],
+}
+TENANT_BINDING = {
+    "apiVersion": "rbac.authorization.k8s.io/v1",
+    "kind": "RoleBinding",
+    "metadata": {"name": "e2e-tenant-edit", "namespace": NAMESPACE},
+    "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "e2e-tenant-edit"},
+    "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": E2E_USERS["nobody"].name}],
+}
+
+
+def _attempts(cluster: QueueCluster, name: str) -> int:
+    """kube-scheduler's scheduling attempts of the pod that the extender's filter answered with an Error."""
+    lines = cluster.scheduler.log.read_text(errors="replace").splitlines()
+    return sum(
+        1 for ln in lines if "Error scheduling pod; retrying" in ln and f'pod="{NAMESPACE}/{name}"' in ln
+    )
+
+
+def _free_gpu(api: Api) -> tuple[str, str]:
+    """(node, UUID) of a GPU the nodes publish as held by no pod."""
+    for node in NODES:
+        text = api.get(f"/api/v1/nodes/{node}")["metadata"]["annotations"][NODE_STATE_ANNOTATION]
+        for gpu in decode(text, node=node).gpus:
+            if not gpu.pods:
+                return node, gpu.uuid
+    raise AssertionError("no free GPU")
+
+
+def _patch_and_stay_held(cluster: QueueCluster, tenant: Api, name: str, mark: dict[str, Any]) -> None:
+    """The tenant patches `mark` onto its pod; kube-scheduler tries the pod again (a pod update requeues it
+    at once), and it is not bound and the controller does not admit it."""
+    admin = cluster.cp.api()
+    start = _attempts(cluster, name)
+    path = f"/api/v1/namespaces/{NAMESPACE}/pods/{name}"
+    tenant.patch(path, {"metadata": {"annotations": {QUEUE_ADMITTED_ANNOTATION: json.dumps(mark)}}})
+    eventually(  # tried and held again, or (the attack succeeding) bound
+        lambda: _attempts(cluster, name) > start or get_pod(admin, NAMESPACE, name)["spec"].get("nodeName"),
+        timeout_s=WAIT_S,
+        what=f"kube-scheduler trying {name} again",
+    )
+    pod = get_pod(admin, NAMESPACE, name)
+    assert not pod["spec"].get("nodeName") and pod["status"]["phase"] == "Pending", pod["metadata"]
+    assert not events(admin, name, "QueueAdmitted") and not events(admin, name, "Scheduled")
+    reason = pod["metadata"]["annotations"].get(QUEUE_REASON_ANNOTATION, "")
+    assert "team-c is over its quota" in reason, reason  # still waiting in its queue, by the controller
+    # the leader counts c-1 alone as admitted in team-c, holding its 1 GPU; c-2 waits
+    leader = cluster.leader()
+    counted = {
+        m: cluster.metric(leader, f"gpunode_queue_{m}", "team-c")
+        for m in ("admitted_jobs", "pending_jobs", "gpus_used")
+    }
+    assert counted == {"admitted_jobs": 1.0, "pending_jobs": 1.0, "gpus_used": 1.0}, counted
+
+
+def test_a_tenant_patching_an_admission_mark_onto_its_own_held_pod_stays_held(cluster: QueueCluster) -> None:
+    """The pod's owner (the `edit` ClusterRole: it may patch its pods) reads its pod's UID and patches on a
+    mark naming it, with a made-up signature; then copies the valid signed mark of an admitted pod."""
+    admin, tenant = cluster.cp.api(), cluster.cp.api("nobody")
+    rbac = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NAMESPACE}"
+    admin.apply(f"{rbac}/roles", TENANT_ROLE)
+    admin.apply(f"{rbac}/rolebindings", TENANT_BINDING)
+    try:
+        submit(admin, queued_pod("c-1", "team-c", 1))
+        c1 = eventually(partial(_bound, admin, "c-1"), timeout_s=WAIT_S, what="c-1 bound")
+        valid = _check_placed_as_marked(cluster, c1)
+        assert isinstance(valid.get("sig"), str), valid  # the controller signs its marks
+        submit(admin, queued_pod("c-2", "team-c", 1))  # team-c may hold 1 GPU at most, and holds it
+        eventually(
+            lambda: (
+                "over its quota"
+                in get_pod(admin, NAMESPACE, "c-2")["metadata"]
+                .get("annotations", {})
+                .get(QUEUE_REASON_ANNOTATION, "")
+            ),
+            timeout_s=WAIT_S,
+            what="c-2 waiting over team-c's quota",
+        )
+        uid = get_pod(tenant, NAMESPACE, "c-2")["metadata"]["uid"]  # the tenant reads its own pod
+        node, gpu = _free_gpu(admin)
+        forged = {"job": f"{NAMESPACE}/c-2", "uid": uid, "node": node, "gpus": [gpu], "at": valid["at"]}
+        # several tries each (every patch makes kube-scheduler try the pod again): made-up signatures, the
+        # valid signature of c-1's mark, malformed ones
+        for sig in ("A" * 43, "B" * 43, valid["sig"], "forged", 42, "C" * 100000, None):
+            _patch_and_stay_held(cluster, tenant, "c-2", {**forged, "sig": sig})
+        # c-1's valid signed mark as it is (another pod's UID), with an unsigned field changed per try
+        for attempt in range(3):
+            _patch_and_stay_held(cluster, tenant, "c-2", {**valid, "try": attempt})
+        # both sides read the forged marks and refused them, each process saying so once at most
+        said = {}
+        for proc in (cluster.extender, *cluster.controllers.values()):
+            lines = proc.log.read_text(errors="replace").splitlines()
+            said[proc.log.name] = [
+                ln for ln in lines if f"admission mark on pod {NAMESPACE}/c-2 refused" in ln
+            ]
+        assert all(len(lines) <= 1 for lines in said.values()), said
+        assert said[cluster.extender.log.name] and sum(map(len, said.values())) >= 2, said  # the leader too
+        # the control: once c-1 is gone, the controller admits c-2 itself (its signed mark replaces the
+        # forged one) and kube-scheduler binds it where that mark says
+        admin.delete(f"/api/v1/namespaces/{NAMESPACE}/pods/c-1?gracePeriodSeconds=0")
+        c2 = eventually(partial(_bound, admin, "c-2"), timeout_s=WAIT_S, what="c-2 admitted and bound")
+        mark = _check_placed_as_marked(cluster, c2)
+        assert mark["sig"] not in ("A" * 43, valid["sig"], "forged") and mark["uid"] == uid
+    finally:
+        admin.delete(f"{rbac}/rolebindings/{TENANT_BINDING['metadata']['name']}")
+        admin.delete(f"{rbac}/roles/{TENANT_ROLE['metadata']['name']}")
 
 
 def _evictions(cp: ControlPlane, pod: str) -> list[dict[str, Any]]:

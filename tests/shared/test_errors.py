@@ -47,6 +47,7 @@ CASES: dict[type[GpunodeError], tuple[Callable[[str], GpunodeError], int]] = {
     errors.QueueConfigError: (errors.QueueConfigError, 2),
     errors.QueueUsageRefused: (errors.QueueUsageRefused, 1),
     errors.SimRulesError: (errors.SimRulesError, 2),
+    errors.AdmissionKeyError: (errors.AdmissionKeyError, 2),
     errors.AgentPartFailed: (errors.AgentPartFailed, 1),
     errors.HealthStateError: (errors.HealthStateError, 1),
     errors.KubeletDirError: (errors.KubeletDirError, 2),

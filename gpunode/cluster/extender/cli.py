@@ -26,6 +26,7 @@ from gpunode.cluster.extender.promfeed import PromFeed
 from gpunode.cluster.extender.queued import HOLD_ERROR, HOLD_MODES, QueueNamespaces
 from gpunode.cluster.extender.server import DEFAULT_MAX_BODY_BYTES, serve_extender
 from gpunode.cluster.extender.workload import WorkloadTracker
+from gpunode.cluster.queuemark import UNSIGNED_WARNING, load_mark_key
 from gpunode.contract.names import EXTENDER_ROLE_LABEL, GIB, NODE_SERIES_LABEL
 from gpunode.contract.reader import parse_bytes, parse_duration
 from gpunode.errors import ConfigError, GpunodeError, PlacementError
@@ -185,6 +186,13 @@ def register_extender_cli(
         "kube-scheduler that calls the preempt verb, 1.20.9+/1.21.3+); never error with ignorable: true",
     )
     p.add_argument(
+        "--admission-key-file",
+        type=Path,
+        help="file of the secret key (at least 32 bytes) the queue controller signs its admission marks with "
+        "(its own --admission-key-file): a queued pod passes only with a mark signed by it; without it, any "
+        "mark naming the pod's UID counts, and a tenant able to patch its pods can admit itself",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=("debug", "info", "warning", "error"),
@@ -303,7 +311,10 @@ def build_extender(args: argparse.Namespace) -> tuple[Extender, KubeApi | None]:
         node_lister=api.list_nodes if refreshing and api is not None else None,
         load_feed=feed,
         queue_namespaces=QueueNamespaces(args.queue_config).get if args.queue_config else dict,
+        mark_key=load_mark_key(args.admission_key_file) if args.admission_key_file is not None else None,
     )
+    if extender.mark_key is None and args.queue_config is not None:  # serving a queue controller's pods
+        log.warning("extender: %s", UNSIGNED_WARNING)
     return extender, api
 
 

@@ -74,6 +74,7 @@ from gpunode.cluster.extender.reservations import (
 )
 from gpunode.cluster.extender.table import NodeTable
 from gpunode.cluster.extender.workload import WorkloadTracker
+from gpunode.cluster.queuemark import MarkKey
 from gpunode.contract.names import GIB
 from gpunode.errors import BadRequest, InvalidRequest, KubeError, PlacementError
 from gpunode.placement import (
@@ -176,13 +177,16 @@ class Extender:
         node_lister: Callable[[], Iterable[object]] | None = None,
         load_feed: LoadFeed | None = None,
         queue_namespaces: Callable[[], Mapping[str, str]] = dict,
+        mark_key: MarkKey | None = None,
     ) -> None:
         """`node_lister` (names-only mode): lists every Node when a request names nodes not yet cached;
         `load_feed`: figures for the energy and load terms of prioritize (none: the policy alone);
-        `queue_namespaces`: the namespaces whose GPU pods the queue controller holds (queued.py)."""
+        `queue_namespaces`: the namespaces whose GPU pods the queue controller holds (queued.py);
+        `mark_key`: the key admission marks must be signed with (None: unsigned marks count, by UID)."""
         self.config = config or ExtenderConfig()
         self.load_feed = load_feed
         self.queue_namespaces = queue_namespaces
+        self.mark_key = mark_key
         self.metrics = load_feed.metrics if load_feed is not None else FeedMetrics()
         # `is None`, not `or`: an empty cache or reservation book has len() 0 and is falsy.
         self.nodes = NodeCache() if nodes is None else nodes
@@ -235,7 +239,7 @@ class Extender:
 
     def _hold(self, pod: Mapping[str, Any]) -> Hold | None:
         """The queue controller's hold on a GPU pod (None: no queue governs it)."""
-        return queue_hold(pod, self.queue_namespaces())
+        return queue_hold(pod, self.queue_namespaces(), self.mark_key)
 
     def _state(self, view: NodeView, uid: str) -> NodeState | None:
         return apply_reservations(view, self.reservations, skip_pod=uid)
@@ -456,7 +460,12 @@ class Extender:
         candidates as sent for any other pod. Raises BadRequest when `body` is malformed.
         """
         namespaces = self.queue_namespaces()
-        return answer_preemption(body, memory_unit_bytes=self.config.memory_unit_bytes, namespaces=namespaces)
+        return answer_preemption(
+            body,
+            memory_unit_bytes=self.config.memory_unit_bytes,
+            namespaces=namespaces,
+            mark_key=self.mark_key,
+        )
 
     # ----- bind -----------------------------------------------------------------------------------
 

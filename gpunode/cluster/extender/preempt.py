@@ -33,6 +33,7 @@ from typing import Any
 from gpunode.cluster.extender.binding import json_field
 from gpunode.cluster.extender.pods import pod_key, request_from_pod
 from gpunode.cluster.extender.queued import queue_hold
+from gpunode.cluster.queuemark import MarkKey
 from gpunode.errors import BadRequest, InvalidRequest, PlacementError
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,11 @@ def _pod_uid(pod: object, where: str) -> str:
 
 
 def preemption_refusal(
-    pod: Mapping[str, Any], *, memory_unit_bytes: int, namespaces: Mapping[str, str]
+    pod: Mapping[str, Any],
+    *,
+    memory_unit_bytes: int,
+    namespaces: Mapping[str, str],
+    mark_key: MarkKey | None = None,
 ) -> str | None:
     """Why kube-scheduler may not preempt for this pod (None: it may, as it would without the extender)."""
     try:
@@ -108,7 +113,7 @@ def preemption_refusal(
         return f"its GPU request is invalid ({exc}); no eviction makes room for it"
     if request is None:
         return None
-    hold = queue_hold(pod, namespaces)
+    hold = queue_hold(pod, namespaces, mark_key)
     if hold is None:
         return None
     if hold.admitted is None:
@@ -117,7 +122,7 @@ def preemption_refusal(
 
 
 def answer_preemption(
-    body: object, *, memory_unit_bytes: int, namespaces: Mapping[str, str]
+    body: object, *, memory_unit_bytes: int, namespaces: Mapping[str, str], mark_key: MarkKey | None = None
 ) -> dict[str, Any]:
     """The ExtenderPreemptionResult for ExtenderPreemptionArgs `body`; BadRequest when it is malformed."""
     args = parse_preemption_args(body)
@@ -125,7 +130,9 @@ def answer_preemption(
         _, key = pod_key(args.pod)
     except InvalidRequest as exc:
         raise BadRequest(str(exc)) from exc
-    why = preemption_refusal(args.pod, memory_unit_bytes=memory_unit_bytes, namespaces=namespaces)
+    why = preemption_refusal(
+        args.pod, memory_unit_bytes=memory_unit_bytes, namespaces=namespaces, mark_key=mark_key
+    )
     if why is None:
         return {"NodeNameToMetaVictims": args.victims}
     if args.victims:

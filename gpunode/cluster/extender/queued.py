@@ -3,9 +3,11 @@
 A GPU pod belongs to a queue when it carries the label gpunode.io/queue or its
 namespace is mapped to a queue (the queue configuration's `namespaces:`; the
 extender reads the controller's file with --queue-config, QueueNamespaces). Such a pod waits until the controller writes
-gpunode.io/queue-admitted on it: JSON {"job", "uid", "node", "gpus", "at"}. The mark
-counts only when its "uid" is the pod's own UID: a pod created with a mark already on
-it cannot know the UID the API server will give it, so a tenant cannot admit itself.
+gpunode.io/queue-admitted on it: JSON {"job", "uid", "node", "gpus", "at", "sig"}. The mark
+counts only when its "uid" is the pod's own UID (a pod created with a mark already on
+it cannot know the UID the API server will give it) and, with --admission-key-file, when
+"sig" is the shared key's signature of it (gpunode.cluster.queuemark): the pod's owner may
+patch its pod and read its UID, but cannot sign, nor reuse another pod's signed mark.
 
 The extender holds a waiting pod by answering its filter with an Error (--queue-hold error, the
 default: kube-scheduler then never preempts for it) or by failing every node (unschedulable), with the
@@ -37,6 +39,7 @@ from typing import Any
 from gpunode.cluster.extender.nodes import NodeView
 from gpunode.cluster.extender.reservations import Reservations, apply_reservations, gone_reason
 from gpunode.cluster.queueing.config import load_queue_config
+from gpunode.cluster.queuemark import MarkKey, mark_accepted
 from gpunode.contract.names import QUEUE_ADMITTED_ANNOTATION, QUEUE_LABEL, QUEUE_REASON_ANNOTATION
 from gpunode.errors import InvalidState, QueueConfigError
 from gpunode.placement import NodeState, Request, apply_request
@@ -82,10 +85,11 @@ def json_mark(text: object) -> Mapping[str, Any] | None:
     return data if isinstance(data, Mapping) else None
 
 
-def read_admitted(text: object, uid: str) -> Admitted | None:
-    """The admission annotation, or None when absent or not the controller's (then the pod is not admitted)."""
+def read_admitted(text: object, uid: str, key: MarkKey | None, *, where: str = "") -> Admitted | None:
+    """The admission annotation, or None when absent or not the controller's (then the pod is not admitted):
+    another pod's UID, or with `key` a missing or wrong signature (logged once per pod, naming `where`)."""
     data = json_mark(text)
-    if data is None or not uid or data.get("uid") != uid:
+    if data is None or not mark_accepted(data, uid, key, where=where or uid, text=str(text)):
         return None
     job, node, gpus, at = data.get("job"), data.get("node"), data.get("gpus"), parse_time(data.get("at"))
     if not isinstance(job, str) or not isinstance(node, str) or not isinstance(gpus, list):
@@ -129,8 +133,9 @@ class Hold:
     reason: str  # "" when admitted
 
 
-def queue_hold(pod: Mapping[str, Any], namespaces: Mapping[str, str]) -> Hold | None:
+def queue_hold(pod: Mapping[str, Any], namespaces: Mapping[str, str], key: MarkKey | None) -> Hold | None:
     """The queue's hold on a GPU pod, None when no queue governs it (then it is scheduled as any pod).
+    `key`: the admission marks' key (None: marks are taken unsigned, by UID alone).
 
     Call only for pods that ask for GPUs (request_from_pod is not None): the controller queues those only.
     """
@@ -141,7 +146,12 @@ def queue_hold(pod: Mapping[str, Any], namespaces: Mapping[str, str]) -> Hold | 
     notes = meta.get("annotations") if isinstance(meta, Mapping) else None
     notes = notes if isinstance(notes, Mapping) else {}
     uid = meta.get("uid") if isinstance(meta, Mapping) else None
-    admitted = read_admitted(notes.get(QUEUE_ADMITTED_ANNOTATION), uid if isinstance(uid, str) else "")
+    where = (
+        f"{meta.get('namespace') or 'default'}/{meta.get('name') or ''}" if isinstance(meta, Mapping) else ""
+    )
+    admitted = read_admitted(
+        notes.get(QUEUE_ADMITTED_ANNOTATION), uid if isinstance(uid, str) else "", key, where=where
+    )
     if admitted is not None:
         return Hold(queue=queue, admitted=admitted, reason="")
     return Hold(queue=queue, admitted=None, reason=clean_reason(notes.get(QUEUE_REASON_ANNOTATION)))

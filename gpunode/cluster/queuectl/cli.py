@@ -16,6 +16,7 @@ from gpunode.cluster.queuectl.controller import QueueController
 from gpunode.cluster.queuectl.core import QueueCore
 from gpunode.cluster.queuectl.usagestore import UsageStore
 from gpunode.cluster.queueing.config import load_queue_config
+from gpunode.cluster.queuemark import UNSIGNED_WARNING, load_mark_key
 from gpunode.contract.names import GIB
 from gpunode.contract.reader import parse_bytes, parse_duration
 from gpunode.errors import ConfigError
@@ -65,6 +66,12 @@ def register_queue_cli(sub: Any) -> argparse.ArgumentParser:
         help="namespace of --usage-configmap (default: $POD_NAMESPACE, else --leader-elect-namespace)",
     )
     p.add_argument("--usage-save", default="30s", help="how often the leader saves the fair-share usage")
+    p.add_argument(
+        "--admission-key-file",
+        type=Path,
+        help="file of the secret key (at least 32 bytes) that signs the admission marks; give the extender "
+        "the same file: without it, marks are unsigned and a tenant able to patch its pods can admit itself",
+    )
     p.set_defaults(func=run_queue_cli)
     return p
 
@@ -80,6 +87,9 @@ def build_controller(args: argparse.Namespace) -> QueueController:
     """The controller the flags describe; ConfigError (or QueueConfigError) for a bad flag or file."""
     config = load_queue_config(args.config)
     unit = parse_bytes(args.memory_unit, where="--memory-unit") or GIB
+    mark_key = load_mark_key(args.admission_key_file) if args.admission_key_file is not None else None
+    if mark_key is None:
+        log.warning("queue controller: %s", UNSIGNED_WARNING)
     if args.kube_api:
         client = KubeClient.for_host(
             args.kube_api, token_file=args.kube_token_file, ca_file=args.kube_ca_file, user_agent=USER_AGENT
@@ -118,7 +128,7 @@ def build_controller(args: argparse.Namespace) -> QueueController:
         )
     return QueueController(
         client,
-        QueueCore(config, memory_unit_bytes=unit),
+        QueueCore(config, memory_unit_bytes=unit, mark_key=mark_key),
         config_path=args.config,
         elector=elector,
         resync_s=parse_duration(args.resync, where="--resync") or 30.0,

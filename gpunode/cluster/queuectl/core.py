@@ -41,6 +41,7 @@ from gpunode.cluster.queuectl.writes import Actions, Annotate, PodRef, ref
 from gpunode.cluster.queueing.config import QueueConfig
 from gpunode.cluster.queueing.engine import Scheduler
 from gpunode.cluster.queueing.model import Decisions, Job
+from gpunode.cluster.queuemark import MarkKey
 from gpunode.contract.names import (
     GIB,
     PREEMPTION_NOTICE_ANNOTATION,
@@ -64,9 +65,12 @@ class QueueCore(GangRepair):
         config: QueueConfig,
         *,
         memory_unit_bytes: int = GIB,
+        mark_key: MarkKey | None = None,
     ) -> None:
+        """`mark_key`: signs the admission marks written, and checks those read (None: unsigned, by UID)."""
         self.config = config
         self.memory_unit_bytes = memory_unit_bytes
+        self.mark_key = mark_key
         self.pods: dict[str, Mapping[str, Any]] = {}  # namespace/name -> v1 Pod
         self.nodes: dict[str, Mapping[str, Any]] = {}
         self.sched: Scheduler | None = None
@@ -179,7 +183,11 @@ class QueueCore(GangRepair):
         queued = [
             q
             for pod in self.pods.values()
-            if (q := queued_pod(pod, self.config, memory_unit_bytes=self.memory_unit_bytes))
+            if (
+                q := queued_pod(
+                    pod, self.config, memory_unit_bytes=self.memory_unit_bytes, mark_key=self.mark_key
+                )
+            )
         ]
         for q in queued:
             if q.request is not None and q.uid not in self._observed:
@@ -320,7 +328,7 @@ class QueueCore(GangRepair):
                 self.sched.finished(a.job.name, now)  # not ours to start (gone, stopping, or already held)
                 continue
             for m, placement in zip(j.members, a.plan.pods, strict=False):
-                text = admitted_text(a.job.name, placement, now, m.uid)
+                text = admitted_text(a.job.name, placement, now, m.uid, key=self.mark_key)
                 gpus = ",".join(placement.gpus) or "no GPU"
                 out.annotate.append(
                     Annotate(

@@ -9,7 +9,8 @@ priority is the highest spec.priority of its members (absent: its queue's defaul
 its runtime estimate the annotation gpunode.io/runtime-estimate (30m, 2h).
 
 The controller marks a pod with two annotations (JSON): gpunode.io/queue-admitted
-({"job", "node", "gpus", "at"}: where the admission's plan puts this member) and
+({"job", "uid", "node", "gpus", "at", "sig"}: where the admission's plan puts this member, signed with the
+admission key when the controller has one: gpunode.cluster.queuemark) and
 gpunode.io/preemption-notice ({"deadline" (RFC 3339), "preemptor", "reason"}).
 It reads the node agent's gpunode.io/gpu-idle-since (RFC 3339) into JobPods.idle_since.
 Everything here reads v1 Pod JSON; no I/O.
@@ -27,6 +28,7 @@ from gpunode.cluster.extender.pods import request_from_pod
 from gpunode.cluster.extender.queued import Admitted, json_mark, parse_time, queue_of, read_admitted
 from gpunode.cluster.queueing.config import QueueConfig
 from gpunode.cluster.queueing.model import Job, Plan, PodPlacement
+from gpunode.cluster.queuemark import MarkKey, signed_mark
 from gpunode.contract.names import (
     ALLOCATED_ANNOTATION,
     ASSIGNMENT_ANNOTATION,
@@ -75,7 +77,8 @@ class QueuedPod:
     request: Any = None  # placement Request (None with a problem)
     problem: str = ""
     idle_since: float | None = None  # gpunode.io/gpu-idle-since (None: absent or unreadable)
-    foreign_mark: bool = False  # an admission annotation that is not this pod's own (another UID, unreadable)
+    # an admission annotation that is not this pod's own (another UID, unreadable, unsigned or badly signed)
+    foreign_mark: bool = False
 
     @property
     def key(self) -> str:
@@ -88,11 +91,12 @@ def rfc3339(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def admitted_text(job: str, placement: PodPlacement, at: float, uid: str) -> str:
+def admitted_text(job: str, placement: PodPlacement, at: float, uid: str, *, key: MarkKey | None) -> str:
     """The gpunode.io/queue-admitted value for one member (its UID: a pod created with the annotation already
-    on it, to skip the queue, cannot know the UID it will get, so its mark is not taken)."""
+    on it, to skip the queue, cannot know the UID it will get, so its mark is not taken), signed with `key`
+    (a tenant who patches its own pod's mark cannot sign it; None: unsigned)."""
     doc = {"job": job, "uid": uid, "node": placement.node, "gpus": list(placement.gpus), "at": rfc3339(at)}
-    return json.dumps(doc)
+    return signed_mark(doc, key)
 
 
 def notice_text(deadline: float, preemptor: str, reason: str) -> str:
@@ -116,8 +120,10 @@ def queued_pod(
     config: QueueConfig,
     *,
     memory_unit_bytes: int = GIB,
+    mark_key: MarkKey | None = None,
 ) -> QueuedPod | None:
-    """The pod as a member of a queue, or None when it is not queued (no queue, or no GPU asked)."""
+    """The pod as a member of a queue, or None when it is not queued (no queue, or no GPU asked).
+    `mark_key`: the key its admission mark must be signed with (None: any mark naming its UID counts)."""
     queue = queue_of(pod, config.namespaces)
     if queue is None:
         return None
@@ -152,7 +158,12 @@ def queued_pod(
         except InvalidRequest as exc:
             problem = problem or str(exc)
     priority = spec.get("priority")
-    admitted = read_admitted(notes.get(QUEUE_ADMITTED_ANNOTATION), str(meta.get("uid") or ""))
+    admitted = read_admitted(
+        notes.get(QUEUE_ADMITTED_ANNOTATION),
+        str(meta.get("uid") or ""),
+        mark_key,
+        where=f"{namespace}/{name}",
+    )
     assigned = str(notes.get(ALLOCATED_ANNOTATION) or notes.get(ASSIGNMENT_ANNOTATION) or "")
     return QueuedPod(
         namespace=namespace,

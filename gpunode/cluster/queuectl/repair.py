@@ -44,6 +44,7 @@ from gpunode.errors import GpunodeError
 
 if TYPE_CHECKING:
     from gpunode.cluster.queueing.config import QueueConfig
+    from gpunode.cluster.queuemark import MarkKey
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,7 @@ class GangRepair:
 
     if TYPE_CHECKING:
         config: QueueConfig
+        mark_key: MarkKey | None
         sched: Scheduler | None
         written: dict[str, Running]
         noticed: dict[str, NoticeMark]
@@ -186,7 +188,7 @@ class GangRepair:
                 Annotate(
                     ref(m),
                     {
-                        QUEUE_ADMITTED_ANNOTATION: admitted_text(j.name, p, at, m.uid),
+                        QUEUE_ADMITTED_ANNOTATION: admitted_text(j.name, p, at, m.uid, key=self.mark_key),
                         QUEUE_REASON_ANNOTATION: None,
                     },
                     ("QueueAdmissionCompleted", message),

@@ -3,9 +3,13 @@
 Every test of the `ext` fixture runs in both hold modes (--queue-hold): error (the filter answers Error,
 so kube-scheduler never preempts for the pod) and unschedulable (every node failed with the reason).
 
+Every such test runs with and without an admission key (--admission-key-file): the marks are signed
+with KEY, which an unkeyed extender ignores (it takes marks by UID alone).
+
 Each attack is performed: a tenant forges an admission (a mark copied from another pod, one written
-before the pod had a UID), writes a long or odd waiting reason, or POSTs a bind for a waiting pod;
-the marks are written with the controller's own admitted_text so both sides are proven to agree.
+before the pod had a UID, one patched onto its own pod with its real UID and a made-up signature),
+writes a long or odd waiting reason, or POSTs a bind for a waiting pod; the marks are written with the
+controller's own admitted_text so both sides are proven to agree.
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from gpunode.cluster.extender.queued import (
 )
 from gpunode.cluster.queuectl.jobs import admitted_text, queued_pod
 from gpunode.cluster.queueing.model import PodPlacement
+from gpunode.cluster.queuemark import SIG_CHARS, MarkKey, canonical, load_mark_key
 from gpunode.contract.names import QUEUE_ADMITTED_ANNOTATION, QUEUE_LABEL, QUEUE_REASON_ANNOTATION
-from gpunode.errors import InvalidRequest, KubeError, QueueConfigError
+from gpunode.errors import AdmissionKeyError, InvalidRequest, KubeError, QueueConfigError
 from tests.cluster.queuectl.helpers import config
 from tests.cluster.test_extender import (
     FakeApiServer,
@@ -45,6 +50,8 @@ from tests.cluster.test_extender import (
 )
 
 REASON = "queued in team-a, position 12: team-a is over its quota"
+SECRET = b"k" * 32 + b"the controller's and extender's secret"
+KEY = MarkKey(SECRET)
 
 
 class Binder:
@@ -80,8 +87,10 @@ def queued(
 def admit(
     pod: dict[str, Any], node: str, gpus: tuple[str, ...], *, job: str = "team-a/gang"
 ) -> dict[str, Any]:
-    """The pod with the admission the controller writes for it (its own UID)."""
-    text = admitted_text(job, PodPlacement(node=node, gpus=gpus), 1732252800.0, pod["metadata"]["uid"])
+    """The pod with the admission the controller writes for it (its own UID), signed with KEY."""
+    text = admitted_text(
+        job, PodPlacement(node=node, gpus=gpus), 1732252800.0, pod["metadata"]["uid"], key=KEY
+    )
     pod["metadata"]["annotations"][QUEUE_ADMITTED_ANNOTATION] = text
     pod["metadata"]["annotations"].pop(QUEUE_REASON_ANNOTATION, None)
     return pod
@@ -94,10 +103,15 @@ NODES = node_list(
 )
 
 
-@pytest.fixture(params=HOLD_MODES)
+@pytest.fixture(params=[(mode, key) for mode in HOLD_MODES for key in ("signed", "unsigned")], ids=str)
 def ext(request: pytest.FixtureRequest) -> tuple[Extender, Binder]:
     binder = Binder()
-    extender = Extender(config=ExtenderConfig(policy="bestfit", queue_hold=request.param), binder=binder)
+    mode, signed = request.param
+    extender = Extender(
+        config=ExtenderConfig(policy="bestfit", queue_hold=mode),
+        binder=binder,
+        mark_key=KEY if signed == "signed" else None,
+    )
     extender.refresh_nodes(NODES["items"])
     return extender, binder
 
@@ -216,6 +230,177 @@ def test_a_mark_copied_from_an_admitted_pod_does_not_admit_the_copy(ext: tuple[E
     for pod in (copy, no_uid):
         q = queued_pod(pod, config())
         assert q is not None and q.admitted is None
+
+
+# ----- signed marks (--admission-key-file) ----------------------------------------------------------------
+
+MADE_UP_SIG = "A" * SIG_CHARS
+
+
+@pytest.mark.parametrize(
+    "sig",
+    [
+        pytest.param(None, id="no-sig"),
+        pytest.param(MADE_UP_SIG, id="made-up-sig"),
+        pytest.param("", id="empty-sig"),
+        pytest.param(12345, id="sig-not-a-string"),
+        pytest.param(["x"], id="sig-a-list"),
+        pytest.param("\u00e9" * SIG_CHARS, id="sig-not-ascii"),
+        pytest.param("A" * 60000, id="oversize-sig"),
+        pytest.param("copied", id="sig-of-another-pod"),
+    ],
+)
+def test_a_mark_the_tenant_patches_on_its_own_pod_with_its_real_uid_is_refused(
+    ext: tuple[Extender, Binder], sig: Any
+) -> None:
+    """The attack the UID binding does not stop: the pod's owner reads its UID and patches a mark on."""
+    extender, binder = ext
+    other = admit(queued("train-1", "uid-1"), "n1", ("GPU-n1-0",))
+    pod = queued("train-0", "uid-0", **{QUEUE_REASON_ANNOTATION: REASON})
+    mark: dict[str, Any] = {"job": "team-a/x", "uid": "uid-0", "node": "n1", "gpus": ["GPU-n1-0"]}
+    mark["at"] = "2024-11-22T05:20:00.000000Z"
+    if sig == "copied":  # the valid signature of another pod's mark, with the fields made this pod's
+        mark.update(
+            {**json.loads(other["metadata"]["annotations"][QUEUE_ADMITTED_ANNOTATION]), "uid": "uid-0"}
+        )
+    elif sig is not None:
+        mark["sig"] = sig
+    pod["metadata"]["annotations"][QUEUE_ADMITTED_ANNOTATION] = json.dumps(mark)
+    binder.add(pod)
+    result = extender.filter({"Pod": pod, "Nodes": NODES})
+    controller_reads = queued_pod(pod, config(), mark_key=extender.mark_key)
+    assert controller_reads is not None
+    if extender.mark_key is None:  # without a key the mark is taken by its UID: the hole the key closes
+        assert passing(result) == ["n1"] and controller_reads.admitted is not None
+        return
+    assert held(extender, result) == {REASON}  # held, with the controller's reason unchanged
+    assert {h["Score"] for h in extender.prioritize({"Pod": pod, "Nodes": NODES})} == {0}
+    assert extender.bind(bind_args(pod, "n1"))["Error"] and binder.binds == []
+    assert len(extender.reservations) == 0
+    # the controller reads it alike: not admitted, a foreign mark (a gang's repair removes it)
+    assert controller_reads.admitted is None and controller_reads.foreign_mark
+
+
+def test_a_valid_signed_mark_copied_onto_another_pod_does_not_admit_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # a key of its own (the same secret as KEY): what it has already logged starts empty
+    extender = Extender(config=ExtenderConfig(policy="bestfit"), mark_key=MarkKey(SECRET))
+    extender.refresh_nodes(NODES["items"])
+    admitted = admit(queued("train-0", "uid-0"), "n1", ("GPU-n1-0",))
+    assert passing(extender.filter({"Pod": admitted, "Nodes": NODES})) == ["n1"]  # the original passes
+    copy = queued("sneaky", "uid-sneaky", **dict(admitted["metadata"]["annotations"]))
+    caplog.set_level("INFO", logger="gpunode.cluster.queuemark")
+    for _ in range(20):  # kube-scheduler retries: held each time, logged once
+        assert held(extender, extender.filter({"Pod": copy, "Nodes": NODES})) == {WAITING_REASON}
+    lines = [r.getMessage() for r in caplog.records if "sneaky" in r.getMessage()]
+    assert len(lines) == 1 and "another pod's UID" in lines[0]
+    # the same for a forged signature on the pod's own UID: one line per pod
+    caplog.clear()
+    forged = json.loads(admitted["metadata"]["annotations"][QUEUE_ADMITTED_ANNOTATION])
+    forged.update({"uid": "uid-sneaky", "sig": MADE_UP_SIG})
+    copy["metadata"]["annotations"][QUEUE_ADMITTED_ANNOTATION] = json.dumps(forged)
+    other = queued("sneaky-2", "uid-sneaky-2", **{QUEUE_ADMITTED_ANNOTATION: json.dumps(forged)})
+    other["metadata"]["annotations"][QUEUE_ADMITTED_ANNOTATION] = json.dumps(
+        {**forged, "uid": "uid-sneaky-2"}
+    )
+    for _ in range(20):
+        for pod in (copy, other):
+            assert held(extender, extender.filter({"Pod": pod, "Nodes": NODES})) == {WAITING_REASON}
+    assert len([r for r in caplog.records if "sneaky-2" in r.getMessage()]) == 1
+    assert [r for r in caplog.records if "default/sneaky " in r.getMessage()] == []  # already reported
+
+
+def test_sign_and_verify() -> None:
+    fields = {
+        "job": "team-a/x",
+        "uid": "u-1",
+        "node": "n1",
+        "gpus": ["GPU-1", "GPU-2"],
+        "at": "2026-01-01T00:00Z",
+    }
+    mark = json.loads(admitted_text("team-a/x", PodPlacement("n1", ("GPU-1", "GPU-2")), 0.0, "u-1", key=KEY))
+    assert set(mark) == {"job", "uid", "node", "gpus", "at", "sig"} and KEY.verify(mark)
+    assert len(mark["sig"]) == SIG_CHARS and "=" not in mark["sig"]  # base64url, no padding
+    signed = {**fields, "sig": KEY.sign(fields)}
+    assert KEY.verify(signed)
+    assert KEY.verify(dict(reversed(list(signed.items()))))  # the order of the keys does not matter
+    assert KEY.verify({**signed, "extra": "ignored"})  # fields outside the signed five are not read
+    for name, value in [
+        ("job", "team-a/y"),
+        ("uid", "u-2"),
+        ("node", "n2"),
+        ("gpus", ["GPU-2", "GPU-1"]),
+        ("gpus", ["GPU-1"]),
+        ("at", "2026-01-01T00:01Z"),
+    ]:
+        assert not KEY.verify({**signed, name: value}), name
+    assert not KEY.verify({k: v for k, v in signed.items() if k != "at"})  # a field left out
+    assert not MarkKey(b"x" * 32).verify(signed)  # another key
+    assert not KEY.verify(fields)  # no sig
+    for sig in (None, 7, b"x", ["x"], "", signed["sig"][:-1], signed["sig"] + "A", "\u00e9" * SIG_CHARS):
+        assert not KEY.verify({**fields, "sig": sig}), repr(sig)
+    # the domain prefix: the same fields under another purpose do not give the same signature
+    assert canonical(fields).startswith(b"gpunode.io/queue-admitted/v1\n")
+    assert "secret" not in repr(KEY)
+    # unsigned marks (no key) carry no sig
+    assert "sig" not in json.loads(admitted_text("j", PodPlacement("n1", ()), 0.0, "u", key=None))
+
+
+def test_remembered_checks_are_by_exact_text_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("gpunode.cluster.queuemark.CACHED_MARKS", 4)
+    key = MarkKey(SECRET)
+    text = admitted_text("j", PodPlacement("n1", ("GPU-1",)), 0.0, "u", key=KEY)
+    assert key.verify_text(text, json.loads(text)) and key.verify_text(text, json.loads(text))
+    forged = text.replace('"n1"', '"n2"')  # another text: checked afresh, not taken from the memory
+    assert not key.verify_text(forged, json.loads(forged)) and key.verify_text(text, json.loads(text))
+    for i in range(10):
+        other = text.replace('"u"', f'"u{i}"')
+        assert not key.verify_text(other, json.loads(other))
+        assert len(key._checked) <= 4
+    # a text too long to remember is still checked
+    long = json.dumps({**json.loads(text), "pad": "x" * 3000})
+    assert key.verify_text(long, json.loads(long)) and long not in key._checked
+
+
+def test_the_key_file_and_its_flag(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "key"
+    path.write_bytes(b"k" * 32 + b"the controller's and extender's secret\n")  # a trailing newline is not key
+    path.chmod(0o644)  # a Secret's default mode: fine
+    assert load_mark_key(path).verify(
+        json.loads(admit(queued("p", "u"), "n1", ())["metadata"]["annotations"][QUEUE_ADMITTED_ANNOTATION])
+    )
+    cases = {
+        tmp_path / "missing": "cannot read it",
+        tmp_path: "cannot read it",  # a directory
+        tmp_path / "short": "31 bytes of key, fewer than 32",
+        tmp_path / "large": "larger than 4096 bytes",
+    }
+    (tmp_path / "short").write_bytes(b"s" * 31 + b"\n")
+    (tmp_path / "large").write_bytes(b"l" * 5000)
+    for bad, message in cases.items():
+        with pytest.raises(AdmissionKeyError, match=message) as info:
+            load_mark_key(bad)
+        assert "\n" not in str(info.value) and info.value.hint and info.value.exit_code == 2
+    with pytest.raises(AdmissionKeyError, match="fewer than 32"):
+        MarkKey(b"short")
+
+    def key_of(*flags: str) -> MarkKey | None:
+        return build_extender(parser().parse_args(["extender", *flags]))[0].mark_key
+
+    caplog.set_level("WARNING", logger="gpunode.cluster.extender.cli")
+    queues = tmp_path / "queues.yaml"
+    queues.write_text(QUEUES)
+    assert key_of("--admission-key-file", str(path), "--queue-config", str(queues)) is not None
+    assert key_of() is None and not caplog.records  # no queue served: nothing to warn about
+    assert key_of("--queue-config", str(queues)) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "extender: queue admissions are NOT signed (no --admission-key-file): any tenant able to patch its "
+        "own pods can write an admission mark and skip the queue; give the controller and the extender the "
+        "same key file"
+    ]
+    with pytest.raises(AdmissionKeyError, match="fewer than 32"):
+        key_of("--admission-key-file", str(tmp_path / "short"))
 
 
 # ----- admitted pods --------------------------------------------------------------------------------------
