@@ -132,18 +132,22 @@ class UsageLedger:
                 weight = (
                     math.exp(self._rate * (start - ref)) * math.expm1(self._rate * (end - start)) / self._rate
                 )
-                bucket = self._buckets.get(index)
-                if bucket is None:
-                    bucket = self._buckets[index] = {}
-                    heapq.heappush(self._heap, index)
-                held = bucket.setdefault(queue, {})
-                total = self._totals.setdefault(queue, {})
-                for resource, amount in amounts.items():
-                    if amount:
-                        held[resource] = held.get(resource, 0.0) + amount * weight
-                        total[resource] = total.get(resource, 0.0) + amount * weight
+                self._add(index, queue, amounts, weight)
             start = end
             index += 1
+
+    def _add(self, index: int, queue: str, amounts: Mapping[str, float], weight: float) -> None:
+        """Add `amounts` x `weight` to `queue` in bucket `index` and in its totals."""
+        bucket = self._buckets.get(index)
+        if bucket is None:
+            bucket = self._buckets[index] = {}
+            heapq.heappush(self._heap, index)
+        held = bucket.setdefault(queue, {})
+        total = self._totals.setdefault(queue, {})
+        for resource, amount in amounts.items():
+            if amount:
+                held[resource] = held.get(resource, 0.0) + amount * weight
+                total[resource] = total.get(resource, 0.0) + amount * weight
 
     def seed(self, queue: str, amounts: Mapping[str, float], at: float) -> None:
         """Add usage already decayed to `at` (from usage(at), saved by another process) as charged at `at`.
@@ -161,17 +165,7 @@ class UsageLedger:
             self._ref = at
         if self._rate * (at - self._ref) > _REBASE:
             self._rebase(at)
-        weight = math.exp(self._rate * (at - self._ref))
-        bucket = self._buckets.get(index)
-        if bucket is None:
-            bucket = self._buckets[index] = {}
-            heapq.heappush(self._heap, index)
-        held = bucket.setdefault(queue, {})
-        total = self._totals.setdefault(queue, {})
-        for resource, amount in amounts.items():
-            if amount:
-                held[resource] = held.get(resource, 0.0) + amount * weight
-                total[resource] = total.get(resource, 0.0) + amount * weight
+        self._add(index, queue, amounts, math.exp(self._rate * (at - self._ref)))
 
     def usage(self, now: float, config: QueueConfig | None = None) -> dict[str, dict[str, float]]:
         """Decayed resource-seconds per charged queue at `now`; with config, per leaf and inner queue."""
