@@ -38,14 +38,14 @@ from typing import Any
 import yaml
 
 from gpunode.cluster.extender.promfeed import NodeLoad, PromFeed, terms
-from gpunode.contract.names import GPU_RESOURCE, NODE_STATE_ANNOTATION
+from gpunode.contract.names import GPU_RESOURCE
 from gpunode.node.devices.simnode.cli import call_control
 from tests.e2e import chart
-from tests.e2e.api import Api, ApiError, eventually
-from tests.e2e.controlplane import ROOT, ControlPlane
+from tests.e2e.api import ApiError, eventually
+from tests.e2e.controlplane import ControlPlane
 from tests.e2e.objects import ensure_namespace, pod_body
 from tests.e2e.procs import Proc, free_port
-from tests.e2e.simnodes import SimNode
+from tests.e2e.simnodes import SimNode, seeded_t4, state_published
 from tests.shared.prometheus import PROMETHEUS, Prometheus
 
 NAMESPACE = "e2e-promfeed"
@@ -56,7 +56,6 @@ TIMEOUT_S, MAX_AGE_S = 2.0, 4.0
 ENERGY_WEIGHT, LOAD_WEIGHT = 4.0, 1.0
 POLICY_WEIGHT = 1.0  # the placement policy's score, scaled to 0..1 among the nodes, counts once
 FALLBACK_WARNING = "prioritize scores without the energy and load terms"
-T4_PROFILE = ROOT / "gpunode/node/devices/simnode/profiles/t4.yaml"
 
 
 def chart_values(prometheus_url: str) -> dict[str, Any]:
@@ -175,19 +174,6 @@ def gpu_pod(name: str) -> dict[str, Any]:
     return body
 
 
-def _seeded_t4(tmp: Path, node: str) -> Path:
-    """The bundled T4 profile seeded with the node's name: GPU UUIDs unique across the nodes."""
-    profile = yaml.safe_load(T4_PROFILE.read_text())
-    profile["seed"] = node
-    path = tmp / f"{node}-t4.yaml"
-    path.write_text(yaml.safe_dump(profile))
-    return path
-
-
-def _published(api: Api, node: str) -> bool:
-    return NODE_STATE_ANNOTATION in api.get(f"/api/v1/nodes/{node}")["metadata"].get("annotations", {})
-
-
 def _start_extender(cp: ControlPlane, docs: list[dict[str, Any]]) -> tuple[Proc, int, int, Any]:
     """`gpunode extender` with the chart Deployment's arguments, its addresses and files replaced."""
     dep = next(
@@ -247,12 +233,12 @@ def build_feed_cluster(cp: ControlPlane, tmp: Path) -> FeedCluster:
                 "metrics": {"listen": f"127.0.0.1:{ports[name]}", "interval": "1s"},
                 "simControlSocket": str(control),
             }
-            sim = SimNode(cp, name, tmp / name, profile=str(_seeded_t4(tmp, name)), agent=agent)
+            sim = SimNode(cp, name, tmp / name, profile=str(seeded_t4(tmp, name)), agent=agent)
             nodes[name] = FeedNode(sim, ports[name], control)
             sim.start()
         for name in NODES:
             eventually(
-                partial(_published, admin, name), timeout_s=WAIT_S, what=f"{name}'s published GPU state"
+                partial(state_published, admin, name), timeout_s=WAIT_S, what=f"{name}'s published GPU state"
             )
         eventually(
             lambda: cluster.extender_metrics().get("gpunode_extender_prometheus_nodes") == len(NODES),

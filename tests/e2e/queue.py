@@ -52,7 +52,7 @@ from tests.e2e.controlplane import ROOT, ControlPlane
 from tests.e2e.objects import create_pod, ensure_namespace, pod_body, pod_events
 from tests.e2e.pki import CertFiles
 from tests.e2e.procs import Proc, free_port
-from tests.e2e.simnodes import SimNode
+from tests.e2e.simnodes import SimNode, seeded_t4, state_published
 
 NAMESPACE = "e2e-queue"
 NODES = ("e2e-queue-n1", "e2e-queue-n2")  # four T4s each
@@ -99,7 +99,6 @@ ROLE_PATHS = {
     "Role": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{chart.NAMESPACE}/roles",
     "RoleBinding": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{chart.NAMESPACE}/rolebindings",
 }
-T4_PROFILE = ROOT / "gpunode/node/devices/simnode/profiles/t4.yaml"
 ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL)\b|Traceback")
 
 
@@ -291,19 +290,6 @@ def _start_extender(cp: ControlPlane, config: Path, hold: str, key_file: Path) -
     return extender, port, client
 
 
-def _seeded_t4(tmp: Path, node: str) -> Path:
-    """The bundled T4 profile with the node's name as its seed: GPU UUIDs unique across the nodes."""
-    profile = yaml.safe_load(T4_PROFILE.read_text())
-    profile["seed"] = node
-    path = tmp / f"{node}-t4.yaml"
-    path.write_text(yaml.safe_dump(profile))
-    return path
-
-
-def _published(api: Api, node: str) -> bool:
-    return NODE_STATE_ANNOTATION in api.get(f"/api/v1/nodes/{node}")["metadata"].get("annotations", {})
-
-
 def build_queue_cluster(cp: ControlPlane, tmp: Path, *, hold: str = "error") -> QueueCluster:
     """Start everything (see the module docstring) but the controllers; stop_queue_cluster ends it all.
     `hold`: the extender's --queue-hold (the chart's default, error, unless a test compares the modes)."""
@@ -313,14 +299,14 @@ def build_queue_cluster(cp: ControlPlane, tmp: Path, *, hold: str = "error") -> 
     config.write_text(QUEUE_CONFIG)
     key_file = _admission_key(docs, tmp)
     extender, port, client = _start_extender(cp, config, hold, key_file)
-    nodes = {name: SimNode(cp, name, tmp / name, profile=str(_seeded_t4(tmp, name))) for name in NODES}
+    nodes = {name: SimNode(cp, name, tmp / name, profile=str(seeded_t4(tmp, name))) for name in NODES}
     try:
         for node in nodes.values():
             node.start()
         admin = cp.api()
         for name in nodes:
             eventually(
-                partial(_published, admin, name),
+                partial(state_published, admin, name),
                 timeout_s=WAIT_S,
                 what=f"{name}'s published GPU state",
             )

@@ -32,9 +32,10 @@ from typing import Any
 
 import yaml
 
+from gpunode.contract.names import NODE_STATE_ANNOTATION
 from gpunode.node.kubelet.podresources import ContainerDevices
 from tests.e2e.api import STRATEGIC, Api, ApiError
-from tests.e2e.controlplane import ControlPlane
+from tests.e2e.controlplane import ROOT, ControlPlane
 from tests.e2e.objects import BASE_CAPACITY, create_fake_node, write_ready_status
 from tests.e2e.procs import Proc, free_port
 from tests.fakes.kubelet import KubeletStandIn, short_socket_dir
@@ -42,6 +43,21 @@ from tests.fakes.podresources import PodResourcesStandIn
 
 POLL_S = 0.2
 WAIT_S = 120.0  # generous: two shared cores
+T4_PROFILE = ROOT / "gpunode/node/devices/simnode/profiles/t4.yaml"
+
+
+def seeded_t4(tmp: Path, node: str) -> Path:
+    """The bundled T4 profile with the node's name as its seed: GPU UUIDs unique across the nodes."""
+    profile = yaml.safe_load(T4_PROFILE.read_text())
+    profile["seed"] = node
+    path = tmp / f"{node}-t4.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    return path
+
+
+def state_published(api: Api, node: str) -> bool:
+    """Whether the node's agent has published its gpunode.io/gpu-state annotation."""
+    return NODE_STATE_ANNOTATION in api.get(f"/api/v1/nodes/{node}")["metadata"].get("annotations", {})
 
 
 @dataclass
