@@ -7,8 +7,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +28,7 @@ from gpunode.cluster.queuemark import UNSIGNED_WARNING, load_mark_key
 from gpunode.contract.names import EXTENDER_ROLE_LABEL, GIB, NODE_SERIES_LABEL
 from gpunode.contract.reader import parse_bytes, parse_duration
 from gpunode.errors import ConfigError, GpunodeError, PlacementError
-from gpunode.infra.kube import SERVICE_ACCOUNT_DIR, ElectionConfig
+from gpunode.infra.kube import SERVICE_ACCOUNT_DIR, ElectionConfig, candidate_identity
 from gpunode.placement import POLICIES
 
 log = logging.getLogger(__name__)
@@ -324,21 +322,8 @@ def build_ha(args: argparse.Namespace, extender: Extender, api: KubeApi | None) 
         return None
     if api is None:
         raise ConfigError("--leader-elect needs --kube-api to hold the Lease with", hint="add --kube-api URL")
-    identity = (
-        args.leader_elect_identity
-        or f"{args.leader_elect_pod or socket.gethostname()}_{uuid.uuid4().hex[:8]}"
-    )
-    config = ElectionConfig(
-        namespace=args.leader_elect_namespace,
-        name=args.leader_elect_lease_name,
-        identity=identity,
-        lease_duration_s=parse_duration(
-            args.leader_elect_lease_duration, where="--leader-elect-lease-duration"
-        ),
-        renew_deadline_s=parse_duration(
-            args.leader_elect_renew_deadline, where="--leader-elect-renew-deadline"
-        ),
-        retry_period_s=parse_duration(args.leader_elect_retry_period, where="--leader-elect-retry-period"),
+    config = ElectionConfig.from_flags(
+        args, candidate_identity(args.leader_elect_identity, args.leader_elect_pod)
     )
     return HighAvailability(extender, api, config, pod_name=args.leader_elect_pod)
 

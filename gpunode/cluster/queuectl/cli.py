@@ -7,8 +7,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +18,7 @@ from gpunode.cluster.queuemark import UNSIGNED_WARNING, load_mark_key
 from gpunode.contract.names import GIB
 from gpunode.contract.reader import parse_bytes, parse_duration
 from gpunode.errors import ConfigError
-from gpunode.infra.kube import ElectionConfig, KubeClient, LeaderElector, LeaseLock
+from gpunode.infra.kube import ElectionConfig, KubeClient, LeaderElector, LeaseLock, candidate_identity
 
 log = logging.getLogger(__name__)
 USER_AGENT = "gpunode-queue"
@@ -96,26 +94,10 @@ def build_controller(args: argparse.Namespace) -> QueueController:
         )
     else:
         client = KubeClient.from_environment(kubeconfig=args.kubeconfig, user_agent=USER_AGENT)
-    identity = (
-        args.leader_elect_identity
-        or f"{os.environ.get('POD_NAME') or socket.gethostname()}_{uuid.uuid4().hex[:8]}"
-    )
+    identity = candidate_identity(args.leader_elect_identity, os.environ.get("POD_NAME"))
     elector = None
     if args.leader_elect:
-        election = ElectionConfig(
-            namespace=args.leader_elect_namespace,
-            name=args.leader_elect_lease_name,
-            identity=identity,
-            lease_duration_s=parse_duration(
-                args.leader_elect_lease_duration, where="--leader-elect-lease-duration"
-            ),
-            renew_deadline_s=parse_duration(
-                args.leader_elect_renew_deadline, where="--leader-elect-renew-deadline"
-            ),
-            retry_period_s=parse_duration(
-                args.leader_elect_retry_period, where="--leader-elect-retry-period"
-            ),
-        )
+        election = ElectionConfig.from_flags(args, identity)
         elector = LeaderElector(LeaseLock(client, election.namespace, election.name), election)
     usage = None
     namespace = args.usage_namespace or args.leader_elect_namespace

@@ -13,7 +13,13 @@ translation), watch (list+watch), config (credentials), models (value types).
 
 from gpunode.infra.kube.client import COMPONENT, KubeClient
 from gpunode.infra.kube.config import DEFAULT_REQUEST_TIMEOUT_S, SERVICE_ACCOUNT_DIR
-from gpunode.infra.kube.lease import ElectionConfig, LeaderElector, LeaseLock, LeaseRecord
+from gpunode.infra.kube.lease import (
+    ElectionConfig,
+    LeaderElector,
+    LeaseLock,
+    LeaseRecord,
+    candidate_identity,
+)
 from gpunode.infra.kube.models import (
     ADDED,
     DELETED,
@@ -46,6 +52,7 @@ __all__ = [
     "PodInfo",
     "Taint",
     "WatchEvent",
+    "candidate_identity",
     "is_retryable",
     "resource_path",
 ]

@@ -20,12 +20,15 @@ gpunode.node or gpunode.cluster.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
 import random
+import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -34,6 +37,7 @@ from urllib.parse import quote
 
 from lightkube.resources.coordination_v1 import Lease
 
+from gpunode.contract.reader import parse_duration
 from gpunode.errors import ConfigError, KubeConflict, KubeError, KubeNotFound
 from gpunode.infra.kube.client import KubeClient
 from gpunode.infra.kube.transport import decode, resource_path
@@ -45,6 +49,11 @@ JITTER = 1.2  # client-go's JitterFactor: a candidate waits retry x (1 + up to 1
 def micro_time(moment: datetime | None = None) -> str:
     """A metav1.MicroTime: RFC 3339 in UTC with microseconds."""
     return (moment or datetime.now(UTC)).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def candidate_identity(given: str, pod_name: str | None) -> str:
+    """`given` (--leader-elect-identity), else <pod>_<random>, the pod being `pod_name` or this host."""
+    return given or f"{pod_name or socket.gethostname()}_{uuid.uuid4().hex[:8]}"
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,25 @@ class ElectionConfig:
     lease_duration_s: float = 15.0
     renew_deadline_s: float = 10.0
     retry_period_s: float = 2.0
+
+    @classmethod
+    def from_flags(cls, args: argparse.Namespace, identity: str) -> ElectionConfig:
+        """The election the --leader-elect-* flags describe, for candidate `identity`. ConfigError for a
+        bad flag."""
+        return cls(
+            namespace=args.leader_elect_namespace,
+            name=args.leader_elect_lease_name,
+            identity=identity,
+            lease_duration_s=parse_duration(
+                args.leader_elect_lease_duration, where="--leader-elect-lease-duration"
+            ),
+            renew_deadline_s=parse_duration(
+                args.leader_elect_renew_deadline, where="--leader-elect-renew-deadline"
+            ),
+            retry_period_s=parse_duration(
+                args.leader_elect_retry_period, where="--leader-elect-retry-period"
+            ),
+        )
 
     def __post_init__(self) -> None:
         if not self.namespace or not self.name or not self.identity:
