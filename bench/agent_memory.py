@@ -22,7 +22,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,14 +34,9 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.fakes.kubelet import KubeletStandIn, short_socket_dir
+from tests.ports import free_port
 
 TARGET_MB = 80.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def get(port: int, path: str) -> int:

@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpunode.node.kubelet.podresources import ContainerDevices
 from tests.fakes.kubelet import KubeletStandIn, short_socket_dir
 from tests.fakes.podresources import PodResourcesStandIn
+from tests.ports import free_port
 
 MEM = "gpunode.io/gpu-memory"
 ATTACKER = "127.0.0.2"  # the network attacker's address; Prometheus and the probes come from 127.0.0.1
@@ -66,12 +67,6 @@ FILTER_BODY = json.dumps(
         "NodeNames": ["node-a"],
     }
 ).encode()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def proc_figures(pid: int) -> dict[str, Any]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,12 +14,7 @@ import pytest
 
 from gpunode import cli
 from gpunode.errors import ConfigError, GpunodeError, MemcapError
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.ports import free_port
 
 
 @pytest.mark.parametrize(

@@ -103,7 +103,7 @@ def _post(port: int, path: str, body: object) -> Any:
 
 
 def test_the_extender_knows_the_nodes_before_it_serves(tmp_path: Any) -> None:
-    from tests.e2e.procs import free_port
+    from tests.ports import free_port
 
     with ApiServerStandIn() as api:
         api.add_node("n1", annotations={NODE_STATE_ANNOTATION: state("n1")})

@@ -32,7 +32,8 @@ import yaml
 
 from tests.e2e.api import Api
 from tests.e2e.pki import CertFiles, CertificateAuthority, service_account_keys
-from tests.e2e.procs import Proc, StartError, free_port
+from tests.e2e.procs import Proc, StartError
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE_VERSION = "v1.20.2"

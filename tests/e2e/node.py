@@ -27,7 +27,8 @@ import yaml
 from tests.e2e.api import ApiError, eventually
 from tests.e2e.controlplane import ControlPlane, User, kube_dir
 from tests.e2e.objects import remove_not_ready_taint
-from tests.e2e.procs import Proc, free_port
+from tests.e2e.procs import Proc
+from tests.ports import free_port
 
 NODE_PACKAGES_BINARIES = ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "unshare")
 KUBELET_DEVICE_PLUGINS = Path("/var/lib/kubelet/device-plugins")

@@ -8,7 +8,6 @@ import atexit
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -21,13 +20,6 @@ _LIVE_LOCK = threading.Lock()
 
 class StartError(RuntimeError):
     """A component did not come up; the message carries the end of its log."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Proc:

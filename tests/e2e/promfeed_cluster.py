@@ -44,8 +44,9 @@ from tests.e2e import chart
 from tests.e2e.api import ApiError, eventually
 from tests.e2e.controlplane import ControlPlane
 from tests.e2e.objects import ensure_namespace, pod_body
-from tests.e2e.procs import Proc, free_port
+from tests.e2e.procs import Proc
 from tests.e2e.simnodes import SimNode, seeded_t4, state_published
+from tests.ports import free_port
 from tests.shared.prometheus import PROMETHEUS, Prometheus
 
 NAMESPACE = "e2e-promfeed"

@@ -51,8 +51,9 @@ from tests.e2e.api import Api, ApiError, eventually
 from tests.e2e.controlplane import ROOT, ControlPlane
 from tests.e2e.objects import create_pod, ensure_namespace, pod_body, pod_events
 from tests.e2e.pki import CertFiles
-from tests.e2e.procs import Proc, free_port
+from tests.e2e.procs import Proc
 from tests.e2e.simnodes import SimNode, seeded_t4, state_published
+from tests.ports import free_port
 
 NAMESPACE = "e2e-queue"
 NODES = ("e2e-queue-n1", "e2e-queue-n2")  # four T4s each

@@ -57,7 +57,7 @@ from tests.e2e.api import Api, eventually
 from tests.e2e.controlplane import ROOT, ControlPlane
 from tests.e2e.objects import create_pod, ensure_namespace, pod_body
 from tests.e2e.pki import CertFiles
-from tests.e2e.procs import Proc, free_port
+from tests.e2e.procs import Proc
 from tests.e2e.scenario_realnode import (
     REAL_FRACTIONS,
     REAL_PODS,
@@ -69,6 +69,7 @@ from tests.e2e.scenario_realnode import (
     visible_devices,
 )
 from tests.e2e.simnodes import SimNode
+from tests.ports import free_port
 
 GIB = 2**30
 NAMESPACE = "e2e-scenario"
@@ -420,11 +421,16 @@ def _real_pods(
     probe = real_pod("probe", {GPU_MEMORY_RESOURCE: "1"})
     probe["metadata"].update(namespace=NAMESPACE, uid="probe-uid")
     name = cluster.real.name
-    eventually(
-        lambda: name in (filter_once(cluster, probe, [name]).get("NodeNames") or []),
-        timeout_s=WAIT_S,
-        what=f"the extender's filter passing {name}",
-    )
+    answers: list[dict[str, Any]] = [{}]
+
+    def passes() -> bool:
+        answers[0] = filter_once(cluster, probe, [name])
+        return name in (answers[0].get("NodeNames") or [])
+
+    try:
+        eventually(passes, timeout_s=WAIT_S, what=f"the extender's filter passing {name}")
+    except AssertionError as exc:  # the extender's last answer says why
+        raise AssertionError(f"{exc}; its last answer: {answers[0]}") from None
 
     for earlier in after or {}:
         eventually(partial(_assigned, admin, earlier), timeout_s=WAIT_S, what=f"{earlier} assigned")
@@ -462,18 +468,30 @@ def run_scenario(cluster: Cluster) -> Outcome:
             _real_pods(cluster, admin, REAL_FRACTIONS, after=REAL_WHOLE)
         outcome.fit = [*outcome.race_bound, MIXED_WHOLE, *scheduled, *real]
 
+        waiting: list[str] = []
+
         def done(annotated: bool) -> bool:
             pods = {
                 p["metadata"]["name"]: p for p in admin.get(f"/api/v1/namespaces/{NAMESPACE}/pods")["items"]
             }
             outcome.pods = pods
-            return all(
-                pods[n]["status"].get("phase") == "Running"
-                and (not annotated or ALLOCATED_ANNOTATION in pods[n]["metadata"].get("annotations", {}))
+            waiting[:] = [
+                _not_yet(pods.get(n), n)
                 for n in outcome.fit
-            ) and all(cluster.real is None or visible_devices(cluster.real, NAMESPACE, n) for n in real)
+                if pods.get(n, {}).get("status", {}).get("phase") != "Running"
+                or (annotated and ALLOCATED_ANNOTATION not in pods[n]["metadata"].get("annotations", {}))
+            ]
+            waiting.extend(
+                f"{n}: no NVIDIA_VISIBLE_DEVICES printed yet"
+                for n in real
+                if cluster.real is not None and not visible_devices(cluster.real, NAMESPACE, n)
+            )
+            return not waiting
 
-        eventually(lambda: done(False), timeout_s=WAIT_S, what="every pod that fits bound and admitted")
+        try:
+            eventually(lambda: done(False), timeout_s=WAIT_S, what="every pod that fits bound and admitted")
+        except AssertionError as exc:  # which pods, and where they stand, for the report
+            raise AssertionError(f"{exc}; still waiting: " + "; ".join(waiting)) from None
         # The agent marks what it carried out; a pod it could not match stays unmarked (the agreement
         # figure counts it), so this wait is bounded and not an assertion.
         with contextlib.suppress(AssertionError):
@@ -484,6 +502,25 @@ def run_scenario(cluster: Cluster) -> Outcome:
     sampler.sample()  # and once more at the end
     outcome.samples, outcome.violations = sampler.samples, sampler.violations
     return outcome
+
+
+def _not_yet(pod: dict[str, Any] | None, name: str) -> str:
+    """One line on where a pod that is not yet carried out stands."""
+    if pod is None:
+        return f"{name}: gone"
+    status = pod.get("status", {})
+    conditions = ", ".join(
+        f"{c.get('type')}={c.get('status')} {c.get('reason') or ''} {c.get('message') or ''}".strip()
+        for c in status.get("conditions", [])
+    )
+    waits = [
+        f"{s.get('name')}: {next(iter(s.get('state', {})), '?')} {s.get('state', {}).get('waiting', {})}"
+        for s in status.get("containerStatuses", [])
+    ]
+    return (
+        f"{name}: phase {status.get('phase')} on {pod['spec'].get('nodeName') or 'no node'}"
+        f" [{conditions}] {waits or ''} annotated={ALLOCATED_ANNOTATION in pod['metadata'].get('annotations', {})}"
+    )
 
 
 # -- figures ---------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ from tests.e2e.conftest import REAL_NODE
 from tests.e2e.controlplane import ControlPlane
 from tests.e2e.node import RealNode, node_missing_reason
 from tests.e2e.objects import pod_body
-from tests.e2e.procs import Proc, free_port
+from tests.e2e.procs import Proc
+from tests.ports import free_port
 
 WAIT_S = 180.0
 REAL_TAINT = {"key": "gpunode.io/e2e-real-kubelet", "value": "true", "effect": "NoSchedule"}

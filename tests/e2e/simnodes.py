@@ -37,9 +37,10 @@ from gpunode.node.kubelet.podresources import ContainerDevices
 from tests.e2e.api import STRATEGIC, Api, ApiError
 from tests.e2e.controlplane import ROOT, ControlPlane
 from tests.e2e.objects import BASE_CAPACITY, create_fake_node, write_ready_status
-from tests.e2e.procs import Proc, free_port
+from tests.e2e.procs import Proc
 from tests.fakes.kubelet import KubeletStandIn, short_socket_dir
 from tests.fakes.podresources import PodResourcesStandIn
+from tests.ports import free_port
 
 POLL_S = 0.2
 WAIT_S = 120.0  # generous: two shared cores

@@ -31,7 +31,8 @@ from tests.e2e.conftest import E2E_USERS
 from tests.e2e.controlplane import ControlPlane
 from tests.e2e.objects import create_fake_node, create_pod, ensure_namespace, get_pod, pod_body, pod_events
 from tests.e2e.pki import CertFiles
-from tests.e2e.procs import Proc, free_port
+from tests.e2e.procs import Proc
+from tests.ports import free_port
 
 GIB = 2**30
 NAMESPACE = "e2e-extender"

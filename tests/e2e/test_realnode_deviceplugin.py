@@ -45,7 +45,8 @@ from tests.e2e.conftest import E2E_USERS, REAL_NODE
 from tests.e2e.controlplane import ControlPlane
 from tests.e2e.node import RealNode, node_missing_reason
 from tests.e2e.objects import create_pod, ensure_namespace, get_pod, pod_body
-from tests.e2e.procs import Proc, free_port
+from tests.e2e.procs import Proc
+from tests.ports import free_port
 
 NAMESPACE = "e2e-node"
 WAIT_S = 180.0  # generous: pods start in seconds, but the two cores are shared

@@ -19,16 +19,11 @@ from gpunode.node.agent import Agent
 from gpunode.node.doctor import FAIL, OK, WARN, checks, render
 from tests.agentrunner import RunningAgent, make_config
 from tests.fakes.kubelet import KubeletStandIn
+from tests.ports import free_port
 
 
 def by_name(results: list) -> dict:
     return {c.name: c for c in results}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager

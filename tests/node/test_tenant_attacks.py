@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from gpunode.node.inventory import region_key
 from gpunode.node.kubelet.podresources import ContainerDevices
 from tests.fakes.kubelet import KubeletStandIn
 from tests.fakes.podresources import PodResourcesStandIn
+from tests.ports import free_port
 
 MEM = "gpunode.io/gpu-memory"
 GIB = 2**30
@@ -51,12 +51,6 @@ while time.monotonic() < end:
     rounds += 1
 print(rounds, flush=True)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

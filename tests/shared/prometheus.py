@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -24,6 +23,7 @@ from typing import Any, Protocol
 import pytest
 
 from gpunode.node.metrics import MetricsCollector, MetricsServer
+from tests.ports import free_port
 
 PROMETHEUS = shutil.which("prometheus")
 
@@ -37,12 +37,6 @@ class Served(Protocol):
 
     collector: MetricsCollector
     port: int
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ServingThread:
