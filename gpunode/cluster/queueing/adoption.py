@@ -9,7 +9,6 @@ saved figures back (across processes: a restart, a failover). Split from engine.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -20,6 +19,7 @@ from gpunode.cluster.queueing.rooms import Nomination, Pending
 
 if TYPE_CHECKING:
     from gpunode.cluster.queueing.capacity import ClusterCapacity
+    from gpunode.cluster.queueing.waitlist import WaitList
 
 
 class Adoption:
@@ -51,7 +51,7 @@ class Adoption:
             d: Decisions,
             units: list[tuple[str, Job, Plan]] | None = None,
         ) -> None: ...
-        def _list_of(self, job: Job) -> list[Pending]: ...
+        def _list_of(self, job: Job) -> WaitList: ...
         def _drop_reservation(self) -> None: ...
         def _exclusions(self) -> None: ...
 
@@ -119,7 +119,7 @@ class Adoption:
         if p is None:
             return ()
         lst = self._list_of(p.job)
-        del lst[bisect.bisect_left(lst, p.key, key=lambda x: x.key)]
+        del lst[lst.index_of(p)]
         self._pending_demand[p.job.queue] = sub(self._pending_demand[p.job.queue], p.demand)
         for key, _, _ in p.held:
             self.cap.release(key)

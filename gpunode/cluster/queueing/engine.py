@@ -52,7 +52,6 @@ import bisect
 import heapq
 import itertools
 from collections.abc import Iterable
-from operator import attrgetter
 
 from gpunode.cluster.queueing.admit import Admit
 from gpunode.cluster.queueing.adoption import Adoption
@@ -78,10 +77,9 @@ from gpunode.cluster.queueing.presets import Preset
 from gpunode.cluster.queueing.quotas import QuotaBook, job_demand
 from gpunode.cluster.queueing.reasons import Reasons
 from gpunode.cluster.queueing.rooms import ALL, ANY, Nomination, Pending, Rooms
+from gpunode.cluster.queueing.waitlist import DeadShapes, WaitList
 from gpunode.contract.names import MILLI_PER_GPU
 from gpunode.placement.model import Request
-
-_key = attrgetter("key")
 
 # Victim searches per cycle (each walks the running jobs and makes placement trials); heads of other queues
 # search in later cycles. Notices take minutes, so this delays a preemption by a cycle, not a notice period.
@@ -98,7 +96,7 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
         self.book = QuotaBook(config, preset.quotas)
         self.running: dict[str, RunningJob] = {}
         self.partial_gangs: set[str] = set()  # gangs that held GPUs with members still unplaced
-        self._lists: dict[str, list[Pending]] = {}
+        self._lists: dict[str, WaitList] = {}
         self._pending: dict[str, Pending] = {}
         self._units: dict[str, list[tuple[str, Job, Plan]]] = {}
         self._pending_demand: dict[str, Amounts] = {q: {} for q in config.leaves}
@@ -232,7 +230,7 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
         self._admit_nominated(now, d)
         self._refresh_reservation(now)
         order = self._orderer()
-        self._dead: dict[str, dict[int, float]] = {}
+        self._dead: dict[str, DeadShapes] = {}
         self._heads_tried: set[str] = set()
         self._extra_tried: set[str] = set()
         self._searches_left = PREEMPTION_SEARCHES_PER_CYCLE
@@ -265,10 +263,15 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
         reservation for its first multi-GPU job that does not fit (rooms.py).
         """
         lst = self._lists[q]
-        dead = self._dead.setdefault(q, {})  # shape -> the k-th start (level k), or -inf (level 0)
+        dead = self._dead.get(q)  # shape -> the k-th start (level k), or -inf (level 0)
+        if dead is None or not dead.covers(len(self._shapes)):
+            dead = self._dead[q] = (
+                DeadShapes(len(self._shapes)) if dead is None else dead.grown(len(self._shapes))
+            )
         dead_get, nominated = dead.get, self._nominated
         i = cursors[q]
         n = len(lst)
+        pins = self._pins(lst)
         while i < n:  # the skips are this loop's hot path: now + runtime > k-th start is p's level >= k
             p = lst[i]
             limit = dead_get(p.shape)
@@ -277,7 +280,8 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
                 and now + p.runtime > limit
                 and (limit == ANY or p.job.name not in self._reserved_names)
             ):
-                i += 1
+                k = bisect.bisect_right(pins, i)
+                i = lst.next_unskipped(i + 1, pins[k] if k < len(pins) else n, now, dead)
                 continue
             if p.job.name in nominated:
                 p.why = self.reasons.nominated(self._nominated[p.job.name])
@@ -294,8 +298,10 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
                 if self._searches_left > 0 and self._preempt(p, now, d):
                     i += 1
                     n = len(lst)  # a notice of 0 s stops and requeues victims at once
+                    pins = self._pins(lst)
                     continue
                 self._reserve(p, now)
+                pins = self._pins(lst)
             if (
                 verdict == "capacity"
                 and q not in self._extra_tried
@@ -303,11 +309,12 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
                 and self._reserve_extra(p, now)
             ):
                 self._extra_tried.add(q)
+                pins = self._pins(lst)
             if self.preset.head_blocks and verdict != "never":
                 break
             if not self._is_reserved(p.job.name) and p.held == []:
                 level = self._level(p, now) if verdict == "capacity" else 0
-                dead[p.shape] = self._res_starts[level - 1] if level else ANY
+                dead.set(p.shape, self._res_starts[level - 1] if level else ANY)
             i += 1
         cursors[q] = i
         return False
@@ -324,8 +331,8 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
             runtime=self.default_runtime_s if job.runtime_estimate is None else job.runtime_estimate,
         )
         self._pending[job.name] = p
-        lst = self._lists.setdefault(ALL if self.preset.order == "global" else job.queue, [])
-        bisect.insort(lst, p, key=_key)
+        lst = self._lists.setdefault(ALL if self.preset.order == "global" else job.queue, WaitList())
+        lst.add(p)
         acc = self._pending_demand[job.queue]
         for k, v in p.demand.items():
             acc[k] = acc.get(k, 0) + v
@@ -402,7 +409,16 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
 
     # ----- order and reports -----------------------------------------------------------------------------
 
-    def _list_of(self, job: Job) -> list[Pending]:
+    def _pins(self, lst: WaitList) -> list[int]:
+        """The sorted indices in lst of the reserved jobs (the level rule does not pass over them)."""
+        out = []
+        for name in self._reserved_names:
+            p = self._pending.get(name)
+            if p is not None and self._list_of(p.job) is lst:
+                out.append(lst.index_of(p))
+        return sorted(out)
+
+    def _list_of(self, job: Job) -> WaitList:
         return self._lists[ALL if self.preset.order == "global" else job.queue]
 
     def _free_gpu(self) -> int:

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from gpunode.cluster.queueing.config import QueueConfig
     from gpunode.cluster.queueing.presets import Preset
     from gpunode.cluster.queueing.quotas import QuotaBook
-    from gpunode.cluster.queueing.rooms import Pending
+    from gpunode.cluster.queueing.waitlist import WaitList
 
 SHARE_REFRESH_S = 60.0
 SHARE_DEMAND_STEP = 0.02
@@ -50,7 +50,7 @@ class Ordering:
         _now: float
         _capacity: Amounts
         _pending_demand: dict[str, Amounts]
-        _lists: dict[str, list[Pending]]
+        _lists: dict[str, WaitList]
 
     shares: dict[str, Amounts]
     _order_state: QueueOrder | None = None

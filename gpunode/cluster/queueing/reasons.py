@@ -8,7 +8,6 @@ being stopped for it, or that it can never fit this cluster.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -67,7 +66,7 @@ class Reasons:
     def position(self, p: Pending) -> int:
         """p's 1-based position in its queue."""
         lst = self.sched._list_of(p.job)
-        return bisect.bisect_left(lst, p.key, key=lambda x: x.key) + 1
+        return lst.index_of(p) + 1
 
     def over_quota(self, p: Pending, queue: str, resource: str) -> str:
         """The job would take `queue` past its limit in `resource`."""

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from gpunode.cluster.queueing.engine import Scheduler
     from gpunode.cluster.queueing.presets import Preset
     from gpunode.cluster.queueing.reasons import Reasons
+    from gpunode.cluster.queueing.waitlist import DeadShapes, WaitList
 
 ALL = "*"  # the one list of the "global" order
 # After a failed victim search a job searches again this much later at the soonest (simulated or real
@@ -90,16 +91,16 @@ class Rooms:
         reservations_max: int
         _ends: list[tuple[float, str]]
         _why_cache: dict[tuple[int, frozenset[str], bool], str]
-        _dead: dict[str, dict[int, float]]
+        _dead: dict[str, DeadShapes]
         _pending: dict[str, Pending]
-        _lists: dict[str, list[Pending]]
+        _lists: dict[str, WaitList]
         _version: int
         preset: Preset
 
         def _try(self, p: Pending, now: float, d: Decisions) -> str: ...
         def _stop(self, name: str) -> RunningJob: ...
         def _enqueue(self, job: Job, now: float) -> None: ...
-        def _list_of(self, job: Job) -> list[Pending]: ...
+        def _list_of(self, job: Job) -> WaitList: ...
 
     _nominated: dict[str, Nomination]
     _preempt_failed: dict[str, tuple[int, int, float, float]]
@@ -304,8 +305,7 @@ class Rooms:
         dead = getattr(self, "_dead", None)
         if dead:  # failures recorded against reservation levels that have moved: forget them
             for shapes in dead.values():
-                for shape in [s for s, limit in shapes.items() if limit != ANY]:
-                    del shapes[shape]
+                shapes.forget_levels(ANY)
 
     def _expire(self, now: float, d: Decisions) -> None:
         """Stop the victims whose notice has run out; they go back to the pending jobs."""
@@ -343,6 +343,6 @@ class Rooms:
             # tried while still nominated: it may use its own room whatever else was reserved since
             if p is not None and self._try(p, now, d) == "admitted":
                 lst = self._list_of(p.job)
-                del lst[bisect.bisect_left(lst, p.key, key=lambda x: x.key)]
+                del lst[lst.index_of(p)]
             del self._nominated[name]
             self._exclusions()
