@@ -84,9 +84,15 @@ class Admit:
             return "capacity"
         plan = None
         if p.demand.get(GPU, 0) <= self._free_gpu() and not self._smaller_failed(job, exclude):
-            plan = self.cap.plan(job, exclude_nodes=exclude)
-            if plan is None and len(job.pods) == 1:
+            single = len(job.pods) == 1
+            mark = self._fail_marks.get(key) if single else None
+            if mark is None or not self.cap.still_fails(job.pods[0], exclude, mark):
+                plan = self.cap.plan(job, exclude_nodes=exclude)
+            if plan is None and single:
                 self._small_fails.setdefault(_family(job.pods[0]), []).append((job.pods[0], exclude))
+                if len(self._fail_marks) > 65536:
+                    self._fail_marks.clear()
+                self._fail_marks[key] = self.cap.freed_mark()
         if plan is None:
             p.why = self._no_room(p, exclude)
             self._failed[key] = (self.cap.epoch, p.why)
@@ -173,6 +179,7 @@ class Admit:
         return why
 
     _small_fails_epoch = -1
+    _fail_marks: dict[tuple[int, frozenset[str]], tuple[object, int]]  # (shape, excluded) -> freed mark
     _small_fails: dict[tuple[str, frozenset[str] | None], list[tuple[Request, frozenset[str]]]]
 
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gpunode.cluster.queueing.energy import DEFAULT_POWER, GpuActivity, PowerModel, extra_watts_rank
+from gpunode.cluster.queueing.freed import FreedLog
 from gpunode.cluster.queueing.model import GPU, GPU_MEMORY, Amounts, Job, Plan, PodPlacement, model_key
 from gpunode.cluster.queueing.nodetable import Allocation, VersionedArrays, rebuild
 from gpunode.cluster.queueing.nodeview import NodeView
@@ -106,6 +107,7 @@ class ClusterCapacity(NodeView):
         self._epoch = 0
         self._rng = np.random.default_rng(seed)
         self._journal: dict[int, NodeState] | None = None
+        self._freed = FreedLog()
         arr = self._arrays
         self._gpus = arr.gpu_count.copy()
         self._usable = np.zeros(arr.milli.shape, dtype=bool)  # GPUs our requests use (constant per node)
@@ -236,6 +238,21 @@ class ClusterCapacity(NodeView):
             for row, state in reversed(undo):
                 self._set_row(row, state)
 
+    def freed_mark(self) -> tuple[object, int]:
+        """A mark of now for still_fails."""
+        return self._freed.mark()
+
+    def still_fails(self, pod: Request, exclude: frozenset[str], mark: tuple[object, int]) -> bool:
+        """Whether a one-pod plan of `pod` that failed at `mark` (with these excluded nodes) fails now
+        for sure: no node that gained room since fits it (freed.py); False when that is not known."""
+        rows = self._freed.since(mark, limit=16)
+        if rows is None:
+            return False
+        mask = self._mask(exclude)
+        if mask is not None:
+            rows = rows[~mask[rows]]
+        return not (len(rows) and self._arrays.feasible_in(pod, rows).any())
+
     def fits_empty(self, job: Job) -> bool:
         """Whether the job could be placed on the initial cluster (with no job committed)."""
         key = tuple(job.pods)
@@ -323,6 +340,7 @@ class ClusterCapacity(NodeView):
                 del self._alloc[row]
             states[row] = rebuild(self._base[row], remaining)
         self._set_rows(states)
+        self._freed.add(np.fromiter(states, dtype=np.int64, count=len(states)))
         if gone:
             self._epoch = next(self._shared.epochs)
 
@@ -396,6 +414,7 @@ class ClusterCapacity(NodeView):
             _used=self._used.copy(),
             _busy=self._busy.copy(),
             _journal=None,
+            _freed=FreedLog(),
         )
         return fields
 
@@ -422,4 +441,5 @@ class ClusterCapacity(NodeView):
             journal, self._journal = self._journal, None
             for row, state in journal.items():
                 self._set_row(row, state)
+            self._freed.add(np.fromiter(journal, dtype=np.int64, count=len(journal)))
             self._alloc, self._jobs, self._epoch, self._rng = saved

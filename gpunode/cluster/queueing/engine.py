@@ -112,6 +112,7 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
         self._fits_empty: dict[int, bool] = {}
         self._why_cache: dict[tuple[int, frozenset[str], bool], str] = {}
         self._small_fails: dict[tuple[str, frozenset[str] | None], list[tuple[Request, frozenset[str]]]] = {}
+        self._fail_marks: dict[tuple[int, frozenset[str]], tuple[object, int]] = {}
         self._preempt_failed: dict[str, tuple[int, int, float, float]] = {}
         self._by_queue: dict[str, dict[str, RunningJob]] = {q: {} for q in config.leaves}
         self._priorities: dict[str, dict[int, int]] = {

@@ -2,8 +2,8 @@
 
 Compared, in whole runs of the engine with several reservations, notices and requeued
 victims: the fast search for reservations (earliest.py) against the plain one, and
-passing over a one-pod job whose smaller sibling failed at the same epoch (admit.py)
-against trying it.
+passing over a one-pod job whose smaller sibling failed at the same epoch, or whose last
+failure no node freed since can change (admit.py, freed.py), against trying it.
 """
 
 from __future__ import annotations
@@ -34,8 +34,19 @@ class Plain(Scheduler):
 
     fast_reserve = False
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fail_marks = _Forgets()
+
     def _smaller_failed(self, *args: Any) -> bool:
         return False
+
+
+class _Forgets(dict[Any, Any]):
+    """A dict that keeps nothing: no failure is remembered, so every one-pod job is planned."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
 
 
 request = st.one_of(
