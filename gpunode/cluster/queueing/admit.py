@@ -89,7 +89,7 @@ class Admit:
             if mark is None or not self.cap.still_fails(job.pods[0], exclude, mark):
                 plan = self.cap.plan(job, exclude_nodes=exclude)
             if plan is None and single:
-                self._small_fails.setdefault(_family(job.pods[0]), []).append((job.pods[0], exclude))
+                self._add_small_fail(job.pods[0], exclude)
                 if len(self._fail_marks) > 65536:
                     self._fail_marks.clear()
                 self._fail_marks[key] = self.cap.freed_mark()
@@ -155,17 +155,16 @@ class Admit:
         if len(job.pods) != 1:
             return False
         q = job.pods[0]
-        for f, excluded in self._small_fails.get(_family(q), ()):
-            if (
-                f.gpus <= q.gpus
-                and f.gpu_milli <= q.gpu_milli
-                and f.gpu_memory_bytes <= q.gpu_memory_bytes
-                and f.cpu_milli <= q.cpu_milli
-                and f.memory_bytes <= q.memory_bytes
-                and excluded <= exclude
-            ):
-                return True
-        return False
+        return any(
+            _no_more(f, q) and excluded <= exclude for f, excluded in self._small_fails.get(_family(q), ())
+        )
+
+    def _add_small_fail(self, q: Request, exclude: frozenset[str]) -> None:
+        """Remember a failed one-pod trial for _smaller_failed, keeping only the failures no other one
+        covers (one asking no more of anything and keeping off no more nodes covers every pod it would)."""
+        fails = self._small_fails.setdefault(_family(q), [])
+        fails[:] = [(f, excluded) for f, excluded in fails if not (_no_more(q, f) and exclude <= excluded)]
+        fails.append((q, exclude))
 
     def _no_room(self, p: Pending, exclude: frozenset[str]) -> str:
         """reasons.no_room, kept for one-pod jobs until the head of line's reservation changes (it is the
@@ -186,3 +185,14 @@ class Admit:
 def _family(q: Request) -> tuple[str, frozenset[str] | None]:
     """Pods comparable by size: the same kind of GPU request and the same accepted models."""
     return q.kind, q.gpu_models
+
+
+def _no_more(f: Request, q: Request) -> bool:
+    """Whether f asks no more than q of any resource."""
+    return (
+        f.gpus <= q.gpus
+        and f.gpu_milli <= q.gpu_milli
+        and f.gpu_memory_bytes <= q.gpu_memory_bytes
+        and f.cpu_milli <= q.cpu_milli
+        and f.memory_bytes <= q.memory_bytes
+    )

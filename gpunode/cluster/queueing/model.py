@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from gpunode.contract.names import MILLI_PER_GPU
 from gpunode.placement.model import Request
@@ -85,7 +86,7 @@ class Job:
         """A job of several pods: all-or-nothing."""
         return len(self.pods) > 1
 
-    @property
+    @cached_property
     def gpu_milli(self) -> int:
         """The GPU the job asks for in all, in milli-GPU (a MIG pod counts as its parent's share: 0 here)."""
         return sum(p.gpus * MILLI_PER_GPU + p.gpu_milli for p in self.pods)

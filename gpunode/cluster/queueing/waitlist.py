@@ -12,7 +12,6 @@ simulator's results are byte-identical with and without it).
 from __future__ import annotations
 
 import bisect
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import numpy as np
@@ -21,7 +20,6 @@ import numpy.typing as npt
 if TYPE_CHECKING:
     from gpunode.cluster.queueing.rooms import Pending
 
-_BY_KEY = attrgetter("key")
 _FIRST_STEP = 32  # jobs looked at by the first lookup; each further lookup looks at 4 x more
 
 
@@ -32,6 +30,7 @@ class WaitList(list["Pending"]):
         super().__init__()
         self._shapes: npt.NDArray[np.int64] = np.zeros(64, dtype=np.int64)
         self._runtimes: npt.NDArray[np.float64] = np.zeros(64, dtype=np.float64)
+        self._keys: list[tuple[int, float, int]] = []  # the jobs' keys, for bisect without a key function
 
     def insert(self, index: SupportsIndex, p: Pending) -> None:
         """Insert p before index (bisect.insort calls this), its shape with it."""
@@ -44,12 +43,14 @@ class WaitList(list["Pending"]):
             arr[i + 1 : n + 1] = arr[i:n]
             arr[i] = value
         super().insert(i, p)
+        self._keys.insert(i, p.key)
 
     def pop(self, index: SupportsIndex = -1) -> Pending:
         """Remove and return the job at index, its shape with it."""
         n = len(self)
         i = int(index) if int(index) >= 0 else n + int(index)
         p = super().pop(i)
+        del self._keys[i]
         self._shapes[i : n - 1] = self._shapes[i + 1 : n]
         self._runtimes[i : n - 1] = self._runtimes[i + 1 : n]
         return p
@@ -70,11 +71,11 @@ class WaitList(list["Pending"]):
 
     def add(self, p: Pending) -> None:
         """Insert p at its place in the order (Pending.key)."""
-        bisect.insort(self, p, key=_BY_KEY)
+        self.insert(bisect.bisect_right(self._keys, p.key), p)
 
     def index_of(self, p: Pending) -> int:
         """The index of p, which must be in the list."""
-        return bisect.bisect_left(self, p.key, key=_BY_KEY)
+        return bisect.bisect_left(self._keys, p.key)
 
     def next_unskipped(self, start: int, stop: int, now: float, dead: DeadShapes) -> int:
         """The first index in [start, stop) whose job engine._walk would not pass over by its shape's
