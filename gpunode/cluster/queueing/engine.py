@@ -89,6 +89,8 @@ PREEMPTION_SEARCHES_PER_CYCLE = 1
 class Scheduler(Adoption, Rooms, Ordering, Admit):
     """Admission for one cluster: queues, quotas, fair share, gangs, preemption and backfill."""
 
+    report_waiting = True  # Decisions.waiting filled (the time simulator turns it off: it reads none)
+
     def __init__(self, config: QueueConfig, cap: ClusterCapacity, preset: Preset) -> None:
         self.config = config
         self.cap = cap

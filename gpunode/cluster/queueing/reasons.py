@@ -49,7 +49,8 @@ class Reasons:
         )
 
     def report(self, now: float, d: Decisions) -> None:
-        """Add to d the gangs past their timeout (once each) and the pending jobs whose reason changed."""
+        """Add to d the gangs past their timeout (once each) and the pending jobs whose reason changed
+        (unless the scheduler's report_waiting is off)."""
         sched = self.sched
         timeouts = sched._timeouts
         while timeouts and timeouts[0][0] <= now:
@@ -58,6 +59,8 @@ class Reasons:
             if p is not None and p.seq == seq:
                 d.timed_out.append(self.waiting(p, self.position(p), timed_out=True))
         touched, sched._touched = sched._touched, []
+        if not sched.report_waiting:  # nobody reads them (the time simulator)
+            return
         for p in touched:
             if p.why != p.reported_why and p.job.name in sched._pending:
                 p.reported_why = p.why

@@ -70,6 +70,7 @@ class _Run:
     ) -> None:
         self.replay, self.config, self.cap, self.rules = replay, config, cap, rules
         self.sched = Scheduler(config, cap, preset_named(policy))
+        self.sched.report_waiting = False  # the replay reads timeouts, not the waiting reasons
         self.jobs: dict[str, Job] = {j.name: j for j in replay.jobs}
         self.records: dict[str, JobRecord] = {}
         self.remaining: dict[str, float] = {}
