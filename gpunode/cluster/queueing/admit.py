@@ -155,9 +155,18 @@ class Admit:
         if len(job.pods) != 1:
             return False
         q = job.pods[0]
-        return any(
-            _no_more(f, q) and excluded <= exclude for f, excluded in self._small_fails.get(_family(q), ())
-        )
+        gpus, milli, gmem, cpu, mem = q.gpus, q.gpu_milli, q.gpu_memory_bytes, q.cpu_milli, q.memory_bytes
+        for f, excluded in self._small_fails.get(_family(q), ()):  # the hot loop: _no_more, inlined
+            if (
+                f.gpus <= gpus
+                and f.gpu_milli <= milli
+                and f.gpu_memory_bytes <= gmem
+                and f.cpu_milli <= cpu
+                and f.memory_bytes <= mem
+                and excluded <= exclude
+            ):
+                return True
+        return False
 
     def _add_small_fail(self, q: Request, exclude: frozenset[str]) -> None:
         """Remember a failed one-pod trial for _smaller_failed, keeping only the failures no other one

@@ -87,8 +87,9 @@ class WaitList(list["Pending"]):
         while i < stop:
             j = min(stop, i + step)
             passed = (now + runtimes[i:j]) > limits[shapes[i:j]]
-            if not passed.all():
-                return i + int(passed.argmin())
+            k = int(passed.argmin())  # the first False, or 0 when all are True
+            if not passed[k]:
+                return i + k
             i, step = j, step * 4
         return stop
 
