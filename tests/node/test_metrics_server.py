@@ -15,6 +15,7 @@ import pytest
 from gpunode.node.devices.simnode.backend import SimBackend
 from gpunode.node.metrics import MetricsCollector, MetricsServer, MetricsServerError, serve_metrics
 from tests.node.test_metrics_render import parse_exposition
+from tests.ports import free_port
 from tests.shared.test_http import accept_queue
 
 server_log = "gpunode.node.metrics.server"
@@ -190,10 +191,7 @@ def test_an_address_in_use_is_a_clear_error() -> None:
 
 def test_serve_metrics_runs_until_cancelled() -> None:
     async def scenario() -> None:
-        probe = socket.socket()
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-        probe.close()
+        port = free_port()
         collector = MetricsCollector(backend=SimBackend.from_profile("t4"), hostname="n")
         await collector.collect_once()
         ready = asyncio.Event()

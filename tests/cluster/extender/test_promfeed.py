@@ -13,7 +13,6 @@ import argparse
 import contextlib
 import json
 import logging
-import socket
 import threading
 import time
 import urllib.parse
@@ -38,6 +37,7 @@ from gpunode.cluster.extender.promfeed import (
 from gpunode.cluster.extender.server import ExtenderServer
 from gpunode.errors import ConfigError, InvalidRequest, MetricsFeedError
 from tests.cluster.test_extender import Client, gpu_state, node_list, v1_node, v1_pod
+from tests.ports import free_port
 
 Reply = Callable[[BaseHTTPRequestHandler], None]
 
@@ -303,9 +303,7 @@ def test_http_errors_and_prometheus_errors_name_the_query(prom: StandIn) -> None
 
 
 def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()  # nothing listens there
 
 
 def test_the_refresher_warns_once_per_outage_and_once_on_recovery(
