@@ -24,7 +24,8 @@ _FIRST_STEP = 32  # jobs looked at by the first lookup; each further lookup look
 
 
 class WaitList(list["Pending"]):
-    """list[Pending] whose insert, pop and del keep an array of the jobs' shapes in step."""
+    """list[Pending] in Pending.key order whose add, pop and del keep the jobs' shapes, runtimes and keys in
+    step; other changes are refused."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -33,7 +34,8 @@ class WaitList(list["Pending"]):
         self._keys: list[tuple[int, float, int]] = []  # the jobs' keys, for bisect without a key function
 
     def insert(self, index: SupportsIndex, p: Pending) -> None:
-        """Insert p before index (bisect.insort calls this), its shape with it."""
+        """Insert p before index, its shape, runtime and key with it (add chooses the index that keeps the
+        order)."""
         n = len(self)
         i = min(max(int(index) if int(index) >= 0 else n + int(index), 0), n)
         if n + 1 > len(self._shapes):
