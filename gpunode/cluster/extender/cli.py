@@ -21,10 +21,10 @@ from gpunode.cluster.extender.kubeapi import (
 )
 from gpunode.cluster.extender.nodes import NodeCache
 from gpunode.cluster.extender.promfeed import PromFeed
-from gpunode.cluster.extender.queued import HOLD_ERROR, HOLD_MODES, QueueNamespaces
+from gpunode.cluster.extender.queued import HOLD_ERROR, HOLD_MODES, QueueNamespaces, warn_unsigned_once
 from gpunode.cluster.extender.server import DEFAULT_MAX_BODY_BYTES, serve_extender
 from gpunode.cluster.extender.workload import WorkloadTracker
-from gpunode.cluster.queuemark import UNSIGNED_WARNING, load_mark_key
+from gpunode.cluster.queuemark import load_mark_key
 from gpunode.contract.names import EXTENDER_ROLE_LABEL, GIB, NODE_SERIES_LABEL
 from gpunode.contract.reader import parse_bytes, parse_duration
 from gpunode.errors import ConfigError, GpunodeError, PlacementError
@@ -312,7 +312,7 @@ def build_extender(args: argparse.Namespace) -> tuple[Extender, KubeApi | None]:
         mark_key=load_mark_key(args.admission_key_file) if args.admission_key_file is not None else None,
     )
     if extender.mark_key is None and args.queue_config is not None:  # serving a queue controller's pods
-        log.warning("extender: %s", UNSIGNED_WARNING)
+        warn_unsigned_once()  # else at the first queued pod (queued.queue_hold)
     return extender, api
 
 

@@ -39,12 +39,21 @@ from typing import Any
 from gpunode.cluster.extender.nodes import NodeView
 from gpunode.cluster.extender.reservations import Reservations, apply_reservations, gone_reason
 from gpunode.cluster.queueing.config import load_queue_config
-from gpunode.cluster.queuemark import MarkKey, mark_accepted
+from gpunode.cluster.queuemark import UNSIGNED_WARNING, MarkKey, mark_accepted
 from gpunode.contract.names import QUEUE_ADMITTED_ANNOTATION, QUEUE_LABEL, QUEUE_REASON_ANNOTATION
 from gpunode.errors import InvalidState, QueueConfigError
 from gpunode.placement import NodeState, Request, apply_request
 
 log = logging.getLogger(__name__)
+_unsigned_warned = threading.Event()
+
+
+def warn_unsigned_once() -> None:
+    """Log, once per process, that queue admissions are taken unsigned (no --admission-key-file)."""
+    if not _unsigned_warned.is_set():
+        _unsigned_warned.set()
+        log.warning("extender: %s", UNSIGNED_WARNING)
+
 
 WAITING_REASON = "waiting for admission by the queue controller"
 HOLD_ERROR = "error"  # --queue-hold: a held pod's filter answers Error (no preemption on any version)
@@ -142,6 +151,8 @@ def queue_hold(pod: Mapping[str, Any], namespaces: Mapping[str, str], key: MarkK
     queue = queue_of(pod, namespaces)
     if queue is None:
         return None
+    if key is None:  # a queued pod met with no key (queues by label need no --queue-config to exist)
+        warn_unsigned_once()
     meta = pod.get("metadata") or {}
     notes = meta.get("annotations") if isinstance(meta, Mapping) else None
     notes = notes if isinstance(notes, Mapping) else {}

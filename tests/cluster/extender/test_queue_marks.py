@@ -15,12 +15,14 @@ controller's own admitted_text so both sides are proven to agree.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from gpunode.cluster.extender import queued as queued_module
 from gpunode.cluster.extender.cli import build_extender
 from gpunode.cluster.extender.core import Extender, ExtenderConfig
 from gpunode.cluster.extender.kubeapi import KubeApi
@@ -32,6 +34,7 @@ from gpunode.cluster.extender.queued import (
     WAITING_REASON,
     QueueNamespaces,
     clean_reason,
+    queue_hold,
 )
 from gpunode.cluster.queuectl.jobs import admitted_text, queued_pod
 from gpunode.cluster.queueing.model import PodPlacement
@@ -363,7 +366,35 @@ def test_remembered_checks_are_by_exact_text_and_bounded(monkeypatch: pytest.Mon
     assert key.verify_text(long, json.loads(long)) and long not in key._checked
 
 
-def test_the_key_file_and_its_flag(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+UNSIGNED = (
+    "extender: queue admissions are NOT signed (no --admission-key-file): any tenant able to patch its "
+    "own pods can write an admission mark and skip the queue; give the controller and the extender the "
+    "same key file"
+)
+
+
+@pytest.fixture
+def fresh_warning(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The once-per-process warning about unsigned marks not given yet, its logger captured."""
+    monkeypatch.setattr(queued_module, "_unsigned_warned", threading.Event())
+    caplog.set_level("WARNING", logger="gpunode.cluster.extender.queued")
+
+
+def test_a_queued_pod_met_without_a_key_is_warned_about_once(
+    fresh_warning: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Queues by label need no --queue-config: the warning comes with the first queued pod instead."""
+    assert queue_hold(v1_pod("plain", uid="u0", limits={"nvidia.com/gpu": "1"}), {}, None) is None
+    assert queue_hold(queued("p", "u1"), {}, KEY) is not None
+    assert not caplog.records  # no queued pod without a key yet
+    for i in range(3):
+        assert queue_hold(queued(f"p{i}", f"u{i}"), {}, None) is not None
+    assert [r.getMessage() for r in caplog.records] == [UNSIGNED]
+
+
+def test_the_key_file_and_its_flag(
+    tmp_path: Path, fresh_warning: None, caplog: pytest.LogCaptureFixture
+) -> None:
     path = tmp_path / "key"
     path.write_bytes(b"k" * 32 + b"the controller's and extender's secret\n")  # a trailing newline is not key
     path.chmod(0o644)  # a Secret's default mode: fine
@@ -388,17 +419,12 @@ def test_the_key_file_and_its_flag(tmp_path: Path, caplog: pytest.LogCaptureFixt
     def key_of(*flags: str) -> MarkKey | None:
         return build_extender(parser().parse_args(["extender", *flags]))[0].mark_key
 
-    caplog.set_level("WARNING", logger="gpunode.cluster.extender.cli")
     queues = tmp_path / "queues.yaml"
     queues.write_text(QUEUES)
     assert key_of("--admission-key-file", str(path), "--queue-config", str(queues)) is not None
     assert key_of() is None and not caplog.records  # no queue served: nothing to warn about
     assert key_of("--queue-config", str(queues)) is None
-    assert [r.getMessage() for r in caplog.records] == [
-        "extender: queue admissions are NOT signed (no --admission-key-file): any tenant able to patch its "
-        "own pods can write an admission mark and skip the queue; give the controller and the extender the "
-        "same key file"
-    ]
+    assert [r.getMessage() for r in caplog.records] == [UNSIGNED]
     with pytest.raises(AdmissionKeyError, match="fewer than 32"):
         key_of("--admission-key-file", str(tmp_path / "short"))
 
