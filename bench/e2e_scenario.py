@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.e2e import scenario
+from tests.e2e import scenario, scenario_figures
 from tests.e2e.conftest import E2E_USERS
 from tests.e2e.controlplane import ControlPlane, missing_reason
 
@@ -38,8 +38,8 @@ def main() -> int:
         cluster = scenario.build_cluster(cp, workdir)
         try:
             outcome = scenario.run_scenario(cluster)
-            figures = scenario.figures(cluster, outcome)
-            figures["errors_in_logs"] = len(scenario.error_lines(cluster))
+            figures = scenario_figures.figures(cluster, outcome)
+            figures["errors_in_logs"] = len(scenario_figures.error_lines(cluster))
             figures["logs"] = str(cp.logs)
         finally:
             scenario.stop_cluster(cluster)

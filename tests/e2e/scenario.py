@@ -7,7 +7,7 @@ with client certificates, --bind, node refresh; --log-level debug for its per-re
 started before any Node exists; four SimNodes and the real node; kube-scheduler configured from
 gpunode/examples/kube-scheduler-config.yaml (apiVersion adapted to 1.20's v1beta1, files and address
 replaced). Scenario (run_scenario), while a Sampler reads every node's gpu-state annotation and every
-pod's assignment every SAMPLE_S:
+pod's assignment every 0.1 s (tests.e2e.overcommit):
 
 1. 16 concurrent binds: 16 fractional pods of 4 GiB for a 4 x 15 GiB node, scheduled by the test
    itself (schedulerName e2e-direct: filter naming two nodes, then all binds at once to that node over
@@ -31,7 +31,6 @@ import concurrent.futures
 import contextlib
 import http.client
 import json
-import re
 import ssl
 import sys
 import threading
@@ -51,11 +50,11 @@ from gpunode.contract.names import (
     GPU_RESOURCE,
     NODE_STATE_ANNOTATION,
 )
-from gpunode.contract.nodestate import decode
 from tests.e2e import chart
 from tests.e2e.api import Api, eventually
 from tests.e2e.controlplane import ROOT, ControlPlane
 from tests.e2e.objects import create_pod, ensure_namespace, pod_body
+from tests.e2e.overcommit import Sampler
 from tests.e2e.pki import CertFiles
 from tests.e2e.procs import Proc
 from tests.e2e.scenario_realnode import (
@@ -63,7 +62,6 @@ from tests.e2e.scenario_realnode import (
     REAL_PODS,
     REAL_WHOLE,
     RealAgentNode,
-    kubelet_error_lines,
     real_pod,
     start_real_node,
     visible_devices,
@@ -71,12 +69,10 @@ from tests.e2e.scenario_realnode import (
 from tests.e2e.simnodes import SimNode
 from tests.ports import free_port
 
-GIB = 2**30
 NAMESPACE = "e2e-scenario"
 DIRECT = "e2e-direct"  # the schedulerName of the pods the test binds itself
 WAIT_S = 180.0  # generous: two shared cores
-SAMPLE_S = 0.1
-CARRIED_OUT_WAIT_S = 20.0
+CARRIED_OUT_WAIT_S = 60.0  # the agent patches gpu-allocated in the background: a slow API server delays it
 TEST_SOURCE = "127.0.0.2"  # the test's own connections to the extender come from here
 CHART_VALUES = {
     "extender": {
@@ -228,86 +224,6 @@ def filter_once(cluster: Cluster, pod: dict[str, Any], nodes: list[str]) -> Any:
     return answer
 
 
-# -- sampling: nothing over capacity, ever ---------------------------------------------------------
-
-
-def _pod_memory(pod: dict[str, Any]) -> int:
-    limits = pod["spec"]["containers"][0]["resources"].get("limits", {})
-    return int(limits.get(GPU_MEMORY_RESOURCE, 0)) * GIB
-
-
-class Sampler:
-    """Every SAMPLE_S: each GPU's published assignment within capacity, and the assignments of the bound
-    pods (the extender's decisions) never more than a GPU holds."""
-
-    def __init__(self, api: Api, nodes: list[str]) -> None:
-        """Sample these nodes and the scenario's pods through `api`."""
-        self.api = api
-        self.nodes = set(nodes)
-        self.samples = 0
-        self.violations: list[str] = []
-        self.capacity: dict[
-            tuple[str, str], int
-        ] = {}  # (node, GPU UUID) -> bytes: sim UUIDs repeat across nodes
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
-
-    def start(self) -> Sampler:
-        """Start sampling in a thread."""
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop sampling."""
-        self._stop.set()
-        self._thread.join(30)
-
-    def _run(self) -> None:
-        while not self._stop.wait(SAMPLE_S):
-            with contextlib.suppress(OSError):
-                self.sample()
-
-    def sample(self) -> None:
-        """One sample of every node and pod."""
-        for node in self.api.get("/api/v1/nodes")["items"]:
-            name = node["metadata"]["name"]
-            text = node["metadata"].get("annotations", {}).get(NODE_STATE_ANNOTATION)
-            if name not in self.nodes or not text:
-                continue
-            for gpu in decode(text, node=name).gpus:
-                self.capacity[(name, gpu.uuid)] = gpu.memory_total_bytes
-                if (
-                    gpu.memory_assigned_bytes > gpu.memory_total_bytes
-                    or gpu.milli_assigned > gpu.milli_capacity
-                ):
-                    self.violations.append(
-                        f"{name} {gpu.uuid}: published {gpu.memory_assigned_bytes} of {gpu.memory_total_bytes} "
-                        f"bytes, {gpu.milli_assigned} of {gpu.milli_capacity} milli"
-                    )
-        held: dict[tuple[str, str], list[tuple[str, int]]] = {}
-        for pod in self.api.get(f"/api/v1/namespaces/{NAMESPACE}/pods")["items"]:
-            assigned = pod["metadata"].get("annotations", {}).get(ASSIGNMENT_ANNOTATION)
-            if not assigned or not pod["spec"].get("nodeName"):
-                continue
-            gpus = assigned.split(",")
-            memory = _pod_memory(pod)
-            limits = pod["spec"]["containers"][0]["resources"].get("limits", {})
-            if any(r.startswith("nvidia.com/mig-") for r in limits):
-                continue  # a MIG instance: the published state above counts what each instance holds
-            for uuid in gpus:
-                # A fraction holds its memory; a whole GPU or a MIG instance all of it.
-                held.setdefault((pod["spec"]["nodeName"], uuid), []).append(
-                    (pod["metadata"]["name"], memory or -1)
-                )
-        for uuid, holders in held.items():
-            total = self.capacity.get(uuid)
-            whole = [h for h in holders if h[1] < 0]
-            used = sum(m for _, m in holders if m > 0)
-            if (whole and len(holders) > 1) or (total is not None and used > total):
-                self.violations.append(f"{uuid}: assigned to {holders} (capacity {total} bytes)")
-        self.samples += 1
-
-
 # -- the scenario ----------------------------------------------------------------------------------
 
 
@@ -442,7 +358,7 @@ def run_scenario(cluster: Cluster) -> Outcome:
     """Run the scenario (see the module docstring) and wait until every pod that fits is carried out."""
     admin = cluster.cp.api()
     outcome = Outcome()
-    sampler = Sampler(cluster.cp.api(), cluster.node_names).start()
+    sampler = Sampler(cluster.cp.api(), cluster.node_names, NAMESPACE).start()
     started = time.monotonic()
     try:
         _race(cluster, admin, outcome)
@@ -521,153 +437,3 @@ def _not_yet(pod: dict[str, Any] | None, name: str) -> str:
         f"{name}: phase {status.get('phase')} on {pod['spec'].get('nodeName') or 'no node'}"
         f" [{conditions}] {waits or ''} annotated={ALLOCATED_ANNOTATION in pod['metadata'].get('annotations', {})}"
     )
-
-
-# -- figures ---------------------------------------------------------------------------------------
-
-_ACCESS = re.compile(
-    r"^(\S+ \S+) DEBUG\s+\S+: (\S+) \"POST /(filter|prioritize|bind)\" (\d+) \S+ ([\d.]+)ms$"
-)
-
-
-def access_log(log: Path) -> list[tuple[float, str, str, int, float]]:
-    """(end time, client, verb, status, ms) per request in the extender's log."""
-    out = []
-    for line in log.read_text(errors="replace").splitlines():
-        m = _ACCESS.match(line)
-        if m:
-            stamp = (
-                time.mktime(time.strptime(m[1].split(",")[0], "%Y-%m-%d %H:%M:%S"))
-                + int(m[1].split(",")[1]) / 1000
-            )
-            out.append((stamp, m[2], m[3], int(m[4]), float(m[5])))
-    return out
-
-
-def _p99(values: list[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 2)
-
-
-def agreement(cluster: Cluster, outcome: Outcome) -> tuple[int, int, list[str]]:
-    """(pods whose allocated GPUs equal the assigned ones, pods compared, the disagreements)."""
-    admitted = {
-        a.pod.split("/", 1)[1]: a
-        for n in cluster.nodes.values()
-        if n.admitter
-        for a in n.admitter.admissions.values()
-    }
-    parent: dict[str, str] = {}  # MIG device UUID -> its GPU's (the extender assigns the GPU)
-    for node in cluster.cp.api().get("/api/v1/nodes")["items"]:
-        text = node["metadata"].get("annotations", {}).get(NODE_STATE_ANNOTATION)
-        if node["metadata"]["name"] in cluster.node_names and text:
-            parent.update({m.uuid: g.uuid for g in decode(text).gpus for m in g.mig})
-    agree, differ = 0, []
-    for name in outcome.fit:
-        annotations = outcome.pods[name]["metadata"].get("annotations", {})
-        assigned = set(annotations.get(ASSIGNMENT_ANNOTATION, "").split(","))
-        allocated = {parent.get(u, u) for u in annotations.get(ALLOCATED_ANNOTATION, "").split(",")}
-        if name in REAL_PODS and cluster.real is not None:  # what the real kubelet's Allocate call gave
-            shown = visible_devices(cluster.real, NAMESPACE, name) or []
-        else:
-            shown = admitted[name].visible if name in admitted else []
-        visible = {parent.get(u, u) for u in shown}
-        if assigned == allocated == visible:
-            agree += 1
-        else:
-            differ.append(
-                f"{name}: assigned {sorted(assigned)}, allocated {sorted(allocated)}, Allocate gave {sorted(visible)}"
-            )
-    return agree, len(outcome.fit), differ
-
-
-def whole_offered(cluster: Cluster, outcome: Outcome) -> tuple[int, list[str]]:
-    """(whole-GPU pods placed on nodes that also share GPUs in memory units, the whole-GPU pods assigned a
-    GPU whose node does not offer it whole), from the nodes' published servesWhole."""
-    offered: dict[tuple[str, str], bool] = {}
-    mixed: set[str] = set()
-    for node in cluster.cp.api().get("/api/v1/nodes")["items"]:
-        name = node["metadata"]["name"]
-        text = node["metadata"].get("annotations", {}).get(NODE_STATE_ANNOTATION)
-        if name in cluster.node_names and text:
-            for g in decode(text, node=name).gpus:
-                offered[(name, g.uuid)] = g.serves_whole
-                if g.sharing == "fractional" and not g.serves_whole:
-                    mixed.add(name)
-    on_mixed, wrong = 0, []
-    for name in outcome.fit:
-        pod = outcome.pods[name]
-        if GPU_RESOURCE not in pod["spec"]["containers"][0]["resources"].get("limits", {}):
-            continue
-        node = pod["spec"].get("nodeName", "")
-        assigned = pod["metadata"].get("annotations", {}).get(ASSIGNMENT_ANNOTATION, "").split(",")
-        on_mixed += node in mixed
-        wrong += [
-            f"{name}: {node} {uuid} is not offered whole"
-            for uuid in assigned
-            if not offered.get((node, uuid))
-        ]
-    return on_mixed, wrong
-
-
-def figures(cluster: Cluster, outcome: Outcome) -> dict[str, Any]:
-    """The scenario's figures, for the JSON report."""
-    agree, compared, _ = agreement(cluster, outcome)
-    requests = access_log(cluster.extender.log)
-    by_scheduler = [r for r in requests if r[1] != TEST_SOURCE]
-    binds = sorted((end - ms / 1000, end) for end, client, verb, _, ms in by_scheduler if verb == "bind")
-    concurrent_binds = max((sum(1 for s, e in binds if s <= start < e) for start, _ in binds), default=0)
-    return {
-        "nodes": len(cluster.node_names),
-        "real_kubelet_pods": sum(1 for n in outcome.fit if n in REAL_PODS),
-        "pods_fit": len(outcome.fit),
-        "agreement_rate": round(agree / compared, 4) if compared else None,
-        "agreement": f"{agree}/{compared}",
-        "overcommit_samples": len(outcome.violations),
-        "samples": outcome.samples,
-        "whole_pods_on_mixed_nodes": whole_offered(cluster, outcome)[0],
-        "whole_pods_on_gpus_not_offered_whole": len(whole_offered(cluster, outcome)[1]),
-        "wall_s": round(outcome.wall_s, 1),
-        "race_bound": len(outcome.race_bound),
-        "race_refused": len(outcome.race_refused),
-        "simultaneous_connections_answered": sum(1 for s in outcome.connections if s == 200),
-        "max_concurrent_binds_from_scheduler": concurrent_binds,
-        "latency_source": "extender access log (--log-level debug), requests from kube-scheduler only",
-        **{
-            f"{verb}_p99_ms": _p99([ms for _, _, v, _, ms in by_scheduler if v == verb])
-            for verb in ("filter", "prioritize", "bind")
-        },
-        **{
-            f"{verb}_count": sum(1 for r in by_scheduler if r[2] == verb)
-            for verb in ("filter", "prioritize", "bind")
-        },
-    }
-
-
-_ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL)\b|Traceback")
-_KLOG_ERROR = re.compile(r"^E\d{4} ")
-
-
-def error_lines(cluster: Cluster) -> list[str]:
-    """ERROR lines and tracebacks of the agents and the extender, kube-scheduler's E-lines about the
-    extender or the scenario's pods, and the real kubelet's E-lines about device plugins/allocation."""
-    found = []
-    agents = [n.agent for n in cluster.nodes.values() if n.agent]
-    agents += [cluster.real.agent] if cluster.real is not None else []
-    for proc in [cluster.extender, *agents]:
-        for line in proc.log.read_text(errors="replace").splitlines():
-            if _ERROR_LINE.search(line):
-                found.append(f"{proc.name}: {line}")
-    for line in cluster.scheduler.log.read_text(errors="replace").splitlines():
-        if _KLOG_ERROR.match(line) and (
-            "extender" in line.lower() or NAMESPACE in line or str(cluster.port) in line
-        ):
-            found.append(f"{cluster.scheduler.name}: {line}")
-    for node in cluster.nodes.values():
-        if node.admitter:
-            found += [f"kubelet stand-in {node.name}: {e}" for e in node.admitter.errors]
-    if cluster.real is not None:
-        found += kubelet_error_lines(cluster.real)
-    return found

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e import scenario
+from tests.e2e import scenario, scenario_figures
 from tests.e2e.api import eventually
 from tests.e2e.controlplane import ControlPlane
 from tests.e2e.objects import pod_events
@@ -30,7 +30,7 @@ def ran(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -
     cluster = scenario.build_cluster(control_plane, tmp)
     try:
         outcome = scenario.run_scenario(cluster)
-        figures = scenario.figures(cluster, outcome)
+        figures = scenario_figures.figures(cluster, outcome)
         (tmp / "scenario-figures.json").write_text(json.dumps(figures, indent=2))
         print(json.dumps(figures))
         yield {"cluster": cluster, "outcome": outcome, "figures": figures, "tmp": tmp}
@@ -47,7 +47,7 @@ def test_every_pod_that_fits_is_bound_and_gets_the_assigned_gpu(ran: dict[str, A
         for name in scenario.REAL_PODS:
             assert outcome.pods[name]["spec"]["nodeName"] == cluster.real.name, name
             assert outcome.pods[name]["status"]["phase"] == "Running", name
-    agree, compared, differ = scenario.agreement(cluster, outcome)
+    agree, compared, differ = scenario_figures.agreement(cluster, outcome)
     assert compared == len(outcome.fit) > 35
     assert agree == compared, "\n".join(differ)
 
@@ -56,7 +56,7 @@ def test_whole_gpu_pods_get_only_gpus_their_node_offers_whole(ran: dict[str, Any
     """On nodes that share some GPUs in memory units (published servesWhole false), a whole-GPU pod placed
     while those GPUs were fully free got one of the GPUs the node advertises as nvidia.com/gpu."""
     cluster, outcome = ran["cluster"], ran["outcome"]
-    on_mixed, wrong = scenario.whole_offered(cluster, outcome)
+    on_mixed, wrong = scenario_figures.whole_offered(cluster, outcome)
     assert wrong == []
     pinned = outcome.pods[scenario.MIXED_WHOLE]
     assert pinned["spec"]["nodeName"] == scenario.MIXED_NODE
@@ -106,7 +106,7 @@ def test_32_simultaneous_connections_are_all_answered(ran: dict[str, Any]) -> No
 
 
 def test_no_component_logged_an_error(ran: dict[str, Any]) -> None:
-    assert scenario.error_lines(ran["cluster"]) == []
+    assert scenario_figures.error_lines(ran["cluster"]) == []
 
 
 def test_the_figures_are_written(ran: dict[str, Any]) -> None:
