@@ -8,12 +8,12 @@ violation.
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any
 
 from gpunode.contract.names import ASSIGNMENT_ANNOTATION, GPU_MEMORY_RESOURCE, NODE_STATE_ANNOTATION
 from gpunode.contract.nodestate import decode
 from tests.e2e.api import Api
+from tests.e2e.procs import Poller
 
 GIB = 2**30
 SAMPLE_S = 0.1
@@ -24,12 +24,13 @@ def _pod_memory(pod: dict[str, Any]) -> int:
     return int(limits.get(GPU_MEMORY_RESOURCE, 0)) * GIB
 
 
-class Sampler:
+class Sampler(Poller):
     """Every SAMPLE_S: each GPU's published assignment within capacity, and the assignments of the bound
     pods (the extender's decisions) never more than a GPU holds."""
 
     def __init__(self, api: Api, nodes: list[str], namespace: str) -> None:
         """Sample these nodes and the pods of `namespace` through `api`."""
+        super().__init__("sampler")
         self.api = api
         self.namespace = namespace
         self.nodes = set(nodes)
@@ -38,18 +39,6 @@ class Sampler:
         self.capacity: dict[
             tuple[str, str], int
         ] = {}  # (node, GPU UUID) -> bytes: sim UUIDs repeat across nodes
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
-
-    def start(self) -> Sampler:
-        """Start sampling in a thread."""
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop sampling."""
-        self._stop.set()
-        self._thread.join(30)
 
     def _run(self) -> None:
         while not self._stop.wait(SAMPLE_S):

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Self
 
 _LIVE: set[Proc] = set()
 _LIVE_LOCK = threading.Lock()
@@ -20,6 +21,27 @@ _LIVE_LOCK = threading.Lock()
 
 class StartError(RuntimeError):
     """A component did not come up; the message carries the end of its log."""
+
+
+class Poller:
+    """A daemon thread the test starts and stops; subclasses loop in _run until self._stop is set."""
+
+    def __init__(self, name: str) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> Self:
+        """Start the thread."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the thread (waits up to 30 s for it)."""
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        raise NotImplementedError
 
 
 class Proc:

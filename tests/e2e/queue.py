@@ -28,7 +28,6 @@ import contextlib
 import json
 import re
 import sys
-import threading
 import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -51,7 +50,7 @@ from tests.e2e.api import Api, ApiError, eventually
 from tests.e2e.controlplane import ROOT, ControlPlane
 from tests.e2e.objects import create_pod, ensure_namespace, pod_body, pod_events
 from tests.e2e.pki import CertFiles
-from tests.e2e.procs import Proc
+from tests.e2e.procs import Poller, Proc
 from tests.e2e.simnodes import SimNode, seeded_t4, state_published
 from tests.ports import free_port
 
@@ -103,27 +102,16 @@ ROLE_PATHS = {
 ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL)\b|Traceback")
 
 
-class Reaper:
+class Reaper(Poller):
     """The kubelet's part at pod termination on the SimNodes (see the module docstring)."""
 
     def __init__(self, api: Api, nodes: Mapping[str, SimNode]) -> None:
         """Watch NAMESPACE's pods through `api`, releasing devices on `nodes`."""
+        super().__init__("reaper")
         self.api = api
         self.nodes = nodes
         self.terminated: dict[str, dict[str, Any]] = {}  # namespace/name -> the pod last seen terminating
         self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="reaper", daemon=True)
-
-    def start(self) -> Reaper:
-        """Start reaping in a thread."""
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop reaping."""
-        self._stop.set()
-        self._thread.join(30)
 
     def _run(self) -> None:
         while not self._stop.wait(0.2):

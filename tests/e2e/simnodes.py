@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from gpunode.node.kubelet.podresources import ContainerDevices
 from tests.e2e.api import STRATEGIC, Api, ApiError
 from tests.e2e.controlplane import ROOT, ControlPlane
 from tests.e2e.objects import BASE_CAPACITY, create_fake_node, write_ready_status
-from tests.e2e.procs import Proc
+from tests.e2e.procs import Poller, Proc
 from tests.fakes.kubelet import KubeletStandIn, short_socket_dir
 from tests.fakes.podresources import PodResourcesStandIn
 from tests.ports import free_port
@@ -73,11 +72,12 @@ class Admission:
     at: float = 0.0  # monotonic time of the admission
 
 
-class NodeKubelet:
+class NodeKubelet(Poller):
     """The kubelet's admission of bound pods for one SimNode (see the module docstring)."""
 
     def __init__(self, api: Api, node: str, kubelet: KubeletStandIn, podres: PodResourcesStandIn) -> None:
         """Admit the pods bound to `node` through these stand-ins, reading and patching pods with `api`."""
+        super().__init__(f"kubelet {node}")
         self.api = api
         self.node = node
         self.kubelet = kubelet
@@ -85,18 +85,6 @@ class NodeKubelet:
         self.admissions: dict[str, Admission] = {}  # by pod UID
         self.errors: list[str] = []
         self._held: list[ContainerDevices] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"kubelet {node}", daemon=True)
-
-    def start(self) -> NodeKubelet:
-        """Start admitting in a thread."""
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop admitting."""
-        self._stop.set()
-        self._thread.join(30)
 
     def _run(self) -> None:
         selector = f"spec.nodeName={self.node}"
