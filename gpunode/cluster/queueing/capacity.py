@@ -238,6 +238,19 @@ class ClusterCapacity(NodeView):
             for row, state in reversed(undo):
                 self._set_row(row, state)
 
+    @contextmanager
+    def draws_kept(self) -> Iterator[None]:
+        """Plans made inside the block leave the tie-break generator as it was.
+
+        For plans that only explain (a gang's waiting reason): reading why a job waits must not
+        change which node a later job gets.
+        """
+        state = self._rng.bit_generator.state
+        try:
+            yield
+        finally:
+            self._rng.bit_generator.state = state
+
     def freed_mark(self) -> tuple[object, int]:
         """A mark of now for still_fails."""
         return self._freed.mark()

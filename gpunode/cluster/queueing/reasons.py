@@ -103,13 +103,15 @@ class Reasons:
     def _members_fitting(self, p: Pending, exclude: frozenset[str]) -> int:
         """The largest k such that the first k members place together (binary search on plans)."""
         job = p.job
+        cap = self.sched.cap
         lo, hi = 0, len(job.pods) - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.sched.cap.plan(replace(job, pods=job.pods[:mid]), exclude_nodes=exclude) is not None:
-                lo = mid
-            else:
-                hi = mid - 1
+        with cap.draws_kept():  # the explanation must not change later decisions
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if cap.plan(replace(job, pods=job.pods[:mid]), exclude_nodes=exclude) is not None:
+                    lo = mid
+                else:
+                    hi = mid - 1
         return lo
 
     def pods_placed(self, p: Pending) -> str:

@@ -233,6 +233,38 @@ def test_same_seed_same_plans() -> None:
     assert run(3) == run(3)
 
 
+def test_plans_that_only_explain_do_not_change_later_choices() -> None:
+    """A plan under draws_kept (a gang's waiting reason) leaves the tie-break draws as they were."""
+
+    def run(explain: bool) -> list[Plan | None]:
+        cap = cap_of([node(f"n{i}") for i in range(6)], seed=5, policy="spread")
+        out = []
+        for i in range(30):
+            if explain:
+                with cap.draws_kept():
+                    cap.plan(job("why", WHOLE1, WHOLE1, WHOLE1))
+            j = job(f"j{i}", HALF if i % 3 else WHOLE1)
+            plan = cap.plan(j)
+            out.append(plan)
+            if plan is not None:
+                cap.commit(j.name, j, plan)
+        return out
+
+    plain = run(False)
+    assert run(True) == plain
+    # without draws_kept the same explanations do move later choices (the tie-breaks are real)
+    cap = cap_of([node(f"n{i}") for i in range(6)], seed=5, policy="spread")
+    moved = []
+    for i in range(30):
+        cap.plan(job("why", WHOLE1, WHOLE1, WHOLE1))
+        j = job(f"j{i}", HALF if i % 3 else WHOLE1)
+        plan = cap.plan(j)
+        moved.append(plan)
+        if plan is not None:
+            cap.commit(j.name, j, plan)
+    assert moved != plain
+
+
 def test_energy_weight_prefers_gpus_on_busy_nodes() -> None:
     nodes = [node("a"), node("b"), node("c")]
     for weight, want_same in ((1.0, True), (0.0, False)):
