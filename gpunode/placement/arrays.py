@@ -26,12 +26,14 @@ MAX_GPUS = 8
 
 
 class ScoreCache:
-    """Scores of one (request, policy) per node, valid while the node's version equals its stamp."""
+    """One (request, policy) per node: feasibility valid while the node's version equals `stamp`,
+    score and GPU slot while it equals `score_stamp` (scored only when a feasible node is asked for)."""
 
-    __slots__ = ("feasible", "gpu", "score", "stamp")
+    __slots__ = ("feasible", "gpu", "score", "score_stamp", "stamp")
 
     def __init__(self, n: int) -> None:
         self.stamp = np.full(n, -1, dtype=np.int64)
+        self.score_stamp = np.full(n, -1, dtype=np.int64)
         self.feasible = np.zeros(n, dtype=bool)
         self.score = np.zeros(n, dtype=np.float64)
         self.gpu = np.zeros(n, dtype=np.int64)
@@ -65,6 +67,7 @@ class NodeArrays:
         self.ok_frac = np.zeros((n, MAX_GPUS), dtype=bool)  # healthy, fractional
         self.gpu_count = np.zeros(n, dtype=np.int64)  # GPUs in whole or fractional mode (packing's node size)
         self.version = np.zeros(n, dtype=np.int64)
+        self._agg_stale = np.zeros(n, dtype=bool)  # rows whose aggregates wait for the next scoring
         models = [next(iter({g.model for g in x.gpus}), "") for x in nodes]
         self._model_names = tuple(dict.fromkeys(models)) or ("",)
         self._model_of = np.array([self._model_names.index(m) for m in models], dtype=np.int64)
@@ -110,8 +113,7 @@ class NodeArrays:
         self._load_row(i, node)
         self._templates[i] = node
         self.version[i] += 1
-        if self.workload is not None:
-            self._refresh_aggregates(np.array([i]))
+        self._agg_stale[i] = True
 
     def replace_nodes(self, nodes: Sequence[NodeState]) -> None:
         """replace_node for several distinct nodes, their aggregates refreshed in one vectorised pass."""
@@ -120,8 +122,7 @@ class NodeArrays:
             self._load_row(i, node)
             self._templates[i] = node
             self.version[i] += 1
-        if self.workload is not None and rows:
-            self._refresh_aggregates(np.array(rows, dtype=np.int64))
+        self._agg_stale[rows] = True
 
     # ----- the typical shapes and per-node aggregates -------------------------------------------------
 
@@ -169,6 +170,19 @@ class NodeArrays:
         ge = usable & (share[..., None] >= self._t_milli)
         copies = np.where(self._t_whole, ge, share[..., None] // self._t_milli_safe) * usable
         return ge.astype(np.int64), share[..., None] * ge, copies
+
+    def _fresh_aggregates(self) -> None:
+        """Refresh the aggregates of the rows replaced since the last scoring, in one vectorised pass.
+
+        Only scoring reads them (frag, fill and what _candidates derives), and most replaced rows
+        (commits and releases while admission retries jobs that find no node) are replaced again
+        before any score is asked of them. Integer arithmetic: the same values as refreshing at once.
+        """
+        rows = np.flatnonzero(self._agg_stale)
+        if len(rows):
+            if self.workload is not None:
+                self._refresh_aggregates(rows)
+            self._agg_stale[rows] = False
 
     def _refresh_aggregates(self, idx: IntArray) -> None:
         cnt, sum_ge, copies = self._gpu_terms(self.share[idx], self._usable(idx))
@@ -255,6 +269,7 @@ class NodeArrays:
 
     def _candidates(self, request: Request, idx: IntArray) -> tuple[IntArray, ...]:
         """Aggregates after placing the request: total, cnt, sum_ge, copies, cpu, nodes, shaped [K, C(, T)]."""
+        self._fresh_aggregates()
         cpu = np.repeat(
             (self.cpu[idx] - request.cpu_milli)[:, None], MAX_GPUS if request.kind == "fraction" else 1, 1
         )

@@ -148,25 +148,44 @@ class ClusterArrays(NodeArrays):
 
     # ----- choose and apply ---------------------------------------------------------------------------------
 
-    def scores(self, request: Request, policy: str) -> tuple[BoolArray, FloatArray, IntArray]:
-        """(feasible, score, chosen GPU slot for fractions) for every node, from the cache where valid."""
-        if policy not in BATCH_POLICIES:
-            raise InvalidRequest(f"unknown policy {policy!r}; known: {', '.join(BATCH_POLICIES)}")
-        self._check_request(request)
+    def _cache(self, request: Request, policy: str) -> ScoreCache:
         cache = self._caches.get((request, policy))
         if cache is None:
+            if policy not in BATCH_POLICIES:
+                raise InvalidRequest(f"unknown policy {policy!r}; known: {', '.join(BATCH_POLICIES)}")
+            self._check_request(request)
             cache = self._caches[(request, policy)] = ScoreCache(len(self.names))
+        return cache
+
+    def feasible_now(self, request: Request, policy: str) -> BoolArray:
+        """Whether the request fits each node, from the cache where valid; no scores are computed.
+
+        For callers that often find no node at all (admission retrying waiting jobs): a score
+        costs several times a feasibility check, and a node's score is computed only once it is
+        asked for by scores() (the same value as when computed at once: a score depends on the
+        node's state alone, and its version names that state).
+        """
+        cache = self._cache(request, policy)
         stale = np.flatnonzero(cache.stamp != self.version)
         if len(stale):
-            ok = self.feasible_in(request, stale)
-            cache.feasible[stale] = ok
-            todo = stale[ok]
-            if len(todo):
-                score, gpu = getattr(self, f"_score_{policy}")(request, todo)
-                cache.score[todo] = score
-                cache.gpu[todo] = gpu
+            cache.feasible[stale] = self.feasible_in(request, stale)
             cache.stamp[stale] = self.version[stale]
-        return cache.feasible, cache.score, cache.gpu
+        return cache.feasible
+
+    def scores(self, request: Request, policy: str) -> tuple[BoolArray, FloatArray, IntArray]:
+        """(feasible, score, chosen GPU slot for fractions) for every node, from the cache where valid.
+
+        score and slot are meaningful where feasible is True only.
+        """
+        feasible = self.feasible_now(request, policy)
+        cache = self._caches[(request, policy)]
+        todo = np.flatnonzero((cache.score_stamp != self.version) & feasible)
+        if len(todo):
+            score, gpu = getattr(self, f"_score_{policy}")(request, todo)
+            cache.score[todo] = score
+            cache.gpu[todo] = gpu
+            cache.score_stamp[todo] = self.version[todo]
+        return feasible, cache.score, cache.gpu
 
     def gpu_slots(
         self, request: Request, policy: str, node: int, rng: np.random.Generator | None = None

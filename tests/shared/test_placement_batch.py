@@ -160,6 +160,36 @@ def test_batch_scores_equal_per_node_scores(seed: int) -> None:
     assert compared > 0
 
 
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(min_value=0, max_value=2**32 - 1))
+def test_scores_deferred_past_feasibility_checks_equal_fresh_scores(seed: int) -> None:
+    """feasible_now leaves scores (and the node aggregates) to be computed when asked for; what is asked
+    later equals what a cluster built from the same states gives, however many states came between."""
+    rng = random.Random(seed)
+    nodes = random_cluster(rng, n=8, offers=random.Random(seed + 1))
+    workload = random_workload(rng, nodes)
+    cluster = ClusterArrays(nodes, workload=workload)
+    requests = [random_request(rng) for _ in range(4)]
+    gen = np.random.default_rng(seed)
+    for _ in range(30):
+        request = rng.choice(requests)
+        policy = rng.choice(DETERMINISTIC)
+        if rng.random() < 0.6:  # only feasibility: scores and aggregates stay stale
+            feasible = cluster.feasible_now(request, policy)
+            for i in range(len(nodes)):
+                assert feasible[i] == fits(cluster.node_state(i), request)
+        else:
+            fresh = ClusterArrays([cluster.node_state(i) for i in range(len(nodes))], workload=workload)
+            got, want = cluster.scores(request, policy), fresh.scores(request, policy)
+            assert (got[0] == want[0]).all()
+            ok = want[0]
+            assert (got[1][ok] == want[1][ok]).all() and (got[2][ok] == want[2][ok]).all()
+        placed = rng.choice(requests)  # the cluster moves on (one placement) between the checks
+        picked = cluster.choose(placed, rng.choice(DETERMINISTIC), rng=gen)
+        if picked is not None:
+            cluster.apply(placed, picked.node, picked.gpus)
+
+
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(min_value=0, max_value=2**32 - 1))
 def test_batch_never_over_allocates(seed: int) -> None:

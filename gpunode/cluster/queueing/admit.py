@@ -6,14 +6,20 @@ the nodes it had to keep off; at the same epoch it fails again without a trial.
 Within one epoch, a one-pod job is not tried when a pod of the same kind asking
 no more of any resource (GPUs, share, GPU memory, CPU, memory) failed with no
 more nodes excluded: feasibility on a node only shrinks as a request grows, so
-the trial would fail (tests/cluster/queueing/test_reserve_engine.py compares
-whole runs with this and the fast reservation search switched off).
+the trial would fail. Within one cycle the same rule lets the walk pass over the
+jobs of larger shapes at once (Larger; only when no waiting reasons are read, as
+in the time simulator, since a job passed over keeps its last reason).
+tests/cluster/queueing/test_reserve_engine.py compares whole runs with these
+shortcuts and the fast reservation search switched off.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
 
 from gpunode.cluster.queueing.model import GPU, Amounts, Decisions, Job, Plan
 from gpunode.placement.model import Request
@@ -189,6 +195,48 @@ class Admit:
     _small_fails_epoch = -1
     _fail_marks: dict[tuple[int, frozenset[str]], tuple[object, int]]  # (shape, excluded) -> freed mark
     _small_fails: dict[tuple[str, frozenset[str] | None], list[tuple[Request, frozenset[str]]]]
+
+
+class Larger:
+    """For each one-pod shape of at most one GPU, the shapes of its family asking no less of anything.
+
+    When such a shape fails to place, every larger one fails too (a node that does not fit a pod fits
+    no larger one), so engine._walk marks them dead with it and passes over their jobs without a trial.
+    Only shapes of at most one GPU: a failing multi-GPU job may get a further reservation
+    (rooms._reserve_extra), so each of those is tried. Shapes are numbered by engine._shape_of.
+    """
+
+    def __init__(self) -> None:
+        self._requests: dict[int, Request] = {}
+        self._larger: dict[int, list[int]] = {}
+        self._arrays: dict[int, npt.NDArray[np.int64]] = {}
+
+    def add(self, shape: int, pods: tuple[Request, ...]) -> None:
+        """Register a new shape."""
+        if len(pods) != 1 or pods[0].kind == "mig" or pods[0].gpus > 1:
+            return
+        q = pods[0]
+        mine = self._larger[shape] = []
+        for other, r in self._requests.items():
+            if _family(r) != _family(q):
+                continue
+            if _no_more(q, r):
+                mine.append(other)
+            if _no_more(r, q):
+                self._larger[other].append(shape)
+                self._arrays.pop(other, None)
+        self._requests[shape] = q
+
+    def of(self, shape: int) -> npt.NDArray[np.int64] | None:
+        """The shapes larger than this one, or None when there are none (or it is not a one-pod shape of
+        at most one GPU)."""
+        larger = self._arrays.get(shape)
+        if larger is None:
+            found = self._larger.get(shape)
+            if not found:
+                return None
+            larger = self._arrays[shape] = np.array(found, dtype=np.int64)
+        return larger
 
 
 def _family(q: Request) -> tuple[str, frozenset[str] | None]:

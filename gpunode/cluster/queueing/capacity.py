@@ -193,11 +193,12 @@ class ClusterCapacity(NodeView):
 
     def _choose(self, request: Request, mask: BoolArray | None) -> tuple[int, tuple[int, ...]] | None:
         arr = self._arrays
-        feasible, score, gpu = arr.scores(request, self.policy)
+        feasible = arr.feasible_now(request, self.policy)  # most tries find no node: no scores for them
         ok = feasible if mask is None else feasible & ~mask
         cand = np.flatnonzero(ok)
         if not len(cand):
             return None
+        _, score, gpu = arr.scores(request, self.policy)
         w = self.energy_weight
         if self.policy == "random" and w == 0:
             node = int(cand[self._rng.integers(len(cand))])
@@ -275,7 +276,12 @@ class ClusterCapacity(NodeView):
                 empty = self.fork()
                 empty.release_many(empty.jobs)
                 self._shared.empty = empty
-            known = self._shared.fits_empty[key] = self._shared.empty._plan_pods(key, frozenset()) is not None
+            empty = self._shared.empty
+            if len(key) == 1:  # one pod: some node fits it (no scores needed)
+                known = bool(empty._arrays.feasible_now(key[0], self.policy).any())
+            else:
+                known = empty._plan_pods(key, frozenset()) is not None
+            self._shared.fits_empty[key] = known
         return known
 
     # ----- holding ------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ import heapq
 import itertools
 from collections.abc import Iterable
 
-from gpunode.cluster.queueing.admit import Admit
+from gpunode.cluster.queueing.admit import Admit, Larger
 from gpunode.cluster.queueing.adoption import Adoption
 from gpunode.cluster.queueing.backfill import Reservation
 from gpunode.cluster.queueing.capacity import ClusterCapacity
@@ -110,6 +110,7 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
         self._released_nodes: set[str] = set()
         self._ends: list[tuple[float, str]] = []  # running jobs' (expected end, name), sorted (backfill)
         self._shapes: dict[tuple[object, ...], int] = {}
+        self._larger = Larger()
         self._failed: dict[tuple[int, frozenset[str]], tuple[int, str]] = {}
         self._fits_empty: dict[int, bool] = {}
         self._why_cache: dict[tuple[int, frozenset[str], bool], str] = {}
@@ -271,18 +272,15 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
             dead = self._dead[q] = (
                 DeadShapes(len(self._shapes)) if dead is None else dead.grown(len(self._shapes))
             )
-        dead_get, nominated = dead.get, self._nominated
+        limit_of, nominated = dead.limit_of, self._nominated
+        larger_of = None if self.report_waiting else self._larger.of  # a job passed over keeps its reason
         i = cursors[q]
         n = len(lst)
         pins = self._pins(lst)
         while i < n:  # the skips are this loop's hot path: now + runtime > k-th start is p's level >= k
             p = lst[i]
-            limit = dead_get(p.shape)
-            if (
-                limit is not None
-                and now + p.runtime > limit
-                and (limit == ANY or p.job.name not in self._reserved_names)
-            ):
+            limit = limit_of(p.shape)  # +inf: not dead
+            if now + p.runtime > limit and (limit == ANY or p.job.name not in self._reserved_names):
                 k = bisect.bisect_right(pins, i)
                 i = lst.next_unskipped(i + 1, pins[k] if k < len(pins) else n, now, dead)
                 continue
@@ -317,7 +315,11 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
                 break
             if not self._is_reserved(p.job.name) and p.held == []:
                 level = self._level(p, now) if verdict == "capacity" else 0
-                dead.set(p.shape, self._res_starts[level - 1] if level else ANY)
+                limit = self._res_starts[level - 1] if level else ANY
+                dead.set(p.shape, limit)
+                larger = larger_of(p.shape) if larger_of is not None and verdict == "capacity" else None
+                if larger is not None:
+                    dead.lower(larger, limit)
             i += 1
         cursors[q] = i
         return False
@@ -438,4 +440,5 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
         shape = self._shapes.get(pods)
         if shape is None:
             shape = self._shapes[pods] = len(self._shapes)
+            self._larger.add(shape, pods)  # type: ignore[arg-type]
         return shape

@@ -97,22 +97,29 @@ class WaitList(list["Pending"]):
 
 
 class DeadShapes:
-    """The shapes of one queue that failed in this cycle: shape -> limit, as engine._walk reads it.
+    """The shapes of one queue that failed in this cycle: by shape number, the limit engine._walk reads.
 
     ANY (-inf) passes over every job of the shape; a reservation's start passes over the jobs that
-    would end after it. `limits` holds the same numbers by shape number (+inf: not dead) for
-    WaitList.next_unskipped.
+    would end after it; +inf: not dead. `limit_of(shape)` gives the limit as a Python float (the
+    walk's hot path), `limits` the array WaitList.next_unskipped reads.
     """
 
     def __init__(self, shapes: int) -> None:
-        self._by_shape: dict[int, float] = {}
-        self.get = self._by_shape.get
         self.limits: npt.NDArray[np.float64] = np.full(shapes + 64, np.inf)
+        self.limit_of = self.limits.item
+
+    def get(self, shape: int) -> float | None:
+        """The shape's limit, or None when it is not dead."""
+        limit = float(self.limits[shape])
+        return None if limit == np.inf else limit
 
     def set(self, shape: int, limit: float) -> None:
         """Mark shape dead up to limit."""
-        self._by_shape[shape] = limit
         self.limits[shape] = limit
+
+    def lower(self, shapes: npt.NDArray[np.int64], limit: float) -> None:
+        """Mark these shapes dead up to limit, where that passes over more of their jobs than before."""
+        self.limits[shapes] = np.minimum(self.limits[shapes], limit)
 
     def covers(self, shapes: int) -> bool:
         """Whether the array has room for shape numbers below `shapes`."""
@@ -121,12 +128,9 @@ class DeadShapes:
     def grown(self, shapes: int) -> DeadShapes:
         """A copy with room for shape numbers below `shapes`."""
         out = DeadShapes(shapes)
-        for shape, limit in self._by_shape.items():
-            out.set(shape, limit)
+        out.limits[: len(self.limits)] = self.limits
         return out
 
     def forget_levels(self, any_limit: float) -> None:
         """Drop the failures recorded against reservation levels (they moved), keep those at any_limit."""
-        for shape in [s for s, limit in self._by_shape.items() if limit != any_limit]:
-            del self._by_shape[shape]
-            self.limits[shape] = np.inf
+        self.limits[self.limits != any_limit] = np.inf

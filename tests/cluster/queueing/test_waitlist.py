@@ -1,5 +1,5 @@
-"""WaitList and DeadShapes: the arrays stay in step with the list, and the vectorised pass over jobs
-stops exactly where the engine's one-by-one rule would."""
+"""WaitList, DeadShapes and Larger: the arrays stay in step with the list, the vectorised pass over jobs
+stops exactly where the engine's one-by-one rule would, and the larger shapes are the right ones."""
 
 from __future__ import annotations
 
@@ -7,12 +7,15 @@ import bisect
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpunode.cluster.queueing.admit import Larger
 from gpunode.cluster.queueing.rooms import ANY
 from gpunode.cluster.queueing.waitlist import DeadShapes, WaitList
+from gpunode.placement.model import Request
 
 
 @dataclass
@@ -99,6 +102,36 @@ def test_forgetting_the_levels_keeps_the_level_0_failures() -> None:
     assert dead.limits[0] == -math.inf and dead.limits[1] == math.inf
     grown = dead.grown(200)
     assert grown.covers(200) and grown.get(0) == ANY and grown.limits[0] == -math.inf
+
+
+def test_lowering_marks_more_jobs_and_never_fewer() -> None:
+    dead = DeadShapes(4)
+    dead.set(1, 300.0)
+    dead.lower(np.array([0, 1, 2]), 500.0)
+    assert [dead.get(s) for s in range(4)] == [500.0, 300.0, 500.0, None]
+    dead.lower(np.array([2]), ANY)
+    assert dead.get(2) == ANY and dead.limit_of(3) == math.inf
+
+
+def test_larger_shapes_are_those_of_the_family_asking_no_less_of_anything() -> None:
+    larger = Larger()
+    shapes = [
+        Request(gpus=1, cpu_milli=4000),  # 0
+        Request(gpus=1, cpu_milli=8000),  # 1: larger than 0
+        Request(gpus=1, cpu_milli=2000, memory_bytes=2**30),  # 2: neither larger nor smaller than 0
+        Request(gpu_milli=500, cpu_milli=4000),  # 3: another family (a fraction)
+        Request(
+            gpus=2, cpu_milli=8000
+        ),  # 4: two GPUs: never passed over, a failing one may get a reservation
+        Request(gpus=1, cpu_milli=8000, gpu_models=frozenset({"T4"})),  # 5: another family (models)
+        Request(gpu_milli=700, cpu_milli=4000),  # 6: larger than 3
+        Request(gpus=1, cpu_milli=9000, memory_bytes=2**30),  # 7: larger than 0, 1 and 2
+    ]
+    for i, r in enumerate(shapes):
+        larger.add(i, (r,))
+    larger.add(8, (shapes[0], shapes[0]))  # two pods: never passed over
+    got = {i: sorted(larger.of(i).tolist()) if larger.of(i) is not None else None for i in range(9)}
+    assert got == {0: [1, 7], 1: [7], 2: [7], 3: [6], 4: None, 5: None, 6: None, 7: None, 8: None}
 
 
 def test_other_changes_to_the_list_are_refused() -> None:
