@@ -107,6 +107,27 @@ class NodeArrays:
             self.ok_frac[i, j] = g.healthy and g.sharing == "fractional"
         self.gpu_count[i] = sum(1 for g in node.gpus if g.sharing in ("whole", "fractional"))
 
+    _ROW_STATE = ("cpu", "mem", "share", "milli", "gmem_free", "gmem_total", "ok_whole", "ok_frac",
+                  "gpu_count", "version", "_agg_stale")  # fmt: skip
+    _AGGREGATES = ("cnt", "sum_ge", "copies", "total", "frag", "fill")
+
+    def rows_state(self, rows: IntArray) -> dict[str, np.ndarray]:
+        """Everything a row holds of its node's state, for these rows (copies; aggregates fresh), with
+        set_rows_state the way to put a state seen before back on a row without loading it again."""
+        self._fresh_aggregates()
+        fields = self._ROW_STATE + (self._AGGREGATES if self.workload is not None else ())
+        return {f: getattr(self, f)[rows] for f in fields}
+
+    def set_rows_state(
+        self, rows: IntArray, state: dict[str, np.ndarray], nodes: Sequence[NodeState]
+    ) -> None:
+        """Put back states taken by rows_state (version included: the same state keeps its version, and
+        so its cached scores); `nodes` are those states as NodeState."""
+        for f, values in state.items():
+            getattr(self, f)[rows] = values
+        for i, node in zip(rows.tolist(), nodes, strict=True):
+            self._templates[i] = node
+
     def replace_node(self, node: NodeState) -> None:
         """Put a new state for a known node (same name and GPUs); its cached scores go stale."""
         i = self._index[node.name]

@@ -15,7 +15,7 @@ API (all deterministic for a given seed):
   bumps .epoch.
 - .held(job_name) / .amounts(job, plan) -> Amounts: what a job holds (gpu, gpu_memory, gpu/<model>);
   .plan_of(job_name), .job_of(job_name), .jobs, `name in cap`.
-- .free_gpu(), .footprint(name), .free_by_row(), .show_without(gone, rows): per-node views for
+- .free_gpu(), .footprint(name), .free_by_row(), .show_without(gone, rows, real): per-node views for
   the engine's and backfill's shortcuts (nodeview.py).
 - .free() / .capacity() -> Amounts; .fits_empty(job): could it ever fit (on the initial cluster).
 - .epoch: changes with every release (and only then): a job that failed to plan at the same
@@ -47,7 +47,7 @@ from gpunode.cluster.queueing.energy import DEFAULT_POWER, GpuActivity, PowerMod
 from gpunode.cluster.queueing.freed import FreedLog
 from gpunode.cluster.queueing.model import GPU, GPU_MEMORY, Amounts, Job, Plan, PodPlacement, model_key
 from gpunode.cluster.queueing.nodetable import Allocation, VersionedArrays, rebuild
-from gpunode.cluster.queueing.nodeview import NodeView
+from gpunode.cluster.queueing.nodeview import NodeView, ShownStates
 from gpunode.errors import InvalidRequest, InvalidState
 from gpunode.placement.arrays import BoolArray, FloatArray, IntArray
 from gpunode.placement.batch import BATCH_POLICIES
@@ -62,6 +62,7 @@ class _Held:
     plan: Plan
     rows: tuple[int, ...]
     amounts: Amounts
+    footprint: tuple[tuple[int, int, int, int], ...]  # NodeView.footprint
 
 
 @dataclass
@@ -73,6 +74,7 @@ class _Shared:
     masks: dict[frozenset[str], BoolArray] = field(default_factory=dict)
     fits_empty: dict[tuple[Request, ...], bool] = field(default_factory=dict)
     empty: ClusterCapacity | None = None
+    shown: ShownStates = field(default_factory=ShownStates)
 
 
 class ClusterCapacity(NodeView):
@@ -334,7 +336,18 @@ class ClusterCapacity(NodeView):
         for request, pod, (row, _) in zip(job.pods, plan.pods, undo, strict=True):
             self._alloc[row] = (*self._alloc.get(row, ()), Allocation(job_name, request, pod.gpus))
         rows = tuple(dict.fromkeys(row for row, _ in undo))
-        self._jobs[job_name] = _Held(job=job, plan=plan, rows=rows, amounts=self.amounts(job, plan))
+        footprint = tuple(
+            (
+                row,
+                q.gpu_milli if q.kind == "fraction" else MILLI_PER_GPU * len(pod.gpus),
+                q.cpu_milli,
+                q.memory_bytes,
+            )
+            for q, pod, (row, _) in zip(job.pods, plan.pods, undo, strict=True)
+        )
+        self._jobs[job_name] = _Held(
+            job=job, plan=plan, rows=rows, amounts=self.amounts(job, plan), footprint=footprint
+        )
 
     def release(self, job_name: str) -> None:
         """Undo the job's commit exactly: each of its nodes is rebuilt from its initial state."""

@@ -130,6 +130,7 @@ class FastSearch(Search):
     def __init__(self, cap: ClusterCapacity, head: Job, groups: Groups, exclude: frozenset[str]) -> None:
         super().__init__(cap.fork(books=False), head, groups, exclude)  # only planned on
         self.now_free = cap.free_by_row()  # the real state: the fork's rows change as trials show them
+        self.real = cap.row_versions()
         self.needs = {(q.gpus * 1000 + q.gpu_milli, q.cpu_milli, q.memory_bytes) for q in head.pods}
         self.gone: set[str] = set()  # the jobs of the first `pos` groups
         self.freed: dict[int, list[int]] = {}  # row -> [milli-GPU, CPU, memory, pods] those jobs free on it
@@ -170,7 +171,7 @@ class FastSearch(Search):
                 shown[row] = 0  # shown from now on, at its state after each trial's releases
         changed = [row for row, n in shown.items() if n != (freed[row][3] if row in freed else 0)]
         if changed:
-            self.cap.show_without(self.gone, changed)
+            self.cap.show_without(self.gone, changed, self.real)
             for row in changed:
                 shown[row] = freed[row][3] if row in freed else 0
         return self.cap.plan(self.head, exclude_nodes=self.exclude)

@@ -264,31 +264,34 @@ def preemption_for(sched: Scheduler, p: Pending, now: float) -> tuple[Victims, d
             lower and (q == leaf or not within) and lowest is not None and lowest < priority
         ):
             queues.append(q)
-    for r in (r for q in queues for r in sched.running_in(q)):
-        job = r.job
-        if not job.preemptible or r.notice_deadline is not None or now - r.start < min_runtime:
+    for q in queues:  # the hot loop (every running job of those leaves): reasons only for the candidates
+        by_reclaim = reclaimable[q]
+        if not by_reclaim and not (lower and (q == leaf or not within)):
             continue
-        q = job.queue
-        if reclaimable[q]:
-            reasons[job.name] = "reclaim"
-        elif lower and job.priority < priority and (q == leaf or not within):
-            reasons[job.name] = "priority"
-        else:
-            continue
-        quiet = (
-            idle_first
-            and r.idle_since is not None
-            and now - r.idle_since >= idle_minimum
-            and (r.borrowed or job.priority < priority)  # best-effort for this preemptor
-        )
-        if quiet:
-            reasons[job.name] = "idle"
-            idle.add(job.name)
-        since = r.start if r.last_checkpoint is None else max(r.start, r.last_checkpoint)
-        keyed.append((not quiet, (now - since) * r.usage.get(GPU, 0), len(job.pods), job.name, r))
+        for r in sched.running_in(q):
+            job = r.job
+            if not job.preemptible or r.notice_deadline is not None or now - r.start < min_runtime:
+                continue
+            if not by_reclaim and not job.priority < priority:
+                continue
+            quiet = (
+                idle_first
+                and r.idle_since is not None
+                and now - r.idle_since >= idle_minimum
+                and (r.borrowed or job.priority < priority)  # best-effort for this preemptor
+            )
+            since = r.start if r.last_checkpoint is None else max(r.start, r.last_checkpoint)
+            keyed.append((not quiet, (now - since) * r.usage.get(GPU, 0), len(job.pods), job.name, r))
     if not keyed:
         return None
-    candidates = [item[4] for item in heapq.nsmallest(MAX_CANDIDATES, keyed, key=lambda item: item[:4])]
+    chosen = heapq.nsmallest(MAX_CANDIDATES, keyed, key=lambda item: item[:4])
+    candidates = [item[4] for item in chosen]
+    for busy, _, _, name, r in chosen:
+        if not busy:
+            reasons[name] = "idle"
+            idle.add(name)
+        else:
+            reasons[name] = "reclaim" if reclaimable[r.job.queue] else "priority"
     victims = choose_victims(
         p.job,
         p.demand,
