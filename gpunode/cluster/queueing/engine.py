@@ -51,7 +51,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from gpunode.cluster.queueing.admit import Admit, Larger
 from gpunode.cluster.queueing.adoption import Adoption
@@ -59,6 +59,7 @@ from gpunode.cluster.queueing.backfill import Reservation
 from gpunode.cluster.queueing.capacity import ClusterCapacity
 from gpunode.cluster.queueing.config import QueueConfig
 from gpunode.cluster.queueing.fairshare import UsageLedger
+from gpunode.cluster.queueing.lostwork import LostWork
 from gpunode.cluster.queueing.model import (
     GPU,
     GPU_MEMORY,
@@ -118,6 +119,7 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
         self._fail_marks: dict[tuple[int, frozenset[str]], tuple[object, int]] = {}
         self._preempt_failed: dict[str, tuple[int, int, float, float]] = {}
         self._by_queue: dict[str, dict[str, RunningJob]] = {q: {} for q in config.leaves}
+        self._lost = LostWork()  # the running jobs by lost work, for the victim search (preempt.py)
         self._priorities: dict[str, dict[int, int]] = {
             q: {} for q in config.leaves
         }  # running jobs' priorities
@@ -172,7 +174,9 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
         """A running job saved its state at t."""
         r = self.running.get(name)
         if r is not None:
+            self._lost.remove(name)
             r.last_checkpoint = t
+            self._lost.add(r)
 
     @property
     def pending_count(self) -> int:
@@ -190,6 +194,10 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
     def running_in(self, queue: str) -> Iterable[RunningJob]:
         """The running jobs of one leaf queue."""
         return self._by_queue[queue].values()
+
+    def by_lost_work(self, queues: Iterable[str], now: float) -> Iterator[tuple[float, int, str]]:
+        """(lost work, pods, name) of the running jobs of these leaves, least lost work first (lostwork.py)."""
+        return self._lost.in_order(queues, now)
 
     def lowest_priority(self, queue: str) -> int | None:
         """The lowest priority among the leaf's running jobs (None: it runs none)."""
@@ -370,6 +378,7 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
             job=job, start=now, plan=plan, usage=amounts, borrowed=borrowed
         )
         self._by_queue[job.queue][job.name] = r
+        self._lost.add(r)
         bisect.insort(self._ends, (r.expected_end(self.default_runtime_s), job.name))
         count = self._priorities[job.queue]
         count[job.priority] = count.get(job.priority, 0) + 1
@@ -383,6 +392,7 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
     def _stop(self, name: str) -> RunningJob:
         r = self.running.pop(name)
         del self._by_queue[r.job.queue][name]
+        self._lost.remove(name)
         del self._ends[bisect.bisect_left(self._ends, (r.expected_end(self.default_runtime_s), name))]
         count = self._priorities[r.job.queue]
         count[r.job.priority] -= 1

@@ -26,7 +26,7 @@ Nothing here changes the cluster: every what-if runs inside ClusterCapacity.tria
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -264,24 +264,30 @@ def preemption_for(sched: Scheduler, p: Pending, now: float) -> tuple[Victims, d
             lower and (q == leaf or not within) and lowest is not None and lowest < priority
         ):
             queues.append(q)
-    for q in queues:  # the hot loop (every running job of those leaves): reasons only for the candidates
-        by_reclaim = reclaimable[q]
-        if not by_reclaim and not (lower and (q == leaf or not within)):
+    if idle_first:  # quiet candidates go first, whatever their lost work: look at every running job
+        found: Iterable[tuple[float, int, str]] = (
+            (0.0, 0, r.job.name) for q in queues for r in sched.running_in(q)
+        )
+    else:  # least lost work first (lostwork.py): only as many as make MAX_CANDIDATES
+        found = sched.by_lost_work(queues, now)
+    running = sched.running
+    for _, _, name in found:
+        r = running[name]
+        job = r.job
+        if not job.preemptible or r.notice_deadline is not None or now - r.start < min_runtime:
             continue
-        for r in sched.running_in(q):
-            job = r.job
-            if not job.preemptible or r.notice_deadline is not None or now - r.start < min_runtime:
-                continue
-            if not by_reclaim and not job.priority < priority:
-                continue
-            quiet = (
-                idle_first
-                and r.idle_since is not None
-                and now - r.idle_since >= idle_minimum
-                and (r.borrowed or job.priority < priority)  # best-effort for this preemptor
-            )
-            since = r.start if r.last_checkpoint is None else max(r.start, r.last_checkpoint)
-            keyed.append((not quiet, (now - since) * r.usage.get(GPU, 0), len(job.pods), job.name, r))
+        if not reclaimable[job.queue] and not job.priority < priority:
+            continue
+        quiet = (
+            idle_first
+            and r.idle_since is not None
+            and now - r.idle_since >= idle_minimum
+            and (r.borrowed or job.priority < priority)  # best-effort for this preemptor
+        )
+        since = r.start if r.last_checkpoint is None else max(r.start, r.last_checkpoint)
+        keyed.append((not quiet, (now - since) * r.usage.get(GPU, 0), len(job.pods), job.name, r))
+        if not idle_first and len(keyed) == MAX_CANDIDATES:
+            break
     if not keyed:
         return None
     chosen = heapq.nsmallest(MAX_CANDIDATES, keyed, key=lambda item: item[:4])
