@@ -94,6 +94,8 @@ class Reasons:
         res = sched.reservation
         if res is not None and res[0] != job.name and exclude & res[1].nodes:
             behind = f"; it may not delay {res[0]}, reserved from {_t(res[1].start)}"
+        if job.gang and not sched.report_waiting:  # nobody reads how many members fit (the time simulator)
+            return f"gang of {len(job.pods)}: not every member fits now{behind}"
         if job.gang:
             fit = self._members_fitting(p, exclude)
             fits = {0: "no member fits now", 1: "only 1 member fits"}.get(fit, f"only {fit} members fit")
