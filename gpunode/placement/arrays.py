@@ -130,14 +130,10 @@ class NodeArrays:
 
     def replace_node(self, node: NodeState) -> None:
         """Put a new state for a known node (same name and GPUs); its cached scores go stale."""
-        i = self._index[node.name]
-        self._load_row(i, node)
-        self._templates[i] = node
-        self.version[i] += 1
-        self._agg_stale[i] = True
+        self.replace_nodes((node,))
 
     def replace_nodes(self, nodes: Sequence[NodeState]) -> None:
-        """replace_node for several distinct nodes, their aggregates refreshed in one vectorised pass."""
+        """replace_node for several distinct nodes (their aggregates are refreshed at the next scoring)."""
         rows = [self._index[node.name] for node in nodes]
         for i, node in zip(rows, nodes, strict=True):
             self._load_row(i, node)

@@ -164,7 +164,10 @@ class ClusterCapacity(NodeView):
             for row in states:
                 self._journal.setdefault(row, self._arrays.node_state(row))
         self._arrays.replace_nodes(list(states.values()))
-        rows = np.fromiter(states, dtype=np.int64, count=len(states))
+        self._mark_use(np.fromiter(states, dtype=np.int64, count=len(states)))
+
+    def _mark_use(self, rows: IntArray) -> None:
+        """Bring the busy GPUs of these rows (energy) in line with their node state."""
         self._used[rows] = self._used_rows(rows)
         self._busy[rows] = self._used[rows].sum(axis=1)
 

@@ -35,12 +35,9 @@ class VersionedArrays(ClusterArrays):
         super().__init__(nodes, workload=workload)
         self._stamps = stamps
 
-    def replace_node(self, node: NodeState) -> None:
-        """As ClusterArrays.replace_node, with a version no other state of the node has had."""
-        self.replace_nodes((node,))
-
     def replace_nodes(self, nodes: Sequence[NodeState]) -> None:
-        """As ClusterArrays.replace_nodes, with versions no other state of the nodes has had."""
+        """As ClusterArrays.replace_nodes (and so replace_node), with versions no other state of the nodes
+        has had."""
         super().replace_nodes(nodes)
         for node in nodes:
             self.version[self._index[node.name]] = next(self._stamps)

@@ -30,11 +30,9 @@ class NodeView:
         _base: tuple[NodeState, ...]
         _jobs: dict[str, _Held]
         _usable: BoolArray
-        _used: BoolArray
-        _busy: IntArray
         _shared: _Shared
 
-        def _used_rows(self, rows: IntArray) -> BoolArray: ...
+        def _mark_use(self, rows: IntArray) -> None: ...
 
         def _mask(self, exclude: frozenset[str]) -> BoolArray | None: ...
         def _set_rows(self, states: dict[int, NodeState]) -> None: ...
@@ -89,8 +87,7 @@ class NodeView:
         if hits:
             old = np.array(hits, dtype=np.int64)
             self._arrays.set_rows_state(old, *table.take(at))
-            self._used[old] = self._used_rows(old)
-            self._busy[old] = self._used[old].sum(axis=1)
+            self._mark_use(old)
 
 
 class ShownStates:
