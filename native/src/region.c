@@ -273,6 +273,18 @@ static int open_usage_fd(struct gpunode_memcap_region *r, int writable, struct s
         close(fd);
         return -1;
     }
+    if (fd <= STDERR_FILENO) {
+        /* The program started with a standard stream closed: keep that number free for it (a later
+         * open of /dev/null must land there, and a write to it must not reach the usage file). */
+        int high = fcntl(fd, F_DUPFD_CLOEXEC, STDERR_FILENO + 1);
+        int saved = errno;
+        close(fd);
+        if (high < 0) {
+            r->last_errno = saved;
+            return -1;
+        }
+        fd = high;
+    }
     return fd;
 }
 

@@ -24,7 +24,9 @@
 struct gn_hot gn_hot __attribute__((aligned(64)));
 struct gn_entry gn_table[GN_TABLE_SIZE] __attribute__((aligned(4096)));
 
-static struct gpunode_memcap_region gn_region;
+/* usage_fd starts at -1: a zeroed struct would name fd 0, and the first open (which closes the
+ * region first) would close the program's stdin. */
+static struct gpunode_memcap_region gn_region = {.usage_fd = -1};
 static pthread_mutex_t gn_lock = PTHREAD_MUTEX_INITIALIZER;
 static int gn_slot_index = -1;
 static int gn_fail_open_flag; /* the limit file's fail-open flag */

@@ -4,6 +4,7 @@ forked child is accounted on its own, and multi-GPU regions cap each GPU."""
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import signal
@@ -84,6 +85,49 @@ def test_sigkilled_process_usage_is_reclaimed_by_the_next_process(
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert memcap.read_usage(region).used_bytes == 0
+
+
+def _fd_targets(pid: int) -> dict[int, str]:
+    fds = Path(f"/proc/{pid}/fd")
+    return {int(fd.name): os.readlink(fd) for fd in fds.iterdir()}
+
+
+@pytest.mark.parametrize("stdin", ["pipe", "closed"])
+def test_the_program_keeps_its_standard_streams(
+    native_build: NativeBuild, region: memcap.Region, stdin: str
+) -> None:
+    """The usage file never takes or closes fd 0-2. A program's stdin once became the usage file: the
+    first region open closed fd 0 (a zeroed descriptor), so reading stdin read the region and closing
+    it dropped the process's slot lock (its live usage then looked reclaimable)."""
+    argv = snippet(native_build, "direct", "hold", 64 * MIB)
+    if stdin == "closed":  # started with no stdin: the number must stay free for the program
+        argv = ["/bin/sh", "-c", 'exec "$@" 0<&-', "sh", *argv]
+    proc = subprocess.Popen(
+        argv,
+        env=interposer_env(native_build, region.path),
+        stdin=subprocess.PIPE if stdin == "pipe" else None,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.strip() == "ready", line + (proc.stderr.read() if proc.stderr else "")
+        fds = _fd_targets(proc.pid)
+        usage = str(region.path / "usage")
+        assert [fd for fd, target in fds.items() if target == usage] != []
+        assert all(fd > 2 for fd, target in fds.items() if target == usage), fds
+        if stdin == "pipe":
+            assert fds[0].startswith("pipe:"), fds
+        else:
+            assert 0 not in fds, fds
+        assert fds[1].startswith("pipe:") and fds[2].startswith("pipe:"), fds
+        assert memcap.reclaim_dead(region) == 0
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        kill(proc)
 
 
 def test_a_live_neighbour_is_not_reclaimed(native_build: NativeBuild, region: memcap.Region) -> None:
