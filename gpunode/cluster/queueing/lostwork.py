@@ -30,8 +30,7 @@ class LostWork:
         """A job started (or checkpointed: call remove first)."""
         job = r.job
         held = r.usage.get(GPU, 0)
-        since = r.start if r.last_checkpoint is None else max(r.start, r.last_checkpoint)
-        key = (-since if held else 0.0, len(job.pods), job.name)
+        key = (-r.since if held else 0.0, len(job.pods), job.name)
         bisect.insort(self._lists.setdefault(job.queue, {}).setdefault(held, []), key)
         self._where[job.name] = (job.queue, held, key)
 

@@ -136,10 +136,14 @@ class RunningJob:
         estimate = self.job.runtime_estimate
         return self.start + (default_runtime if estimate is None else estimate)
 
+    @property
+    def since(self) -> float:
+        """What a stop would lose the work since: its last checkpoint, or its start."""
+        return self.start if self.last_checkpoint is None else max(self.start, self.last_checkpoint)
+
     def lost_work(self, now: float) -> float:
         """GPU-seconds lost if it is stopped now: since the last checkpoint, or since the start."""
-        since = max(self.start, self.last_checkpoint or self.start)
-        return max(0.0, now - since) * self.job.gpu_milli / MILLI_PER_GPU
+        return max(0.0, now - self.since) * self.job.gpu_milli / MILLI_PER_GPU
 
 
 @dataclass(frozen=True)

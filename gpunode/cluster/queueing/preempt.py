@@ -264,14 +264,17 @@ def preemption_for(sched: Scheduler, p: Pending, now: float) -> tuple[Victims, d
             lower and (q == leaf or not within) and lowest is not None and lowest < priority
         ):
             queues.append(q)
+    # (lost work, pods, name): (now - since) x milli-GPU held, the order the candidates are taken in
     if idle_first:  # quiet candidates go first, whatever their lost work: look at every running job
         found: Iterable[tuple[float, int, str]] = (
-            (0.0, 0, r.job.name) for q in queues for r in sched.running_in(q)
+            ((now - r.since) * r.usage.get(GPU, 0), len(r.job.pods), r.job.name)
+            for q in queues
+            for r in sched.running_in(q)
         )
     else:  # least lost work first (lostwork.py): only as many as make MAX_CANDIDATES
         found = sched.by_lost_work(queues, now)
     running = sched.running
-    for _, _, name in found:
+    for lost, pods, name in found:
         r = running[name]
         job = r.job
         if not job.preemptible or r.notice_deadline is not None or now - r.start < min_runtime:
@@ -284,8 +287,7 @@ def preemption_for(sched: Scheduler, p: Pending, now: float) -> tuple[Victims, d
             and now - r.idle_since >= idle_minimum
             and (r.borrowed or job.priority < priority)  # best-effort for this preemptor
         )
-        since = r.start if r.last_checkpoint is None else max(r.start, r.last_checkpoint)
-        keyed.append((not quiet, (now - since) * r.usage.get(GPU, 0), len(job.pods), job.name, r))
+        keyed.append((not quiet, lost, pods, name, r))
         if not idle_first and len(keyed) == MAX_CANDIDATES:
             break
     if not keyed:
