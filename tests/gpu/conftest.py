@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,3 +25,9 @@ def nvml() -> Iterator[NvmlBackend]:
     backend = NvmlBackend(probe_timeout_s=10.0)
     yield backend
     backend.close()
+
+
+def torch_with_cuda() -> bool:
+    """Whether this Python's PyTorch sees a CUDA device (asked in a subprocess, so nothing is loaded here)."""
+    probe = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True, check=False).returncode == 0

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpunode.errors import BackendUnavailable
 from gpunode.node.agent import Agent
@@ -29,7 +29,7 @@ from gpunode.node.kubelet.podresources import ContainerDevices
 from tests.agentrunner import RunningAgent, make_config
 from tests.fakes.kubelet import KubeletStandIn
 from tests.fakes.podresources import PodResourcesStandIn
-from tests.gpu.test_interposer_gpu import _torch_with_cuda
+from tests.gpu.conftest import torch_with_cuda
 from tests.ports import free_port
 
 MEM = "gpunode.io/gpu-memory"
@@ -56,14 +56,16 @@ def _host(mounts: Any, container_path: str) -> str:
     return next(m.host_path for m in mounts if m.container_path == container_path)
 
 
+def _series(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample of name in an exposition."""
+    return [
+        (s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples if s.name == name
+    ]
+
+
 def _sample(text: str, name: str, **labels: str) -> float | None:
     """The value of the first series of name whose labels include labels, or None."""
-    for line in text.splitlines():
-        if not line.startswith(name + "{"):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return None
+    return next((v for have, v in _series(text, name) if labels.items() <= have.items()), None)
 
 
 def _scrape(port: int) -> str:
@@ -72,7 +74,7 @@ def _scrape(port: int) -> str:
 
 
 def test_a_fractional_container_is_capped_and_attributed(sockdir: Path, kubelet: KubeletStandIn) -> None:
-    if not _torch_with_cuda():
+    if not torch_with_cuda():
         pytest.skip("PyTorch with CUDA is not installed")
     try:
         backend = NvmlBackend(probe_timeout_s=10.0)
@@ -143,7 +145,7 @@ def test_a_fractional_container_is_capped_and_attributed(sockdir: Path, kubelet:
             ]
             assert fb_used is not None and fb_used >= 3 * GIB / MIB, "\n".join(own)
             # The framebuffer series of a shared GPU carries no pod: several containers hold it.
-            assert not re.search(r'DCGM_FI_DEV_FB_USED\{[^}]*pod="trainer-0"', text)
+            assert all(have.get("pod") != "trainer-0" for have, _ in _series(text, "DCGM_FI_DEV_FB_USED"))
         finally:
             if proc.stdin is not None:
                 proc.stdin.close()

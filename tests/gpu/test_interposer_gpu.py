@@ -18,6 +18,7 @@ import pytest
 from gpunode.errors import BackendUnavailable
 from gpunode.node import memcap
 from gpunode.node.devices.nvml.backend import NvmlBackend
+from tests.gpu.conftest import torch_with_cuda
 
 GIB = 1 << 30
 CAP_BYTES = 4 * GIB
@@ -39,11 +40,6 @@ except torch.cuda.OutOfMemoryError:
 result["total_after"] = torch.cuda.mem_get_info(0)[1]
 print(json.dumps(result))
 """
-
-
-def _torch_with_cuda() -> bool:
-    probe = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
-    return subprocess.run([sys.executable, "-c", probe], capture_output=True, check=False).returncode == 0
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +83,7 @@ def _capped_env(region: memcap.Region, gpu_uuid: str) -> dict[str, str]:
 
 
 def test_pytorch_is_capped_at_4_gib(gpu_region: tuple[memcap.Region, str]) -> None:
-    if not _torch_with_cuda():
+    if not torch_with_cuda():
         pytest.skip("PyTorch with CUDA is not installed")
     region, uuid = gpu_region
     proc = subprocess.run(
