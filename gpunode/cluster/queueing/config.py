@@ -95,6 +95,10 @@ class PreemptionSettings:
     priority: bool = True
     idle_first: bool = False  # take idle best-effort victims first (preempt.py)
     idle_minimum_s: float = 0.0  # how long a job must have been flagged idle before that counts
+    # reclaim towards the fair share (preempt.py): from queues holding more than share_above x their
+    # fair share, for a job of a queue below its own that has waited share_after_s; None: off
+    share_above: float | None = None
+    share_after_s: float = 3600.0
 
 
 @dataclass(frozen=True)
@@ -205,6 +209,7 @@ def parse_queue_config(data: object, where: str) -> QueueConfig:
     )
     fair.finish()
     pre = top.section("preemption")
+    share_above, share_after_s = _share_reclaim(pre)
     preemption = PreemptionSettings(
         notice_s=pre.duration("notice", 300.0),
         min_runtime_s=pre.duration("minRuntime", 600.0),
@@ -212,6 +217,8 @@ def parse_queue_config(data: object, where: str) -> QueueConfig:
         priority=pre.flag("priority", True),
         idle_first=pre.flag("idleFirst", False),
         idle_minimum_s=pre.duration("idleMinimum", 0.0),
+        share_above=share_above,
+        share_after_s=share_after_s,
     )
     pre.finish()
     back = top.section("backfill")
@@ -242,6 +249,17 @@ def parse_queue_config(data: object, where: str) -> QueueConfig:
         placement_policy=policy,
         namespaces=namespaces,
     )
+
+
+def _share_reclaim(pre: SectionReader) -> tuple[float | None, float]:
+    """preemption.shareReclaim: (above: a multiple of the fair share, after: a wait); absent: (None, 1h)."""
+    if not pre.has("shareReclaim"):
+        return None, 3600.0
+    sec = pre.section("shareReclaim")
+    above = sec.number("above", 1.25, minimum=1, maximum=100)
+    after = sec.duration("after", 3600.0)
+    sec.finish()
+    return above, after
 
 
 def _positive_duration(reader: SectionReader, key: str, default: float) -> float:

@@ -138,6 +138,12 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
         self.notice_s = pre.notice_s if preset.notice_s is None else preset.notice_s
         self.min_runtime_s = pre.min_runtime_s if preset.min_runtime_s is None else preset.min_runtime_s
         self.reclaim = preset.reclaim and pre.reclaim
+        # reclaim towards the fair share: (above, after_s) of preempt.preemption_for, or None
+        self.share_reclaim: tuple[float, float] | None = None
+        if self.reclaim and preset.share_reclaim == "always":
+            self.share_reclaim = (1.0, 0.0)
+        elif self.reclaim and preset.share_reclaim == "configured" and pre.share_above is not None:
+            self.share_reclaim = (pre.share_above, pre.share_after_s)
         self.priority_preemption = preset.priority_preemption and pre.priority
         self.idle_first, self.idle_minimum_s = pre.idle_first, pre.idle_minimum_s
         self.backfill = preset.backfill and config.backfill.enabled

@@ -229,8 +229,9 @@ def preemption_for(sched: Scheduler, p: Pending, now: float) -> tuple[Victims, d
     (QuotaBook.may_reclaim: where the two chains part, p's side stays within its
     guarantee after admitting p and the other side borrows; so siblings under one
     parent reclaim from each other even when the parent itself holds more than its
-    guarantee) and, with reclaim_fair_share, of queues above their fair share
-    while p's stays within its own. priority:
+    guarantee) and, with the scheduler's share_reclaim (above, after), of queues holding
+    more than `above` x their fair share, when p's queue stays within its own fair share
+    after admitting p and p has waited at least `after` seconds. priority:
     candidates are jobs of strictly lower priority (only p's own queue when the
     preset says so). choose_victims then keeps every queue at or above its guarantee.
     With idle_first, the idle best-effort candidates go first (reason "idle"; module docstring).
@@ -239,11 +240,14 @@ def preemption_for(sched: Scheduler, p: Pending, now: float) -> tuple[Victims, d
     book = sched.book
     reclaim = sched.reclaim and book.mode != "none"
     over_share: set[str] = set()
-    if sched.reclaim and sched.preset.reclaim_fair_share and sched.shares:
-        share = sched.shares.get(leaf, {}).get(GPU, 0)
-        if book.allocated[leaf].get(GPU, 0) + p.demand.get(GPU, 0) <= share:
+    share_reclaim = sched.share_reclaim
+    if share_reclaim is not None and sched.shares and now - p.since >= share_reclaim[1]:
+        above, shares = share_reclaim[0], sched.shares
+        if book.allocated[leaf].get(GPU, 0) + p.demand.get(GPU, 0) <= shares.get(leaf, {}).get(GPU, 0):
             over_share = {
-                q for q in sched.config.leaves if book.allocated[q].get(GPU, 0) > sched.shares[q].get(GPU, 0)
+                q
+                for q in sched.config.leaves
+                if book.allocated[q].get(GPU, 0) > above * shares[q].get(GPU, 0)
             }
     reasons: dict[str, str] = {}
     keyed: list[tuple[bool, float, int, str, RunningJob]] = []

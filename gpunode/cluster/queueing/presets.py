@@ -43,8 +43,11 @@ class Preset:
     gang: all-or-nothing admission; off: pods are placed one by one as they fit.
     head_blocks: StrictFIFO: a queue's head that cannot be admitted blocks its queue.
     backfill: EASY backfill around a reservation for the head of line.
-    reclaim / reclaim_fair_share: preempt borrowed work for a queue below its
-    guarantee / below its fair share (from queues above theirs).
+    reclaim: preempt borrowed work for a queue below its guarantee.
+    share_reclaim: reclaim towards the fair share, for a queue below its fair share from
+    queues above theirs: "off", "always" (KAI's rule: any queue above its share, at once) or
+    "configured" (preemption.shareReclaim of the queue configuration: queues above a multiple
+    of their share, for a job that has waited; off when the configuration has none).
     priority_preemption: preempt strictly lower-priority jobs.
     within_queue_only: priority preemption only inside the preemptor's own queue.
     notice_s / min_runtime_s: overrides of the configured notice period and
@@ -60,7 +63,7 @@ class Preset:
     head_blocks: bool
     backfill: bool
     reclaim: bool
-    reclaim_fair_share: bool
+    share_reclaim: str
     priority_preemption: bool
     within_queue_only: bool = False
     notice_s: float | None = None
@@ -78,7 +81,7 @@ GPUNODE = Preset(
     head_blocks=False,
     backfill=True,
     reclaim=True,
-    reclaim_fair_share=False,
+    share_reclaim="configured",
     priority_preemption=True,
     energy=True,
     description="hierarchical quotas with borrowing and reclaim, time-based fair share and DRF, gangs, "
@@ -93,7 +96,7 @@ KUBE = Preset(
     head_blocks=False,
     backfill=False,
     reclaim=False,
-    reclaim_fair_share=False,
+    share_reclaim="off",
     priority_preemption=True,
     notice_s=POD_GRACE_S,
     min_runtime_s=0.0,
@@ -109,7 +112,7 @@ KUEUE_STRICT = Preset(
     head_blocks=True,
     backfill=False,
     reclaim=True,
-    reclaim_fair_share=False,
+    share_reclaim="off",
     priority_preemption=True,
     within_queue_only=True,
     notice_s=POD_GRACE_S,
@@ -132,7 +135,7 @@ KAI = Preset(
     head_blocks=False,
     backfill=False,
     reclaim=True,
-    reclaim_fair_share=True,
+    share_reclaim="always",
     priority_preemption=True,
     notice_s=POD_GRACE_S,
     min_runtime_s=0.0,

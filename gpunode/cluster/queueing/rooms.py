@@ -83,6 +83,7 @@ class Rooms:
         running: dict[str, RunningJob]
         reasons: Reasons
         reclaim: bool
+        share_reclaim: tuple[float, float] | None
         priority_preemption: bool
         backfill: bool
         notice_s: float
@@ -125,14 +126,18 @@ class Rooms:
             return False
         stamp = (self.cap.epoch, self._version)
         failed = self._preempt_failed.get(p.job.name)
-        # The same search fails again until the cluster changes or a running job passes its minimum runtime;
-        # after a failure the job searches again PREEMPT_RETRY_S later at the soonest.
+        # The same search fails again until the cluster changes, a running job passes its minimum runtime
+        # or p has waited long enough to reclaim towards its fair share; after a failure the job searches
+        # again PREEMPT_RETRY_S later at the soonest.
         if failed is not None and (now < failed[3] or (failed[:2] == stamp and now < failed[2])):
             return False
         self._searches_left -= 1
         chosen = preemption_for(cast("Scheduler", self), p, now)
         if chosen is None:
-            self._preempt_failed[p.job.name] = (*stamp, self._youngest_ripens(now), now + PREEMPT_RETRY_S)
+            ripens = self._youngest_ripens(now)
+            if self.share_reclaim is not None and p.since + self.share_reclaim[1] > now:
+                ripens = min(ripens, p.since + self.share_reclaim[1])
+            self._preempt_failed[p.job.name] = (*stamp, ripens, now + PREEMPT_RETRY_S)
             return False
         victims, reasons = chosen
         deadline = now + self.notice_s

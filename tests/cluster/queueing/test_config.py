@@ -325,6 +325,21 @@ MISTAKES: list[tuple[str, dict[str, Any], str]] = [
         "q.yaml: preemption.idleMinimum: expected a duration such as 500ms, 30s or 5m, got 'soon'",
     ),
     (
+        "share-reclaim-below-the-share",
+        {**base(), "preemption": {"shareReclaim": {"above": 0.5}}},
+        "q.yaml: preemption.shareReclaim.above: expected a 1..100 number, got 0.5",
+    ),
+    (
+        "share-reclaim-unknown-key",
+        {**base(), "preemption": {"shareReclaim": {"abov": 1.5}}},
+        "q.yaml: preemption.shareReclaim: unknown key abov (did you mean above?)",
+    ),
+    (
+        "share-reclaim-after-not-a-duration",
+        {**base(), "preemption": {"shareReclaim": {"after": "an hour"}}},
+        "q.yaml: preemption.shareReclaim.after: expected a duration such as 500ms, 30s or 5m, got 'an hour'",
+    ),
+    (
         "zero-default-runtime",
         {**base(), "backfill": {"defaultRuntime": "0s"}},
         "q.yaml: backfill.defaultRuntime: expected a duration above 0, got 0",
@@ -407,6 +422,16 @@ def test_idle_first_is_off_by_default_and_read_with_its_minimum() -> None:
     data = {**base(), "preemption": {"idleFirst": True, "idleMinimum": "15m"}}
     pre = parse_queue_config(data, "q.yaml").preemption
     assert (pre.idle_first, pre.idle_minimum_s) == (True, 900.0)
+
+
+def test_share_reclaim_is_off_unless_configured_and_read_with_its_defaults() -> None:
+    pre = parse_queue_config(base(), "q.yaml").preemption
+    assert pre.share_above is None
+    pre = parse_queue_config({**base(), "preemption": {"shareReclaim": {}}}, "q.yaml").preemption
+    assert (pre.share_above, pre.share_after_s) == (1.25, 3600.0)
+    data = {**base(), "preemption": {"shareReclaim": {"above": 2, "after": "30m"}}}
+    pre = parse_queue_config(data, "q.yaml").preemption
+    assert (pre.share_above, pre.share_after_s) == (2.0, 1800.0)
 
 
 def test_namespaces_map_to_leaf_queues() -> None:

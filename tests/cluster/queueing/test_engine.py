@@ -86,6 +86,50 @@ def test_reclaim_gives_the_borrowed_job_its_notice_and_the_room_to_the_owner_at_
     assert alloc["a"]["gpu"] == 8_000 and alloc["b"]["gpu"] == 8_000  # a is back at its guarantee
 
 
+def share_reclaim_cluster(above: float, policy: str = "gpunode") -> Scheduler:
+    """a (weight 3) and b (weight 1), no guarantees, 16 GPUs: b took all of them while a was idle.
+
+    With k = 0 the fair shares go by weight and demand alone: once a asks for 4 GPUs, a's
+    share is 4 and b's 12, so b holds 16 / 12 = 1.33 x its share.
+    """
+    queues = [{"name": "a", "weight": 3}, {"name": "b", "weight": 1}]
+    pre = {"notice": "5m", "minRuntime": "0s", "shareReclaim": {"above": above, "after": "1h"}}
+    s = scheduler(config(queues, preemption=pre, fairShare={"k": 0}), policy=policy)
+    for i in range(16):
+        s.submit(job(f"b{i}", "b", 1, est=100_000.0), 0.0)
+    assert len(s.cycle(0.0).admit) == 16
+    s.submit(job("a0", "a", 4, t=10.0, est=100.0), 10.0)
+    return s
+
+
+def test_share_reclaim_waits_its_time_then_takes_room_from_a_queue_far_above_its_share() -> None:
+    s = share_reclaim_cluster(1.25)
+    for t in (10.0, 1800.0, 3609.0):  # a0 has waited less than the hour
+        d = s.cycle(t)
+        assert d.admit == [] and d.notices == []
+    assert s.shares["a"]["gpu"] == 4_000 and s.shares["b"]["gpu"] == 12_000
+    d = s.cycle(3610.0)
+    assert len(d.notices) == 4
+    assert {n.preemptor for n in d.notices} == {"a0"} and {n.reason for n in d.notices} == {"reclaim"}
+    assert {n.deadline for n in d.notices} == {3910.0}
+    assert names(s.cycle(3910.0).admit) == ["a0"]
+    assert s.allocated_by_queue()["b"]["gpu"] == 12_000  # b is back at its share
+
+
+def test_share_reclaim_leaves_a_queue_within_the_multiple_of_its_share_alone() -> None:
+    s = share_reclaim_cluster(1.5)  # b holds 1.33 x its share: not above 1.5 x
+    for t in (10.0, 3610.0, 7200.0):
+        d = s.cycle(t)
+        assert d.admit == [] and d.notices == []
+
+
+def test_share_reclaim_is_gpunode_s_own_rule_kai_reclaims_at_once_and_kueue_not_at_all() -> None:
+    (n, *_) = share_reclaim_cluster(1.5, policy="kai").cycle(10.0).notices  # KAI: above the share, at once
+    assert (n.preemptor, n.reason) == ("a0", "reclaim")
+    s = share_reclaim_cluster(1.25, policy="kueue-besteffort")
+    assert s.cycle(3610.0).notices == []
+
+
 def test_a_victim_that_stops_early_lets_the_preemptor_start_before_the_deadline() -> None:
     s = borrowed_cluster()
     s.submit(job("b0", "b", 8, t=10.0), 10.0)
