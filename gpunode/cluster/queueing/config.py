@@ -108,6 +108,7 @@ class BackfillSettings:
     enabled: bool = True
     default_runtime_s: float = 3600.0
     reservations: int = 8  # jobs holding a reservation at once: the head of line, then multi-GPU jobs
+    reservations_per_queue: int = 2  # the most of those further reservations the jobs of one leaf hold
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,7 @@ def parse_queue_config(data: object, where: str) -> QueueConfig:
         enabled=back.flag("enabled", True),
         default_runtime_s=_positive_duration(back, "defaultRuntime", 3600.0),
         reservations=back.integer("reservations", 8, minimum=1, maximum=64),
+        reservations_per_queue=back.integer("reservationsPerQueue", 2, minimum=0, maximum=64),
     )
     back.finish()
     gang = top.section("gang")

@@ -149,6 +149,7 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
         self.backfill = preset.backfill and config.backfill.enabled
         self.default_runtime_s = config.backfill.default_runtime_s
         self.reservations_max = config.backfill.reservations
+        self.reservations_per_queue = config.backfill.reservations_per_queue
         self.shares: dict[str, Amounts] = {}
         self._touched: list[Pending] = []
         self.reasons = Reasons(self)

@@ -84,6 +84,7 @@ class Rooms:
         reasons: Reasons
         reclaim: bool
         share_reclaim: tuple[float, float] | None
+        reservations_per_queue: int
         priority_preemption: bool
         backfill: bool
         notice_s: float
@@ -233,6 +234,11 @@ class Rooms:
             or (p.demand.get(GPU, 0) <= MILLI_PER_GPU and len(p.job.pods) == 1)
         ):
             return False
+        if self.reservations_per_queue < self.reservations_max - 1:  # one queue may not take them all
+            queue, pending = p.job.queue, self._pending
+            held = sum(1 for n in self._extra if (o := pending.get(n)) is not None and o.job.queue == queue)
+            if held >= self.reservations_per_queue:
+                return False
         exclude = self._excl_base | self._others(name)
         res = reserve(
             p.job, (), self.cap, now, self.default_runtime_s, exclude, ends=self._ends, fast=self.fast_reserve

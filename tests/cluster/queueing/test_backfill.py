@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -180,18 +182,20 @@ engine_job = st.tuples(
     specs=st.lists(engine_job, min_size=1, max_size=25),
     nodes=st.integers(2, 3),
     reservations=st.sampled_from([1, 2, 4]),
+    per_queue=st.sampled_from([0, 1, 2]),
 )
 def test_with_exact_estimates_every_reserved_job_starts_by_its_reservation(
-    specs: list[tuple[str, int, int, int, int]], nodes: int, reservations: int
+    specs: list[tuple[str, int, int, int, int]], nodes: int, reservations: int, per_queue: int
 ) -> None:
     from tests.cluster.queueing.sched_helpers import config, scheduler
     from tests.cluster.queueing.sched_helpers import job as queued
 
     queues = [{"name": q, "guarantee": {"gpu": 4}} for q in ("a", "b", "c")]
-    cfg = config(queues, backfill={"reservations": reservations},
+    cfg = config(queues, backfill={"reservations": reservations, "reservationsPerQueue": per_queue},
                  preemption={"reclaim": False, "priority": False})  # fmt: skip
     s = scheduler(cfg, nodes=nodes)
     arrivals = sorted((t, f"j{i}", q, g, p, rt) for i, (q, g, p, t, rt) in enumerate(specs))
+    queue_of = {name: q for _, name, q, _, _, _ in arrivals}
     ends: dict[str, float] = {}
     promised: dict[str, float] = {}
     started: dict[str, float] = {}
@@ -211,6 +215,9 @@ def test_with_exact_estimates_every_reserved_job_starts_by_its_reservation(
             ends[a.job.name] = now + (a.job.runtime_estimate or 0.0)
         held = s.reservations
         assert len(held) <= reservations
+        head = s.reservation
+        further = Counter(queue_of[n] for n in held if head is None or n != head[0])
+        assert all(count <= per_queue for count in further.values()), further
         for name, res in held.items():
             promised.setdefault(name, res.start)
         if k == len(arrivals) and not ends:

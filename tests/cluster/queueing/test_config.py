@@ -49,6 +49,7 @@ def test_the_example_file_loads_with_four_teams_weighted_4_3_2_1() -> None:
     assert (cfg.preemption.notice_s, cfg.preemption.min_runtime_s) == (300.0, 600.0)
     assert cfg.backfill.enabled and cfg.backfill.default_runtime_s == 3600.0
     assert cfg.backfill.reservations == 8
+    assert cfg.backfill.reservations_per_queue == 2
     assert cfg.gang_timeout_s == 1800.0 and cfg.energy_weight == 0.0 and cfg.placement_policy == "gpunode"
 
 
@@ -348,6 +349,11 @@ MISTAKES: list[tuple[str, dict[str, Any], str]] = [
         "zero-reservations",
         {**base(), "backfill": {"reservations": 0}},
         "q.yaml: backfill.reservations: expected 1..64, got 0",
+    ),
+    (
+        "negative-reservations-per-queue",
+        {**base(), "backfill": {"reservationsPerQueue": -1}},
+        "q.yaml: backfill.reservationsPerQueue: expected 0..64, got -1",
     ),
     (
         "reservations-not-an-integer",

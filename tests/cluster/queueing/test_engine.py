@@ -243,6 +243,29 @@ def test_a_big_job_behind_another_queues_head_gets_a_reservation_and_starts_on_t
     assert s.reservations == {}
 
 
+@pytest.mark.parametrize(("per_queue", "reserved"), [(1, {"A1", "A2", "B1"}), (7, {"A1", "A2", "A3", "B1"})])
+def test_one_queue_holds_at_most_its_number_of_the_further_reservations(
+    per_queue: int, reserved: set[str]
+) -> None:
+    # c's four long jobs leave 2 GPUs on each of the 4 nodes, free at t=1000, 2000, 3000, 4000. a (walked
+    # first) has four 8-GPU jobs, b one. A1 is the head of line; the further reservations go one per queue
+    # per cycle, so over the cycles a takes node after node unless its number is capped.
+    queues = [{"name": "a", "guarantee": {"gpu": 8}}, {"name": "b", "guarantee": {"gpu": 8}}, {"name": "c"}]
+    backfill = {"reservations": 8, "reservationsPerQueue": per_queue}
+    pre = {"reclaim": False, "priority": False}
+    s = scheduler(config(queues, backfill=backfill, preemption=pre), nodes=4)
+    for i in range(4):
+        s.submit(job(f"L{i}", "c", 6, est=1000.0 * (i + 1)), 0.0)
+    assert len(s.cycle(0.0).admit) == 4
+    for i in range(1, 5):
+        s.submit(job(f"A{i}", "a", 8, t=1.0, est=100.0), 1.0)
+    s.submit(job("B1", "b", 8, t=2.0, est=100.0), 2.0)
+    for t in (2.0, 3.0, 4.0, 5.0):
+        assert s.cycle(t).admit == []
+    assert set(s.reservations) == reserved
+    assert len({n for r in s.reservations.values() for n in r.nodes}) == len(reserved)  # a node each
+
+
 def replay(policy: str, seed: int, n: int = 120) -> list[str]:
     """Drive a scheduler through a random workload; return its decisions as text, checking invariants."""
     rng = np.random.default_rng(seed)
