@@ -23,6 +23,7 @@ what each models and what it leaves out):
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from gpunode.errors import ConfigError
 
@@ -63,7 +64,7 @@ class Preset:
     head_blocks: bool
     backfill: bool
     reclaim: bool
-    share_reclaim: str
+    share_reclaim: Literal["off", "always", "configured"]
     priority_preemption: bool
     within_queue_only: bool = False
     notice_s: float | None = None

@@ -136,8 +136,8 @@ class Rooms:
         chosen = preemption_for(cast("Scheduler", self), p, now)
         if chosen is None:
             ripens = self._youngest_ripens(now)
-            if self.share_reclaim is not None and p.since + self.share_reclaim[1] > now:
-                ripens = min(ripens, p.since + self.share_reclaim[1])
+            if self.share_reclaim is not None and (waited := p.since + self.share_reclaim[1]) > now:
+                ripens = min(ripens, waited)
             self._preempt_failed[p.job.name] = (*stamp, ripens, now + PREEMPT_RETRY_S)
             return False
         victims, reasons = chosen
