@@ -98,7 +98,7 @@ def run(
     profile: Any = None,
     *,
     freeze: bool = True,
-    reservations: int = 8,
+    reservations: int = 32,
 ) -> dict[str, Any]:
     """Fill, queue, then time `rounds` finish+cycle rounds (freeze: gc.freeze() the setup's objects first)."""
     rng = np.random.default_rng(seed)
@@ -195,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--reservations",
         type=int,
-        default=8,
-        help="backfill.reservations of the queue configuration (default 8)",
+        default=32,
+        help="backfill.reservations of the queue configuration (default 32, the configuration's default)",
     )
     args = ap.parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]

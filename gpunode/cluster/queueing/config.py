@@ -107,8 +107,9 @@ class BackfillSettings:
 
     enabled: bool = True
     default_runtime_s: float = 3600.0
-    reservations: int = 8  # jobs holding a reservation at once: the head of line, then multi-GPU jobs
-    reservations_per_queue: int = 2  # the most of those further reservations the jobs of one leaf hold
+    reservations: int = 32  # jobs holding a reservation at once: the head of line, then multi-GPU jobs
+    reservations_per_queue: int = 8  # the most of those further reservations the jobs of one leaf hold
+    reserve_after_s: float = 0.0  # a job gets a further reservation only once it has waited this long
 
 
 @dataclass(frozen=True)
@@ -226,8 +227,9 @@ def parse_queue_config(data: object, where: str) -> QueueConfig:
     backfill = BackfillSettings(
         enabled=back.flag("enabled", True),
         default_runtime_s=_positive_duration(back, "defaultRuntime", 3600.0),
-        reservations=back.integer("reservations", 8, minimum=1, maximum=64),
-        reservations_per_queue=back.integer("reservationsPerQueue", 2, minimum=0, maximum=64),
+        reservations=back.integer("reservations", 32, minimum=1, maximum=64),
+        reservations_per_queue=back.integer("reservationsPerQueue", 8, minimum=0, maximum=64),
+        reserve_after_s=back.duration("reserveAfter", 0.0),
     )
     back.finish()
     gang = top.section("gang")

@@ -85,6 +85,10 @@ from gpunode.placement.model import Request
 # Victim searches per cycle (each walks the running jobs and makes placement trials); heads of other queues
 # search in later cycles. Notices take minutes, so this delays a preemption by a cycle, not a notice period.
 PREEMPTION_SEARCHES_PER_CYCLE = 1
+# New further backfill reservations per cycle (each searches the running jobs' expected ends); a queue's
+# multi-GPU job that misses one this cycle asks again in the next. Filling 31 places takes 31 cycles
+# instead of 8, and no cycle pays for more than one search on top of the refreshes.
+RESERVATION_SEARCHES_PER_CYCLE = 1
 
 
 class Scheduler(Adoption, Rooms, Ordering, Admit):
@@ -150,6 +154,7 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
         self.default_runtime_s = config.backfill.default_runtime_s
         self.reservations_max = config.backfill.reservations
         self.reservations_per_queue = config.backfill.reservations_per_queue
+        self.reserve_after_s = config.backfill.reserve_after_s
         self.shares: dict[str, Amounts] = {}
         self._touched: list[Pending] = []
         self.reasons = Reasons(self)
@@ -251,7 +256,7 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
         order = self._orderer()
         self._dead: dict[str, DeadShapes] = {}
         self._heads_tried: set[str] = set()
-        self._extra_tried: set[str] = set()
+        self._reservation_searches_left = RESERVATION_SEARCHES_PER_CYCLE
         self._searches_left = PREEMPTION_SEARCHES_PER_CYCLE
         cursors = dict.fromkeys(self._lists, 0)
         exhausted: set[str] = set()
@@ -320,11 +325,11 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
                 pins = self._pins(lst)
             if (
                 verdict == "capacity"
-                and q not in self._extra_tried
+                and self._reservation_searches_left > 0
                 and len(self._extra) < self.reservations_max - 1
                 and self._reserve_extra(p, now)
             ):
-                self._extra_tried.add(q)
+                self._reservation_searches_left -= 1
                 pins = self._pins(lst)
             if self.preset.head_blocks and verdict != "never":
                 break

@@ -85,6 +85,7 @@ class Rooms:
         reclaim: bool
         share_reclaim: tuple[float, float] | None
         reservations_per_queue: int
+        reserve_after_s: float
         priority_preemption: bool
         backfill: bool
         notice_s: float
@@ -232,6 +233,7 @@ class Rooms:
             or name in self._extra
             or name in self._nominated
             or (p.demand.get(GPU, 0) <= MILLI_PER_GPU and len(p.job.pods) == 1)
+            or now - p.since < self.reserve_after_s
         ):
             return False
         if self.reservations_per_queue < self.reservations_max - 1:  # one queue may not take them all

@@ -48,8 +48,9 @@ def test_the_example_file_loads_with_four_teams_weighted_4_3_2_1() -> None:
     assert cfg.fair_share.k == 1.0
     assert (cfg.preemption.notice_s, cfg.preemption.min_runtime_s) == (300.0, 600.0)
     assert cfg.backfill.enabled and cfg.backfill.default_runtime_s == 3600.0
-    assert cfg.backfill.reservations == 8
-    assert cfg.backfill.reservations_per_queue == 2
+    assert cfg.backfill.reservations == 32
+    assert cfg.backfill.reservations_per_queue == 8
+    assert cfg.backfill.reserve_after_s == 0.0
     assert cfg.gang_timeout_s == 1800.0 and cfg.energy_weight == 0.0 and cfg.placement_policy == "gpunode"
 
 
@@ -354,6 +355,11 @@ MISTAKES: list[tuple[str, dict[str, Any], str]] = [
         "negative-reservations-per-queue",
         {**base(), "backfill": {"reservationsPerQueue": -1}},
         "q.yaml: backfill.reservationsPerQueue: expected 0..64, got -1",
+    ),
+    (
+        "reserve-after-not-a-duration",
+        {**base(), "backfill": {"reserveAfter": "an hour"}},
+        "q.yaml: backfill.reserveAfter: expected a duration such as 500ms, 30s or 5m, got 'an hour'",
     ),
     (
         "reservations-not-an-integer",

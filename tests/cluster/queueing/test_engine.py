@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -243,25 +245,35 @@ def test_a_big_job_behind_another_queues_head_gets_a_reservation_and_starts_on_t
     assert s.reservations == {}
 
 
-@pytest.mark.parametrize(("per_queue", "reserved"), [(1, {"A1", "A2", "B1"}), (7, {"A1", "A2", "A3", "B1"})])
+@pytest.mark.parametrize(
+    ("backfill", "held", "reserved"),
+    [
+        ({"reservationsPerQueue": 1}, [2, 3, 3, 3], {"A1", "A2", "B1"}),
+        ({"reservationsPerQueue": 7}, [2, 3, 4, 4], {"A1", "A2", "A3", "A4"}),
+        ({"reservationsPerQueue": 7, "reserveAfter": "3s"}, [1, 1, 2, 3], {"A1", "A2", "A3"}),
+    ],
+)
 def test_one_queue_holds_at_most_its_number_of_the_further_reservations(
-    per_queue: int, reserved: set[str]
+    backfill: dict[str, Any], held: list[int], reserved: set[str]
 ) -> None:
     # c's four long jobs leave 2 GPUs on each of the 4 nodes, free at t=1000, 2000, 3000, 4000. a (walked
-    # first) has four 8-GPU jobs, b one. A1 is the head of line; the further reservations go one per queue
-    # per cycle, so over the cycles a takes node after node unless its number is capped.
+    # first) has four 8-GPU jobs, b one. A1 is the head of line; one further reservation is placed per
+    # cycle, to the first queue walked that may hold one, so a takes every node unless its number is capped.
+    # With reserveAfter 3s no job that arrived at t=1 gets a further one before t=4 (the head's is not aged).
     queues = [{"name": "a", "guarantee": {"gpu": 8}}, {"name": "b", "guarantee": {"gpu": 8}}, {"name": "c"}]
-    backfill = {"reservations": 8, "reservationsPerQueue": per_queue}
     pre = {"reclaim": False, "priority": False}
-    s = scheduler(config(queues, backfill=backfill, preemption=pre), nodes=4)
+    s = scheduler(config(queues, backfill={"reservations": 8, **backfill}, preemption=pre), nodes=4)
     for i in range(4):
         s.submit(job(f"L{i}", "c", 6, est=1000.0 * (i + 1)), 0.0)
     assert len(s.cycle(0.0).admit) == 4
     for i in range(1, 5):
         s.submit(job(f"A{i}", "a", 8, t=1.0, est=100.0), 1.0)
     s.submit(job("B1", "b", 8, t=2.0, est=100.0), 2.0)
+    got = []
     for t in (2.0, 3.0, 4.0, 5.0):
         assert s.cycle(t).admit == []
+        got.append(len(s.reservations))
+    assert got == held  # one new further reservation per cycle at most
     assert set(s.reservations) == reserved
     assert len({n for r in s.reservations.values() for n in r.nodes}) == len(reserved)  # a node each
 
