@@ -8,8 +8,9 @@ current. Split from engine.py to keep modules small.
 
 Reservations: the head of line (the first job of a queue that does not fit) holds
 one, as in EASY backfill; up to `backfill.reservations` - 1 more go to multi-GPU
-and multi-pod jobs that do not fit (the first such job of each queue per cycle,
-so the oldest by the queue's order). Each reservation is computed on nodes no
+and multi-pod jobs that do not fit (one new one per cycle: the first such job,
+in the queues' order, whose queue holds fewer than backfill.reservationsPerQueue
+and that has waited backfill.reserveAfter). Each reservation is computed on nodes no
 other reservation holds, so none can delay another; a job started now must keep
 off the nodes of every reservation that starts before it is expected to end
 (conservative backfill over all of them). Small jobs need no reservation: any
