@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from gpunode.cluster.queueing.capacity import ClusterCapacity
-from gpunode.cluster.queueing.config import parse_queue_config
+from gpunode.cluster.queueing.config import BackfillSettings, parse_queue_config
 from gpunode.cluster.queueing.engine import Scheduler
 from gpunode.cluster.queueing.model import Job
 from gpunode.cluster.queueing.presets import PRESETS, preset
@@ -98,7 +98,7 @@ def run(
     profile: Any = None,
     *,
     freeze: bool = True,
-    reservations: int = 32,
+    reservations: int = BackfillSettings.reservations,
 ) -> dict[str, Any]:
     """Fill, queue, then time `rounds` finish+cycle rounds (freeze: gc.freeze() the setup's objects first)."""
     rng = np.random.default_rng(seed)
@@ -195,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--reservations",
         type=int,
-        default=32,
-        help="backfill.reservations of the queue configuration (default 32, the configuration's default)",
+        default=BackfillSettings.reservations,
+        help=f"backfill.reservations of the queue configuration (default {BackfillSettings.reservations}, "
+        "the configuration's default)",
     )
     args = ap.parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
