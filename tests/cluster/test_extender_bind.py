@@ -210,15 +210,18 @@ def _key() -> ec.EllipticCurvePrivateKey:
 
 
 def _cert(
-    subject: str,
+    subject: str | list[str],
     key: ec.EllipticCurvePrivateKey,
     issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None,
     *,
     ca: bool = False,
     server: bool = False,
+    dns: tuple[str, ...] = (),
 ) -> x509.Certificate:
+    """A certificate whose subject holds one commonName per name in `subject` (each its own RDN)."""
     now = datetime.datetime.now(datetime.UTC)
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
+    cns = [subject] if isinstance(subject, str) else subject
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn) for cn in cns])
     builder = (
         x509.CertificateBuilder()
         .subject_name(name)
@@ -232,6 +235,10 @@ def _cert(
     if server:
         san = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
         builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
+    if dns:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.DNSName(d) for d in dns]), critical=False
+        )
     if ca:
         usage = x509.KeyUsage(False, False, False, False, False, True, True, False, False)
         builder = builder.add_extension(usage, critical=True)
@@ -264,6 +271,14 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
         key = _key()
         cn = "kube-scheduler" if name == "scheduler" else name
         _write(d / name, _cert(cn, key, issuer, server=server), key)
+    # Certificates from the trusted CA that name kube-scheduler beside another identity.
+    for name, subject, dns in (
+        ("two-cns", ["intruder", "kube-scheduler"], ()),
+        ("two-cns-reversed", ["kube-scheduler", "intruder"], ()),
+        ("dns-only", ["intruder"], ("kube-scheduler",)),
+    ):
+        key = _key()
+        _write(d / name, _cert(subject, key, (ca, ca_key), dns=dns), key)
     return d
 
 
@@ -314,6 +329,23 @@ def test_plain_http_to_the_tls_port_gets_no_extender_answer(served_tls: Served) 
 def test_a_certificate_with_another_name_is_answered_403(served_tls: Served, pki: Path) -> None:
     status, result = Caller(served_tls.server.port, client_context(pki, "intruder")).post("filter", {})
     assert status == 403 and "intruder" in result["Error"] and "--allowed-client-names" in result["Error"]
+
+
+@pytest.mark.parametrize("who", ["two-cns", "two-cns-reversed", "dns-only"])
+def test_a_certificate_naming_the_scheduler_beside_another_identity_is_refused(
+    served_tls: Served, pki: Path, who: str
+) -> None:
+    # A real handshake with a certificate from the trusted CA whose subject carries two CNs, one of them
+    # kube-scheduler (either order), or whose CN is another name and only a DNS name is kube-scheduler.
+    pod = pending("train-0", uid="u-0")
+    served_tls.api.put_pod(pod)
+    caller = Caller(served_tls.server.port, client_context(pki, who))
+    status, result = caller.post("filter", {"Pod": pod, "Nodes": NODES})
+    assert status == 403 and "--allowed-client-names" in result["Error"]
+    expected = "2 subject common names" if who.startswith("two-cns") else "CN 'intruder' is not an allowed"
+    assert expected in result["Error"]
+    assert caller.post("bind", bind_args(pod, "n1"))[0] == 403
+    assert len(served_tls.extender.filtered) == 0 and served_tls.writes() == []
 
 
 def test_the_schedulers_certificate_filters_and_binds(served_tls: Served, pki: Path) -> None:

@@ -9,8 +9,8 @@ and the server keeps serving.
 Anyone who can reach the port is treated as an adversary:
 - with an ssl.SSLContext (gpunode.infra.http.server_tls_context with a client CA),
   it serves HTTPS and a client without a certificate signed by that CA fails the
-  handshake; with `allowed_client_names`, a certificate whose subject CN and DNS
-  names are none of those is answered 403;
+  handshake; with `allowed_client_names`, a certificate whose subject does not hold
+  exactly one commonName, one of those names, is answered 403 (DNS names do not count);
 - the HTTP layer bounds connections (MAX_CONNECTIONS), the time for a request's
   head and body, and the body: over `max_body_bytes` (DEFAULT_MAX_BODY_BYTES,
   32 MiB) is 413 before the body is read. kube-scheduler sends ~4 KB per node with
@@ -276,20 +276,28 @@ class ExtenderServer:
         """Why the client's certificate is not one of the allowed names (None: it is)."""
         transport = request.transport
         cert = transport.get_extra_info("peercert") if transport is not None else None
-        names = _certificate_names(cert) if cert else set()
-        if names & self.allowed_client_names:
-            return None
-        shown = ", ".join(sorted(names)) or "no certificate"
-        return f"client certificate names {shown}; none is allowed (--allowed-client-names)"
+        return client_name_refusal(cert, self.allowed_client_names)
 
 
-def _certificate_names(cert: Any) -> set[str]:
-    """The subject's commonName and the DNS names of a certificate as ssl's getpeercert() gives it."""
-    names: set[str] = set()
-    for rdn in cert.get("subject", ()):
-        names.update(value for key, value in rdn if key == "commonName")
-    names.update(value for kind, value in cert.get("subjectAltName", ()) if kind == "DNS")
-    return names
+def client_name_refusal(cert: Any, allowed: frozenset[str]) -> str | None:
+    """Why a client certificate (as ssl's getpeercert() gives it) is refused, None when it is accepted.
+
+    The subject must hold exactly one commonName, and that name must be one of `allowed`. Subject
+    alternative names do not count: a certificate with several common names, or whose CN is not
+    allowed while a DNS name is, could be read as another identity by another verifier.
+    """
+    if not cert:
+        return "no client certificate; one whose subject CN is an allowed name is required (--allowed-client-names)"
+    names = [value for rdn in cert.get("subject", ()) for key, value in rdn if key == "commonName"]
+    if len(names) != 1:
+        shown = ", ".join(repr(n) for n in names) or "none"
+        return (
+            f"client certificate has {len(names)} subject common names ({shown}); exactly one, an allowed "
+            "name, is required (--allowed-client-names)"
+        )
+    if names[0] not in allowed:
+        return f"client certificate CN {names[0]!r} is not an allowed name (--allowed-client-names)"
+    return None
 
 
 def _answer(verb: str, method: Callable[[Any], object], raw: bytes) -> tuple[int, bytes]:
