@@ -98,6 +98,7 @@ def build_region_keeper(config: Config, checkpoint: Checkpoint) -> Any:
         list_containers=lambda: list_container_devices(socket_path, timeout_s=5.0),
         interval_s=frac.gc_interval_s,
         grace_s=frac.gc_grace_s,
+        state_dir=config.state_dir,
     )
 
 

@@ -100,10 +100,9 @@ def test_allocate_writes_a_capped_region_and_checkpoints_it(
     staged = Path(host_path(resp.mounts, resp.envs["LD_PRELOAD"]))
     assert staged == sockdir / "state" / "lib" / "libgpunode-preload.so", "mounted from the host state dir"
     assert staged.read_bytes() == memcap.preload_library_path().read_bytes()
-    saved = json.loads((sockdir / "state" / "checkpoint.json").read_text())
-    assert [(c["key"], c["limit_bytes"], c["device_ids"]) for c in saved["caps"]] == [
-        (region.key, 4 * GIB, ids)
-    ]
+    saved = [json.loads(f.read_text()) for f in (sockdir / "state" / "checkpoint.d").iterdir()]
+    assert [(c["key"], c["limit_bytes"], c["device_ids"]) for c in saved] == [(region.key, 4 * GIB, ids)]
+    assert not (sockdir / "state" / "checkpoint.json").exists(), "one small file per cap, no single file"
 
 
 def test_units_spanning_gpus_are_refused(agent: RunningAgent, kubelet: KubeletStandIn) -> None:
@@ -184,8 +183,8 @@ def test_regions_of_vanished_containers_are_collected(sockdir: Path, kubelet: Ku
         assert not (root / region_key(gone)).exists()
         assert (root / region_key(live)).is_dir()
         assert region_key(gone) in ra.agent.region_keeper.removed
-        keys = [c["key"] for c in json.loads((sockdir / "state" / "checkpoint.json").read_text())["caps"]]
-        assert keys == [region_key(live)]
+        files = sorted(f.name for f in (sockdir / "state" / "checkpoint.d").iterdir())
+        assert files == [f"{region_key(live)}.json"]
 
 
 def test_no_collection_while_the_kubelet_cannot_be_asked(sockdir: Path, kubelet: KubeletStandIn) -> None:

@@ -6,12 +6,17 @@ spanning GPUs) and builds the response parts the NVIDIA device plugin would
 (NVIDIA_VISIBLE_DEVICES, volume-mount list, CDI annotations or CDI devices,
 device nodes), plus gpunode's memory cap: a region per container written
 through gpunode.node.memcap, with the preload library, the region and optionally an
-/etc/ld.so.preload mounted into the container. This module does not speak gRPC.
+/etc/ld.so.preload mounted into the container. The regions of one capped GPU are
+kept within what it can hold (RegionBound): a region whose units a newer region
+took belongs to a container that has ended, and such regions are removed, oldest
+first, once the GPU has more regions than capped devices, whether or not the
+kubelet can be asked. This module does not speak gRPC.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,7 +26,7 @@ from gpunode.config.agent import Config
 from gpunode.errors import AllocationError, MemcapError
 from gpunode.node import memcap
 from gpunode.node.devices.base import Gpu
-from gpunode.node.inventory import AdvertisedDevice, region_key
+from gpunode.node.inventory import AdvertisedDevice, Inventory, region_key
 from gpunode.node.memcap import MountSpec
 from gpunode.node.memcap.checkpoint import CapRecord, Checkpoint
 from gpunode.node.state import Snapshot
@@ -106,6 +111,68 @@ def _mig_minors(path: Path) -> dict[str, int]:
     return minors
 
 
+class RegionBound:
+    """Which regions of a capped GPU (or MIG device) to remove so it keeps no more than it can hold.
+
+    The kubelet gives a device to one container at a time, so when a new region takes a unit (or
+    capped replica) an older region held, that older region's container has ended: it is superseded.
+    Regions nothing superseded hold disjoint units, so there are never more of them than the GPU has
+    units; removing superseded regions, oldest first, whenever the GPU has more regions than units
+    keeps every GPU within that bound at a cost per Allocate independent of the number of regions.
+    (The newest superseded regions stay while there is room: an init container's region, whose units
+    its pod's app container reuses, is needed until the init container has run.) Thread-safe.
+    """
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self.checkpoint = checkpoint
+        self._lock = threading.Lock()
+        self._newest: dict[str, str] = {}  # device ID -> key of the newest region holding it
+        self._superseded: dict[str, dict[str, None]] = {}  # capped UUID -> superseded keys, oldest first
+        self._capacity: tuple[Inventory | None, dict[str, int]] = (None, {})
+        self.evicted = 0  # regions removed to keep a GPU within its bound, since start
+        for rec in sorted(checkpoint.records().values(), key=lambda r: r.created):
+            self._note(rec)
+
+    def _note(self, rec: CapRecord) -> None:
+        superseded = self._superseded.setdefault(rec.gpu_uuid, {})
+        superseded.pop(rec.key, None)  # the key given out again: a fresh region, not superseded
+        for dev_id in rec.device_ids:
+            prev = self._newest.get(dev_id)
+            if prev is not None and prev != rec.key:
+                superseded[prev] = None
+            self._newest[dev_id] = rec.key
+
+    def capacity(self, inventory: Inventory, uuid: str) -> int:
+        """How many capped devices (memory units, capped replicas) of `uuid` the inventory advertises."""
+        with self._lock:
+            inv, counts = self._capacity
+            if inv is not inventory:
+                counts = {}
+                for d in inventory.devices:
+                    if d.memory_cap_bytes is not None:
+                        counts[d.target_uuid] = counts.get(d.target_uuid, 0) + 1
+                self._capacity = (inventory, counts)
+            return counts.get(uuid, 0)
+
+    def added(self, rec: CapRecord, capacity: int) -> list[str]:
+        """Note a new region; the keys of the superseded regions to remove now, oldest first."""
+        with self._lock:
+            self._note(rec)
+            superseded = self._superseded[rec.gpu_uuid]
+            out: list[str] = []
+            excess = self.checkpoint.count_on(rec.gpu_uuid) - max(capacity, 1)
+            while excess > 0 and superseded:
+                key = next(iter(superseded))
+                del superseded[key]
+                if key != rec.key and self.checkpoint.get(key) is not None:
+                    out.append(key)
+                    excess -= 1
+            if len(superseded) > 2 * max(capacity, 1):  # forget those the collector removed already
+                for key in [k for k in superseded if self.checkpoint.get(k) is None]:
+                    del superseded[key]
+            return out
+
+
 class Allocator:
     """Builds ContainerAllocations; creates memory-cap regions under state_dir/memcap."""
 
@@ -120,6 +187,7 @@ class Allocator:
         )
         self._mig_minors_file = mig_minors_file
         self._root_secured = False  # memcap.secure_root runs before the first region is written
+        self.bound = RegionBound(checkpoint) if checkpoint is not None else None
 
     def allocate(self, snapshot: Snapshot, resource: str, device_ids: Sequence[str]) -> ContainerAllocation:
         """Validate the requested devices of resource and build the container's allocation."""
@@ -231,16 +299,42 @@ class Allocator:
         except MemcapError as exc:
             raise AllocationError(f"cannot set up the memory cap: {exc}", hint=exc.hint) from None
         if self.checkpoint is not None:
-            self.checkpoint.replace(
-                CapRecord(
-                    key=key,
-                    resource=devices[0].resource,
-                    device_ids=tuple(device_ids),
-                    gpu_uuid=devices[0].target_uuid,
-                    limit_bytes=region.devices[0].limit_bytes,
-                    device_total_bytes=total or limit,
-                    fail_open=self.config.fractional.fail_open,
-                    created=time.time(),
-                )
+            record = CapRecord(
+                key=key,
+                resource=devices[0].resource,
+                device_ids=tuple(device_ids),
+                gpu_uuid=devices[0].target_uuid,
+                limit_bytes=region.devices[0].limit_bytes,
+                device_total_bytes=total or limit,
+                fail_open=self.config.fractional.fail_open,
+                created=time.time(),
             )
+            try:
+                self.checkpoint.replace(record)
+            except OSError as exc:
+                raise AllocationError(
+                    f"cannot checkpoint the memory cap of {key}: {exc.strerror or exc}",
+                    hint=f"the state directory {self.config.state_dir} must be writable",
+                ) from None
+            self._keep_bound(snapshot, record)
         return key, dict(spec.envs), list(spec.mounts)
+
+    def _keep_bound(self, snapshot: Snapshot, record: CapRecord) -> None:
+        """Remove the superseded regions of the record's GPU beyond what the GPU can hold."""
+        assert self.checkpoint is not None and self.bound is not None
+        capacity = self.bound.capacity(snapshot.inventory, record.gpu_uuid)
+        for old in self.bound.added(record, capacity):
+            try:
+                memcap.remove_region(self.regions_root, old)
+            except MemcapError as exc:
+                log.warning("memory caps: cannot remove the superseded region %s: %s", old, exc)
+                continue
+            self.checkpoint.remove([old])
+            self.bound.evicted += 1
+            log.debug(
+                "memory caps: removed region %s of %s: newer regions took its units and the GPU "
+                "holds at most %d",
+                old,
+                record.gpu_uuid,
+                capacity,
+            )

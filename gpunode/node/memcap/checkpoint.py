@@ -1,16 +1,21 @@
 """The agent's checkpoint of the memory caps it handed out, so a restart loses nothing.
 
-One JSON file (state_dir/checkpoint.json), written atomically (temporary file,
-fsync, rename) after every Allocate that creates a cap. Each record names the
-region key, the resource, the device IDs, the GPU and the limit. On start-up
-the agent re-creates any region whose files vanished, so every container keeps
-its cap; the kubelet (pod-resources) stays the source of truth for which
-containers still exist, and regions of containers it no longer lists are
-garbage-collected after a grace period. A checkpoint that cannot be parsed is
-kept aside (renamed, never deleted) and reported; the agent starts with an
-empty one. Loading it (once, at start) also removes the temporary files that
-a killed agent left in the state directory (see remove_stale_temp_files). This
-module does file I/O only; it knows nothing of gRPC.
+One small JSON file per cap, state_dir/checkpoint.d/<region key>.json, written
+atomically (temporary file, fsync, rename, directory fsync) when an Allocate
+creates the cap and unlinked when its region is removed: an Allocate writes
+one file of a few hundred bytes whatever the number of caps held, and a crash
+loses at most the cap being written (whose Allocate has not answered yet).
+Each record names the region key, the resource, the device IDs, the GPU and the
+limit. On start-up the agent re-creates any region whose files vanished, so
+every container keeps its cap; the kubelet (pod-resources) stays the source of
+truth for which containers still exist, and regions of containers it no longer
+lists are garbage-collected after a grace period. A record that cannot be
+parsed is kept aside (renamed, never deleted) and reported; the others load.
+The old format, one state_dir/checkpoint.json for every cap, is read once at
+start: its records are written as files, then it is removed (a broken one is
+kept aside as before). Loading (once, at start) also removes the temporary
+files that a killed agent left in the state directory (see
+remove_stale_temp_files). This module does file I/O only; it knows nothing of gRPC.
 """
 
 from __future__ import annotations
@@ -31,7 +36,10 @@ from gpunode.node.files import write_atomically
 log = logging.getLogger(__name__)
 
 VERSION = 1
-FILE_NAME = "checkpoint.json"
+FILE_NAME = "checkpoint.json"  # the old format: every cap in one file, read once for the upgrade
+DIR_NAME = "checkpoint.d"  # one <key>.json per cap
+RECORD_RE = re.compile(r"(?P<key>[0-9a-f]{1,64})\.json")
+MAX_RECORD_BYTES = 64 * 1024  # a record is a few hundred bytes; a bigger file is not one of ours
 # ".<name>.<pid>.tmp": how gpunode.node.files.write_atomically stages a file before renaming it into
 # place (the checkpoint, the staged interposer in lib/, a region's ld.so.preload).
 TEMP_FILE_RE = re.compile(r"\.(?P<name>.+)\.(?P<pid>[0-9]{1,10})\.tmp")
@@ -55,78 +63,168 @@ class CapRecord:
     created: float  # unix seconds
 
 
+def _record(item: object) -> CapRecord:
+    """A CapRecord from its JSON form; ValueError/TypeError/KeyError when it is not one."""
+    if not isinstance(item, dict):
+        raise ValueError(f"a cap record is an object, got {type(item).__name__}")
+    rec = CapRecord(**{**item, "device_ids": tuple(item["device_ids"])})
+    if not RECORD_RE.fullmatch(f"{rec.key}.json"):
+        raise ValueError(f"bad region key {rec.key!r}")
+    return rec
+
+
 class Checkpoint:
-    """Thread-safe view of the checkpoint file."""
+    """Thread-safe view of the checkpoint directory, with the caps held per capped GPU."""
 
     def __init__(self, state_dir: Path) -> None:
-        self.path = Path(state_dir) / FILE_NAME
+        self.state_dir = Path(state_dir)
+        self.path = self.state_dir / FILE_NAME  # the old single file
+        self.dir = self.state_dir / DIR_NAME
         self._lock = threading.Lock()
         self._records: dict[str, CapRecord] = {}
-        self.problem: str | None = None  # why the file on disk could not be used, if so
+        self._by_gpu: dict[str, dict[str, None]] = {}  # capped UUID -> keys, oldest first
+        self.problem: str | None = None  # why a file on disk could not be used, if so
+        self.writes = 0  # record files written since start (for tests and the bench)
 
     def load(self) -> dict[str, CapRecord]:
-        """Read the file; a broken one is renamed aside and reported, never lost. Removes stale temporary
-        files first (it runs at start, before this process stages any file)."""
-        remove_stale_temp_files(self.path.parent)
+        """Read the records; a broken file is renamed aside and reported, never lost. Upgrades an old
+        checkpoint.json. Removes stale temporary files first (it runs at start, before this process
+        stages any file)."""
+        remove_stale_temp_files(self.state_dir)
         with self._lock:
             self._records = {}
+            self._by_gpu = {}
             try:
-                text = self.path.read_text()
+                names = sorted(os.listdir(self.dir))
             except FileNotFoundError:
-                return {}
-            try:
-                doc = json.loads(text)
-                if not isinstance(doc, dict) or doc.get("version") != VERSION:
-                    raise ValueError(
-                        f"unknown checkpoint version {doc.get('version') if isinstance(doc, dict) else doc!r}"
-                    )
-                for item in doc.get("caps", []):
-                    rec = CapRecord(**{**item, "device_ids": tuple(item["device_ids"])})
-                    self._records[rec.key] = rec
-            except (ValueError, TypeError, KeyError) as exc:
-                aside = self.path.with_name(f"{FILE_NAME}.corrupt-{int(time.time())}")
-                os.replace(self.path, aside)
-                self.problem = f"{self.path} could not be read ({exc}); kept as {aside.name}"
-                log.error("checkpoint: %s; starting with an empty checkpoint", self.problem)
-                self._records = {}
+                names = []
+            for name in names:
+                if RECORD_RE.fullmatch(name):
+                    self._load_file(self.dir / name)
+            self._upgrade()
             return dict(self._records)
+
+    def _load_file(self, path: Path) -> None:
+        try:
+            with open(path, "rb") as f:
+                text = f.read(MAX_RECORD_BYTES + 1)
+            if len(text) > MAX_RECORD_BYTES:
+                raise ValueError(f"more than {MAX_RECORD_BYTES} bytes")
+            rec = _record(json.loads(text))
+            if f"{rec.key}.json" != path.name:
+                raise ValueError(f"it holds the record of {rec.key}")
+        except OSError as exc:
+            self._report(f"{path} could not be read ({exc.strerror or exc})")
+            return
+        except (ValueError, TypeError, KeyError) as exc:
+            self._set_aside(path, exc)
+            return
+        self._hold(rec)
+
+    def _upgrade(self) -> None:
+        """Turn an old checkpoint.json into one file per cap, then remove it (kept aside when broken)."""
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            self._report(f"{self.path} could not be read ({exc.strerror or exc})")
+            return
+        try:
+            doc = json.loads(text)
+            if not isinstance(doc, dict) or doc.get("version") != VERSION:
+                raise ValueError(
+                    f"unknown checkpoint version {doc.get('version') if isinstance(doc, dict) else doc!r}"
+                )
+            old = [_record(item) for item in doc.get("caps", [])]
+        except (ValueError, TypeError, KeyError) as exc:
+            self._set_aside(self.path, exc)
+            return
+        for rec in old:
+            if rec.key not in self._records:  # a file written since is newer than the old checkpoint
+                self._write(rec)
+                self._hold(rec)
+        self.path.unlink()
+        log.info("checkpoint: %d cap(s) of %s moved to %s/", len(old), self.path.name, self.dir)
+
+    def _set_aside(self, path: Path, exc: Exception) -> None:
+        aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
+        os.replace(path, aside)
+        self._report(f"{path} could not be read ({exc}); kept as {aside.name}")
+
+    def _report(self, problem: str) -> None:
+        self.problem = problem if self.problem is None else f"{self.problem}; {problem}"
+        log.error("checkpoint: %s; its cap is not restored", problem)
+
+    def _hold(self, rec: CapRecord) -> None:
+        old = self._records.get(rec.key)
+        if old is not None:
+            self._by_gpu.get(old.gpu_uuid, {}).pop(rec.key, None)
+        self._records[rec.key] = rec
+        self._by_gpu.setdefault(rec.gpu_uuid, {})[rec.key] = None
+
+    def _drop(self, key: str) -> bool:
+        rec = self._records.pop(key, None)
+        if rec is None:
+            return False
+        keys = self._by_gpu.get(rec.gpu_uuid, {})
+        keys.pop(key, None)
+        if not keys:
+            self._by_gpu.pop(rec.gpu_uuid, None)
+        return True
 
     def records(self) -> dict[str, CapRecord]:
         """A copy of the records held now, by region key."""
         with self._lock:
             return dict(self._records)
 
-    def replace(self, record: CapRecord) -> None:
-        """Record a cap that replaced whatever was held under its key (a fresh region), and rewrite the file."""
+    def get(self, key: str) -> CapRecord | None:
+        """The record of one region key, or None."""
         with self._lock:
-            self._records[record.key] = record
-            self._write()
+            return self._records.get(key)
 
-    def add(self, record: CapRecord) -> None:
-        """Record a cap and rewrite the file; a key held already with the same limit keeps its record."""
+    def keys_on(self, gpu_uuid: str) -> list[str]:
+        """The keys of the caps on one capped UUID, oldest first."""
         with self._lock:
-            if self._records.get(record.key) == record:
-                return
-            existing = self._records.get(record.key)
-            if existing is not None and existing.limit_bytes == record.limit_bytes:
-                return  # the same devices allocated again (container restart): keep the first record
-            self._records[record.key] = record
-            self._write()
+            return list(self._by_gpu.get(gpu_uuid, ()))
+
+    def count_on(self, gpu_uuid: str) -> int:
+        """How many caps one capped UUID has."""
+        with self._lock:
+            return len(self._by_gpu.get(gpu_uuid, ()))
+
+    def replace(self, record: CapRecord) -> None:
+        """Record a cap that replaced whatever was held under its key (a fresh region): one file written."""
+        with self._lock:
+            self._write(record)
+            self._drop(record.key)
+            self._hold(record)
 
     def remove(self, keys: Iterable[str]) -> None:
-        """Drop the records of `keys`, rewriting the file only when one of them was held."""
+        """Drop the records of `keys`, unlinking their files (the directory is synced once)."""
         with self._lock:
-            gone = [k for k in keys if self._records.pop(k, None) is not None]
+            gone = [k for k in keys if self._drop(k)]
+            for key in gone:
+                with contextlib.suppress(FileNotFoundError):
+                    (self.dir / f"{key}.json").unlink()
             if gone:
-                self._write()
+                _sync_dir(self.dir)
 
-    def _write(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        doc = {
-            "version": VERSION,
-            "caps": [asdict(r) for r in sorted(self._records.values(), key=lambda r: r.key)],
-        }
-        write_atomically(self.path, json.dumps(doc, indent=1), sync_dir=True)
+    def _write(self, record: CapRecord) -> None:
+        if not self.dir.is_dir():
+            self.dir.mkdir(parents=True, exist_ok=True)
+            _sync_dir(self.state_dir)
+        write_atomically(self.dir / f"{record.key}.json", json.dumps(asdict(record)), sync_dir=True)
+        self.writes += 1
+
+
+def _sync_dir(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -150,7 +248,7 @@ def remove_stale_temp_files(state_dir: Path) -> list[Path]:
     of another live process is kept: it may be another agent's write in progress.
     """
     state_dir = Path(state_dir)
-    dirs = [state_dir, state_dir / "lib"]
+    dirs = [state_dir, state_dir / "lib", state_dir / DIR_NAME]
     regions = state_dir / "memcap"
     with contextlib.suppress(OSError):
         dirs += [d for d in regions.iterdir() if d.is_dir() and not d.is_symlink()]

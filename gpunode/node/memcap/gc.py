@@ -7,7 +7,11 @@ pod-resources API which containers hold capped devices; a region whose
 container is gone (and that is older than a grace period, since the kubelet
 lists a container only after Allocate returns) is removed, and dead processes'
 usage is reclaimed in the live ones. When the kubelet cannot be asked, nothing
-is removed. This module never decides caps; allocation.py does.
+is removed: the keeper says so once in the log, in `problem` (the metric
+gpunode_memcap_cleanup_blocked) and in state_dir/status/region-cleanup.json for
+`gpunode doctor`, and the regions of a GPU stay bounded by its units all the
+same (allocation.allocator.RegionBound). This module never decides caps;
+allocation.py does.
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ class RegionKeeper:
         interval_s: float = 60.0,
         grace_s: float = 600.0,
         clock: Callable[[], float] = time.time,
+        state_dir: Path | None = None,
     ) -> None:
         self.root = root
         self.checkpoint = checkpoint
@@ -106,8 +111,11 @@ class RegionKeeper:
         self.interval_s = interval_s
         self.grace_s = grace_s
         self.clock = clock
+        self.state_dir = state_dir  # where the status for `gpunode doctor` goes (none when None)
         self.removed: list[str] = []
         self.reclaimed_bytes = 0
+        self.problem: str | None = None  # why clean-up cannot run, while it cannot
+        self.blocked_since: float | None = None  # unix time it stopped running
 
     async def collect_once(self) -> tuple[str, ...]:
         """One pass; returns the keys removed. Raises GpunodeError when the kubelet cannot be asked."""
@@ -142,18 +150,36 @@ class RegionKeeper:
 
         While the kubelet cannot be asked, nothing is removed and one warning is logged.
         """
-        warned = False
         while True:
             try:
                 await self.collect_once()
-                warned = False
+                self._blocked(None)
             except GpunodeError as exc:
-                if not warned:
-                    log.warning(
-                        "memory caps: no garbage collection while the kubelet cannot be asked: %s",
-                        exc,
-                    )
-                    warned = True
+                self._blocked(exc)
             if ready is not None and not ready.is_set():
                 ready.set()
             await asyncio.sleep(self.interval_s)
+
+    def _blocked(self, exc: GpunodeError | None) -> None:
+        """Record whether clean-up runs; the change is logged once and told to doctor."""
+        from gpunode.node.status import CLEANUP, write_status
+
+        problem = None if exc is None else str(exc)
+        if problem == self.problem:
+            return
+        if exc is not None and self.problem is None:
+            log.warning(
+                "memory caps: no garbage collection while the kubelet cannot be asked: %s; each GPU still "
+                "keeps no more regions than it has units",
+                exc,
+            )
+            self.blocked_since = time.time()
+        elif exc is None:
+            log.info("memory caps: garbage collection runs again")
+            self.blocked_since = None
+        self.problem = problem
+        if self.state_dir is not None:
+            doc = None
+            if exc is not None:
+                doc = {"problem": problem, "hint": exc.hint, "since": self.blocked_since}
+            write_status(self.state_dir, CLEANUP, doc)
