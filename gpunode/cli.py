@@ -164,10 +164,18 @@ def cmd_devices(args: argparse.Namespace) -> int:
     cfg = _load_config(args)
     _setup_logging("warning")
     rows, inventory = device_rows(cfg)
+    from gpunode.node.status import pending_lines
+
+    pending = pending_lines(cfg.state_dir)  # what a running agent holds back until its holders are gone
     if args.json:
         print(
             json.dumps(
-                {"devices": rows, "modes": dict(inventory.modes), "warnings": list(inventory.warnings)},
+                {
+                    "devices": rows,
+                    "modes": dict(inventory.modes),
+                    "warnings": list(inventory.warnings),
+                    "pending": pending,
+                },
                 indent=2,
             )
         )
@@ -183,6 +191,8 @@ def cmd_devices(args: argparse.Namespace) -> int:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
     for w in inventory.warnings:
         print(f"warning: {w}", file=sys.stderr)
+    for line in pending:
+        print(f"pending: {line}", file=sys.stderr)
     return 0
 
 

@@ -8,8 +8,9 @@ half-started. Then the device plugins, the topology watch (hot-plug), the event
 pump, and the optional parts run side by side (supervise.py) until
 SIGTERM/SIGINT or until one of them fails, which ends the agent with that
 part's one-line error; the agent is ready (and says so) only once every
-endpoint listens. SIGHUP reloads the configuration and re-advertises. This
-module wires; it holds no policy of its own.
+endpoint listens. SIGHUP reloads the configuration and re-advertises, through
+the gate that keeps a GPU with live holders sold as it is until they are gone
+(drain.py). This module wires; it holds no policy of its own.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ class Agent:
         self.assignments: Any = None  # gpunode.node.assignments.AssignmentBook, with the publisher
         self.region_keeper: Any = None  # gpunode.node.memcap.gc.RegionKeeper when memory caps are in use
         self.checkpoint = Checkpoint(config.state_dir)
+        self.gate: Any = None  # gpunode.node.drain.SharingGate: reloads and rediscovery go through it
 
     @property
     def backend(self) -> Backend:
@@ -184,6 +186,15 @@ class Agent:
         allocator = Allocator(config=self.config, checkpoint=self.checkpoint)
         allocator.preload_lib = self._stage_preload(inventory)
         self.plugins = PluginManager(config=self.config, state=self.state, allocator=allocator)
+        self._wire_holds(self.plugins)
+        from gpunode.node.drain import SharingGate
+
+        self.gate = SharingGate(
+            state=self.state,
+            holds=self.plugins.holds,
+            checkpoint=self.checkpoint,
+            state_dir=self.config.state_dir,
+        )
         self._announce(inventory)
         sup = self.supervisor = Supervisor()
         stopper = asyncio.ensure_future(self._stop_async.wait())
@@ -216,6 +227,7 @@ class Agent:
         sup.start("event pump", self._pump_events())
         sup.start("topology watch", self._watch_topology())
         sup.start("reloader", self._reloader())
+        sup.start("sharing drain", self.gate.run())
         sup.start("rediscovery", self._rediscoverer())
         sup.start("sim control", serve_sim_control(self.config, self.backend, gates["sim control"]))
         sup.start("kubelet watch", watch_kubelet(self.config, self.kubelet_present))
@@ -247,6 +259,15 @@ class Agent:
             if srv.inode is not None and srv.socket_intact():
                 srv.socket_path.unlink(missing_ok=True)
 
+    def _wire_holds(self, plugins: PluginManager) -> None:
+        """The Allocate check of who holds a device: the kubelet's List, and the checkpointed caps."""
+        from gpunode.node.allocation.holds import LIST_TIMEOUT_S
+        from gpunode.node.kubelet.podresources import list_container_devices
+
+        socket_path = str(self.config.pod_resources_socket)
+        plugins.holds.list_containers = lambda: list_container_devices(socket_path, timeout_s=LIST_TIMEOUT_S)
+        plugins.holds.seed((r.key, r.device_ids) for r in self.checkpoint.records().values())
+
     def _announce(self, inventory: Inventory) -> None:
         log.info("backend %s: %d GPU(s)", self.backend.name, len(inventory.gpus))
         for s in summarize(inventory, self.config):
@@ -273,7 +294,7 @@ class Agent:
             )
             return
         before = {d.id for d in self.state.snapshot().inventory.devices}
-        self.state.set_inventory(inventory)
+        inventory = await self.gate.apply(inventory)
         after = {d.id for d in inventory.devices}
         if before != after:
             log.info("rediscovery: %d device(s) added, %d gone", len(after - before), len(before - after))
@@ -324,7 +345,7 @@ class Agent:
             self.plugins.allocator.config = config
             for srv in self.plugins.servers.values():
                 srv.servicer.config = config
-            self.state.set_inventory(inventory)
+            inventory = await self.gate.apply(inventory)  # GPUs with holders keep their mode for now
             self.state.forget_vanished()
             sdnotify.notify("READY=1")
             log.info("configuration reloaded from %s", config.source)
@@ -391,10 +412,19 @@ class Agent:
         )
         add_gauge(
             collector,
+            "gpunode_memcap_cleanup_blocked",
+            "1 while the memory-cap regions of ended containers cannot be collected (the kubelet's "
+            "pod-resources API cannot be asked), else 0.",
+            lambda: float(self.region_keeper is not None and self.region_keeper.problem is not None),
+        )
+        add_gauge(
+            collector,
             "gpunode_state_dir_writable",
             "1 while the state directory can be written, else 0 (memory-capped devices are then Unhealthy).",
             lambda: float(self.state_dir_watch is None or self.state_dir_watch.problem is None),
         )
+        if self.gate is not None:
+            collector.registry.register(self.gate.collector())
         sup.start("metrics collector", self.metrics.run())
         self.metrics_endpoint = MetricsEndpoint(collector, self.config, self._problems)
         return True

@@ -338,9 +338,51 @@ def _check_memcap_regions(cfg: Config) -> Check:
     return Check(name, OK, f"{len(regions)} region(s) in {root}, all usable, root-only")
 
 
+def _since(at: object) -> str:
+    import time
+
+    if not isinstance(at, int | float) or isinstance(at, bool):
+        return ""
+    return f" for {max(0.0, time.time() - at):.0f} s"
+
+
+def _check_cleanup(cfg: Config) -> Check:
+    """What the running agent said of its memory-cap clean-up (state_dir/status/region-cleanup.json)."""
+    from gpunode.node.status import CLEANUP, read_status
+
+    name = "memory-cap clean-up"
+    said = read_status(cfg.state_dir, CLEANUP)
+    if said is None:
+        return Check(name, OK, "running, or nothing to collect")
+    return Check(
+        name,
+        WARN,
+        f"regions of ended containers are not collected{_since(said.get('since'))}: {said.get('problem')}; "
+        "each GPU keeps at most as many regions as it has units",
+        str(said.get("hint") or "make the kubelet's pod-resources socket reachable from the agent"),
+    )
+
+
+def _check_sharing(cfg: Config) -> Check:
+    """GPUs whose change of sharing mode (a reload) waits for their holders to end."""
+    from gpunode.node.status import pending_lines
+
+    name = "sharing changes"
+    lines = pending_lines(cfg.state_dir)
+    if not lines:
+        return Check(name, OK, "none pending")
+    return Check(
+        name,
+        WARN,
+        f"{len(lines)} GPU(s) keep their old mode: " + "; ".join(lines),
+        "the change applies by itself once the pods on these GPUs end; drain them to hurry it",
+    )
+
+
 def checks(cfg: Config) -> list[Check]:
     """Run every check: Python, backend, advertised devices, memory caps and their regions, state dir,
-    kubelet, the agent's plugin sockets, the agent's /health, pod-resources.
+    kubelet, the agent's plugin sockets, the agent's /health, pod-resources, and what the running agent
+    said in its state directory (memory-cap clean-up blocked, sharing changes waiting for holders).
 
     A check that raises becomes a failed Check; it does not stop the others.
     """
@@ -356,6 +398,8 @@ def checks(cfg: Config) -> list[Check]:
         lambda: _check_plugins(cfg, node),
         lambda: _check_agent(cfg),
         lambda: _check_pod_resources(cfg),
+        lambda: _check_cleanup(cfg),
+        lambda: _check_sharing(cfg),
     ]
     out: list[Check] = []
     for step in steps:

@@ -7,7 +7,9 @@ DeviceState. GetPreferredAllocation is decided by gpunode.node.allocation.prefer
 (through gpunode.placement, the code the scheduler extender and the simulator
 use), or by the extender itself when a pod carries its assignment
 (gpunode.node.assignments, through AllocationHooks); Allocate is built by
-gpunode.node.allocation.allocator. The kubelet
+gpunode.node.allocation.allocator, after gpunode.node.allocation.holds has made sure
+no other container holds the devices (Allocates in flight, the kubelet's
+pod-resources List). The kubelet
 removes every socket in its directory when it restarts and re-creates
 kubelet.sock; PluginManager watches for that and restarts and re-registers its
 servers. This module translates errors into gRPC
@@ -34,6 +36,7 @@ from google.protobuf.message import DecodeError
 from gpunode.config.agent import Config
 from gpunode.errors import AllocationError, KubeletDirError, one_line
 from gpunode.node.allocation.allocator import Allocator, ContainerAllocation
+from gpunode.node.allocation.holds import DeviceHolds
 from gpunode.node.allocation.preferred import preferred_allocation
 from gpunode.node.kubelet._proto import deviceplugin_v1beta1_pb2 as pb
 from gpunode.node.kubelet._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
@@ -101,12 +104,14 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         config: Config,
         allocator: Allocator,
         hooks: AllocationHooks | None = None,
+        holds: DeviceHolds | None = None,
     ) -> None:
         self.resource = resource
         self.state = state
         self.config = config
         self.allocator = allocator
         self.hooks = hooks or AllocationHooks()
+        self.holds = holds or DeviceHolds(None)
 
     async def GetDevicePluginOptions(
         self, request: pb.Empty, context: grpc.aio.ServicerContext
@@ -153,20 +158,30 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
     async def Allocate(
         self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext
     ) -> pb.AllocateResponse:
-        """Allocate the requested devices per container; aborts INVALID_ARGUMENT if refused."""
+        """Allocate the requested devices per container; aborts INVALID_ARGUMENT if refused (a device
+        unknown or unhealthy, or held by another container)."""
         snap = self.state.snapshot()
         resp = pb.AllocateResponse()
-        for creq in request.container_requests:
-            try:
-                alloc = await asyncio.to_thread(
-                    self.allocator.allocate, snap, self.resource, list(creq.devices_ids)
-                )
-            except AllocationError as exc:
-                log.warning("Allocate refused: %s", exc)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            log.info("Allocate %s: %s", self.resource, ",".join(creq.devices_ids))
-            await self._allocated(snap, list(creq.devices_ids))
-            resp.container_responses.append(to_response(alloc))
+        claims: list[tuple[list[str], str]] = []
+        answered = False
+        try:
+            for creq in request.container_requests:
+                ids = list(creq.devices_ids)
+                try:
+                    key = self.holds.claim(self.resource, ids)
+                    claims.append((ids, key))
+                    await self.holds.check(self.resource, ids, key)
+                    alloc = await asyncio.to_thread(self.allocator.allocate, snap, self.resource, ids)
+                except AllocationError as exc:
+                    log.warning("Allocate refused: %s", exc)
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                log.info("Allocate %s: %s", self.resource, ",".join(creq.devices_ids))
+                await self._allocated(snap, ids)
+                resp.container_responses.append(to_response(alloc))
+            answered = True
+        finally:
+            for ids, key in claims:
+                self.holds.release(ids, key, given=answered)
         return resp
 
     async def _assigned(
@@ -382,6 +397,7 @@ class PluginManager:
         self.state = state
         self.allocator = allocator or Allocator(config=config)
         self.hooks = AllocationHooks()  # shared by every servicer; the agent fills it
+        self.holds = DeviceHolds(None)  # shared by every servicer; the agent gives it the kubelet's List
         self.servers: dict[str, PluginServer] = {}
         self.registered: dict[
             str, tuple[int, int]
@@ -402,6 +418,7 @@ class PluginManager:
                 config=self.config,
                 allocator=self.allocator,
                 hooks=self.hooks,
+                holds=self.holds,
             )
             srv = PluginServer(resource, self.config.kubelet_dir / socket_name(resource), servicer)
             await srv.start()
