@@ -181,20 +181,23 @@ class Agent:
         # Nothing is created or served before the directories are known to be usable.
         await asyncio.to_thread(check_state_dir, self.config)
         await asyncio.to_thread(check_kubelet_dir, self.config, inventory.resources())
-        self.state = DeviceState(inventory)
+        from gpunode.node.drain import SharingGate, load_served
+
+        # How the node sold each GPU before this start: a GPU a container still holds keeps that.
+        before = await asyncio.to_thread(load_served, self.config.state_dir, inventory)
+        self.state = DeviceState(before or inventory)
         self._restore_caps(inventory)
         allocator = Allocator(config=self.config, checkpoint=self.checkpoint)
-        allocator.preload_lib = self._stage_preload(inventory)
         self.plugins = PluginManager(config=self.config, state=self.state, allocator=allocator)
         self._wire_holds(self.plugins)
-        from gpunode.node.drain import SharingGate
-
         self.gate = SharingGate(
             state=self.state,
             holds=self.plugins.holds,
             checkpoint=self.checkpoint,
             state_dir=self.config.state_dir,
         )
+        inventory = await self.gate.apply(inventory)
+        allocator.preload_lib = self._stage_preload(inventory)
         self._announce(inventory)
         sup = self.supervisor = Supervisor()
         stopper = asyncio.ensure_future(self._stop_async.wait())

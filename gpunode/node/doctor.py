@@ -375,7 +375,8 @@ def _check_sharing(cfg: Config) -> Check:
         name,
         WARN,
         f"{len(lines)} GPU(s) keep their old mode: " + "; ".join(lines),
-        "the change applies by itself once the pods on these GPUs end; drain them to hurry it",
+        "the change applies by itself once the pods on these GPUs end (drain them to hurry it); while the "
+        "kubelet's pod-resources API cannot be asked the agent cannot see them end: make it reachable",
     )
 
 

@@ -1,6 +1,9 @@
-"""A GPU with live holders keeps how it is sold until they are gone: the gate of reloads and rediscovery.
+"""A GPU with live holders keeps how it is sold until they are gone: the gate of reloads and restarts.
 
-A reload (SIGHUP) or a rediscovery gives the inventory the configuration wants.
+A reload (SIGHUP), a rediscovery or a restart with a new configuration (the
+chart rolls the agents when it changes) gives the inventory the configuration
+wants; what the node advertised last is kept in state_dir/advertised.json, so a
+restarted agent knows how each GPU was sold before.
 For every GPU whose advertised devices would change (sharing mode, memory
 units, time-slicing replicas, MIG layout or strategy), SharingGate asks who holds
 the GPU's current devices: the kubelet's pod-resources List (containers, with
@@ -17,6 +20,7 @@ state_dir/status/sharing.json, which `gpunode devices` and `gpunode doctor` show
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -28,6 +32,7 @@ from prometheus_client.registry import Collector
 
 from gpunode.contract.names import Sharing
 from gpunode.node.allocation.holds import DeviceHolds
+from gpunode.node.files import write_atomically
 from gpunode.node.inventory import AdvertisedDevice, Inventory
 from gpunode.node.memcap.checkpoint import Checkpoint
 from gpunode.node.state import DeviceState
@@ -37,6 +42,9 @@ log = logging.getLogger("gpunode.node.agent")  # said as the agent's reload
 
 DRAIN_CHECK_S = 5.0  # how often a pending change looks again at the GPU's holders
 MAX_HOLDERS_SHOWN = 8
+SERVED_FILE = "advertised.json"
+SERVED_VERSION = 1
+MAX_SERVED_BYTES = 32 << 20  # 16,384 devices of a few hundred bytes each, with room to spare
 
 
 @dataclass(frozen=True)
@@ -105,6 +113,64 @@ def merge(current: Inventory, wanted: Inventory, keep: Iterable[str]) -> Invento
     return Inventory(devices=tuple(devices), gpus=wanted.gpus, modes=tuple(modes), warnings=wanted.warnings)
 
 
+def save_served(state_dir: Path, inventory: Inventory) -> None:
+    """Keep what the node advertises now, per GPU, for the next start (a failure is logged)."""
+    by_gpu = devices_by_gpu(inventory)
+    doc = {
+        "version": SERVED_VERSION,
+        "gpus": [
+            {
+                "uuid": g.uuid,
+                "mode": str(inventory.mode_of(g.uuid) or Sharing.WHOLE),
+                "devices": [asdict(d) for d in by_gpu.get(g.uuid, ())],
+            }
+            for g in inventory.gpus
+        ],
+    }
+    path = Path(state_dir) / SERVED_FILE
+    try:
+        write_atomically(path, json.dumps(doc, separators=(",", ":")))
+    except OSError as exc:
+        log.warning("cannot write %s: %s", path, exc.strerror or exc)
+
+
+def load_served(state_dir: Path, wanted: Inventory) -> Inventory | None:
+    """What the node advertised before this start, over the GPUs present now (a GPU it did not know is
+    sold as wanted); None when there is no such record, or it cannot be used (logged)."""
+    path = Path(state_dir) / SERVED_FILE
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_SERVED_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("cannot read %s: %s; the configuration applies to every GPU", path, exc.strerror or exc)
+        return None
+    try:
+        if len(data) > MAX_SERVED_BYTES:
+            raise ValueError(f"more than {MAX_SERVED_BYTES} bytes")
+        doc = json.loads(data)
+        if not isinstance(doc, dict) or doc.get("version") != SERVED_VERSION:
+            raise ValueError("unknown version")
+        before: dict[str, tuple[Sharing, tuple[AdvertisedDevice, ...]]] = {}
+        for g in doc["gpus"]:
+            saved = tuple(AdvertisedDevice(**d) for d in g["devices"])
+            if any(d.gpu_uuid != g["uuid"] for d in saved):
+                raise ValueError(f"a device of {g['uuid']} names another GPU")
+            before[str(g["uuid"])] = (Sharing(g["mode"]), saved)
+    except (ValueError, TypeError, KeyError) as exc:
+        log.warning("%s cannot be used (%s); the configuration applies to every GPU", path, exc)
+        return None
+    new = devices_by_gpu(wanted)
+    devices: list[AdvertisedDevice] = []
+    modes: list[tuple[str, Sharing]] = []
+    for gpu in wanted.gpus:
+        mode, devs = before.get(gpu.uuid, (wanted.mode_of(gpu.uuid) or Sharing.WHOLE, new.get(gpu.uuid, ())))
+        devices += devs
+        modes.append((gpu.uuid, mode))
+    return Inventory(devices=tuple(devices), gpus=wanted.gpus, modes=tuple(modes), warnings=wanted.warnings)
+
+
 class SharingGate:
     """Applies wanted inventories to the device state, holding back GPUs with live holders."""
 
@@ -128,8 +194,8 @@ class SharingGate:
         self.pending: dict[str, PendingChange] = {}
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
-        if state_dir is not None:
-            write_status(state_dir, SHARING, None)  # nothing waits in a process that just started
+        self._saved: Inventory | None = None  # what save_served wrote last
+        self._told = False  # whether the status file says what `pending` holds (an earlier agent's may not)
 
     async def apply(self, wanted: Inventory) -> Inventory:
         """Advertise `wanted`, except on the GPUs that have holders now; the inventory advertised."""
@@ -139,14 +205,23 @@ class SharingGate:
             held = await self.holders(current, changed) if changed else {}
             keep = [u for u in changed if held.get(u)]
             inventory = merge(current, wanted, keep) if keep else wanted
-            self.state.set_inventory(inventory)
-            self._record(current, wanted, {u: held[u] for u in keep})
+            told = self._record(current, wanted, {u: held[u] for u in keep})
             self.wanted = wanted if keep else None
+            self.state.set_inventory(inventory)
             if keep:
                 self._wake.set()
+            if self.state_dir is not None:
+                if not told or not self._told:
+                    doc = {"gpus": [asdict(p) for p in self.pending.values()]} if self.pending else None
+                    await asyncio.to_thread(write_status, self.state_dir, SHARING, doc)
+                    self._told = True
+                if inventory != self._saved:
+                    await asyncio.to_thread(save_served, self.state_dir, inventory)
+                    self._saved = inventory
             return inventory
 
-    def _record(self, current: Inventory, wanted: Inventory, held: dict[str, list[str]]) -> None:
+    def _record(self, current: Inventory, wanted: Inventory, held: dict[str, list[str]]) -> bool:
+        """Keep the GPUs held back in `pending`, logging each change; True when nothing changed."""
         now = self.clock()
         pending: dict[str, PendingChange] = {}
         for uuid, holders in held.items():
@@ -167,7 +242,7 @@ class SharingGate:
                 shown = ", ".join(change.holders[:MAX_HOLDERS_SHOWN])
                 more = len(change.holders) - MAX_HOLDERS_SHOWN
                 log.warning(
-                    "reload: GPU %d (%s) stays %s while %s hold%s it; it becomes %s once they are gone",
+                    "GPU %d (%s) stays %s while %s hold%s it; it becomes %s once they are gone",
                     change.index,
                     uuid,
                     change.current,
@@ -178,10 +253,9 @@ class SharingGate:
         for uuid in self.pending.keys() - pending.keys():
             gone = self.pending[uuid]
             log.info("GPU %d (%s): its holders are gone; now %s", gone.index, uuid, sold_as(wanted, uuid))
-        if pending != self.pending and self.state_dir is not None:
-            doc = {"gpus": [asdict(p) for p in pending.values()]} if pending else None
-            write_status(self.state_dir, SHARING, doc)
+        same = pending == self.pending
         self.pending = pending
+        return same
 
     async def holders(self, current: Inventory, uuids: Iterable[str]) -> dict[str, list[str]]:
         """Who holds each of these GPUs' current devices (nothing listed: not held)."""

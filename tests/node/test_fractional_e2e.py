@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
-from gpunode.node import memcap
+from gpunode.node import doctor, memcap
 from gpunode.node.agent import Agent
 from gpunode.node.devices.simnode.backend import SimBackend
 from gpunode.node.inventory import region_key
@@ -191,12 +191,27 @@ def test_no_collection_while_the_kubelet_cannot_be_asked(sockdir: Path, kubelet:
     doc = fractional_doc(sockdir, gcInterval="0.1s", gcGrace="0s")
     cfg = make_config(sockdir / "device-plugins", sockdir / "state", doc)
     backend = SimBackend.from_profile("t4")
-    with RunningAgent(Agent(cfg, backend=backend)):
+    with RunningAgent(Agent(cfg, backend=backend)) as ra:
         kubelet.wait_for_resources([MEM])
         ids = units_of(kubelet, backend.gpus()[0].uuid)[:2]
         kubelet.allocate(MEM, ids)
         time.sleep(0.5)  # several GC periods without a pod-resources socket
         assert (sockdir / "state" / "memcap" / region_key(ids)).is_dir()
+        # Said in a metric and by doctor, with the fix.
+        assert "gpunode_memcap_cleanup_blocked 1.0" in ra.agent.metrics.render().decode()
+        check = next(c for c in doctor.checks(ra.agent.config) if c.name == "memory-cap clean-up")
+        assert (
+            check.status == doctor.WARN
+            and "not collected" in check.detail
+            and "does not exist" in check.detail
+        )
+        assert "pod-resources" in check.hint
+    with PodResourcesStandIn(str(sockdir / "pr.sock")), RunningAgent(Agent(cfg, backend=backend)) as ra:
+        kubelet.wait_for_resources([MEM])
+        time.sleep(0.5)
+        assert "gpunode_memcap_cleanup_blocked 0.0" in ra.agent.metrics.render().decode()
+        check = next(c for c in doctor.checks(ra.agent.config) if c.name == "memory-cap clean-up")
+        assert check.status == doctor.OK, check
 
 
 def test_allocated_cap_holds_in_the_interposer(

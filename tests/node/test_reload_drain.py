@@ -182,3 +182,82 @@ def test_time_slicing_replicas_wait_for_their_holders(sockdir: Path, kubelet: Ku
         kubelet.wait_for(
             lambda: len(served(kubelet, "nvidia.com/gpu.shared")) == 8, what="GPU 0 at 2 as well"
         )
+
+
+def test_a_held_mig_layout_waits_for_its_holders(sockdir: Path, kubelet: KubeletStandIn) -> None:
+    """migStrategy mixed -> none would sell GPU 4 whole while a pod holds one of its MIG devices."""
+
+    def doc(strategy: str) -> dict[str, Any]:
+        return {
+            "flags": {"migStrategy": strategy},
+            "gpunode": {"podResourcesSocket": str(sockdir / "pr.sock")},
+        }
+
+    wanted = {"doc": doc("mixed")}
+    cfg = make_config(sockdir / "device-plugins", sockdir / "state", wanted["doc"])
+    backend = SimBackend.from_profile("a100-mig")
+    loader = lambda: make_config(sockdir / "device-plugins", sockdir / "state", wanted["doc"])  # noqa: E731
+    with (
+        PodResourcesStandIn(str(sockdir / "pr.sock")) as pr,
+        RunningAgent(Agent(cfg, backend=backend, config_loader=loader)) as ra,
+    ):
+        kubelet.wait_for_resources(["nvidia.com/mig-3g.40gb"])
+        ra.agent.gate.interval_s = 0.1
+        assert ra.agent.plugins is not None
+        ra.agent.plugins.holds.record_grace_s = 0.0
+        gpu4 = backend.gpus()[4]
+        mig = gpu4.mig_devices[0].uuid
+        kubelet.allocate("nvidia.com/mig-3g.40gb", [mig])
+        pr.set_pods([ContainerDevices("team", "a", "main", "nvidia.com/mig-3g.40gb", (mig,))])
+        wanted["doc"] = doc("none")
+        ra.agent.request_reload()
+        kubelet.wait_for(lambda: len(served(kubelet, GPU)) == 7, what="the other GPUs sold whole")
+        assert gpu4.uuid not in served(kubelet, GPU)
+        kubelet.wait_for(
+            lambda: (
+                sorted(served(kubelet, "nvidia.com/mig-3g.40gb")) == sorted(m.uuid for m in gpu4.mig_devices)
+            ),
+            what="GPU 4's MIG devices alone still sold",
+        )
+        assert ra.agent.gate.pending[gpu4.uuid].holders == ("team/a/main",)
+        pr.set_pods([])
+        kubelet.wait_for(lambda: len(served(kubelet, GPU)) == 8, what="GPU 4 sold whole once free")
+
+
+def test_a_restart_with_a_new_configuration_waits_for_holders_too(
+    sockdir: Path, kubelet: KubeletStandIn
+) -> None:
+    """The chart rolls the agents when the configuration changes: a restart must not re-sell a held GPU either."""
+
+    def cfg(devices: Any) -> Any:
+        doc = {
+            "gpunode": {
+                "fractional": {"devices": devices, "unit": "1Gi"},
+                "podResourcesSocket": str(sockdir / "pr.sock"),
+            }
+        }
+        return make_config(sockdir / "device-plugins", sockdir / "state", doc)
+
+    backend = SimBackend.from_profile("t4")
+    g1 = backend.gpus()[1].uuid
+    with PodResourcesStandIn(str(sockdir / "pr.sock")) as pr:
+        with RunningAgent(Agent(cfg([0, 1]), backend=backend)) as ra:
+            kubelet.wait_for_resources([MEM])
+            ids = on_gpu(served(kubelet, MEM), g1)[:3]
+            kubelet.allocate(MEM, ids)
+        pr.set_pods([ContainerDevices("team", "a", "main", MEM, tuple(ids))])
+        registered = len(kubelet.registrations)
+        with RunningAgent(Agent(cfg([0]), backend=backend)) as ra:
+            ra.agent.gate.interval_s = 0.1
+            kubelet.wait_for(
+                lambda: len(kubelet.registrations) >= registered + 2, what="the new agent registered"
+            )
+            kubelet.wait_for_resources([MEM, GPU])
+            kubelet.wait_for(
+                lambda: len(served(kubelet, MEM)) == 2 * 15 and len(served(kubelet, GPU)) == 2,
+                what="GPU 1 still sold as units after the restart",
+            )
+            assert g1 not in served(kubelet, GPU) and list(ra.agent.gate.pending) == [g1]
+            pr.set_pods([])
+            kubelet.wait_for(lambda: len(served(kubelet, GPU)) == 3, timeout=20, what="GPU 1 sold whole once free")
+            assert len(served(kubelet, MEM)) == 15

@@ -115,6 +115,7 @@ class RegionKeeper:
         self.removed: list[str] = []
         self.reclaimed_bytes = 0
         self.problem: str | None = None  # why clean-up cannot run, while it cannot
+        self.hint = ""  # its fix
         self.blocked_since: float | None = None  # unix time it stopped running
 
     async def collect_once(self) -> tuple[str, ...]:
@@ -150,23 +151,33 @@ class RegionKeeper:
 
         While the kubelet cannot be asked, nothing is removed and one warning is logged.
         """
+        from gpunode.node.status import CLEANUP, write_status
+
+        told = False  # an earlier agent's status file may say what no longer holds
         while True:
             try:
                 await self.collect_once()
-                self._blocked(None)
+                changed = self._blocked(None)
             except GpunodeError as exc:
-                self._blocked(exc)
+                changed = self._blocked(exc)
+            if self.state_dir is not None and (changed or not told):
+                await asyncio.to_thread(write_status, self.state_dir, CLEANUP, self.status())
+                told = True
             if ready is not None and not ready.is_set():
                 ready.set()
             await asyncio.sleep(self.interval_s)
 
-    def _blocked(self, exc: GpunodeError | None) -> None:
-        """Record whether clean-up runs; the change is logged once and told to doctor."""
-        from gpunode.node.status import CLEANUP, write_status
+    def status(self) -> dict[str, object] | None:
+        """What `gpunode doctor` is told: why clean-up cannot run, or None while it runs."""
+        if self.problem is None:
+            return None
+        return {"problem": self.problem, "hint": self.hint, "since": self.blocked_since}
 
+    def _blocked(self, exc: GpunodeError | None) -> bool:
+        """Record whether clean-up runs, logging a change once; True when it changed."""
         problem = None if exc is None else str(exc)
         if problem == self.problem:
-            return
+            return False
         if exc is not None and self.problem is None:
             log.warning(
                 "memory caps: no garbage collection while the kubelet cannot be asked: %s; each GPU still "
@@ -178,8 +189,5 @@ class RegionKeeper:
             log.info("memory caps: garbage collection runs again")
             self.blocked_since = None
         self.problem = problem
-        if self.state_dir is not None:
-            doc = None
-            if exc is not None:
-                doc = {"problem": problem, "hint": exc.hint, "since": self.blocked_since}
-            write_status(self.state_dir, CLEANUP, doc)
+        self.hint = exc.hint if exc is not None else ""
+        return True
