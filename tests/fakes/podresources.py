@@ -64,8 +64,11 @@ def _pod_message(pod: Pod) -> pb.PodResources:
         containers=[
             pb.ContainerResources(
                 name=c.name,
+                # As the kubelet answers (1.21 and later): one entry per device ID.
                 devices=[
-                    pb.ContainerDevices(resource_name=r, device_ids=list(ids)) for r, ids in c.devices.items()
+                    pb.ContainerDevices(resource_name=r, device_ids=[i])
+                    for r, ids in c.devices.items()
+                    for i in ids
                 ],
             )
             for c in pod.containers

@@ -224,3 +224,43 @@ def test_stand_in_serves_get_and_allocatable(kubelet: PodResourcesStandIn) -> No
         with pytest.raises(grpc.RpcError) as info:
             stub.Get(pb.GetPodResourcesRequest(pod_name="zz", pod_namespace="ns"), timeout=5)
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_containers_devices_listed_one_per_entry_are_one_record() -> None:
+    # The kubelet (1.21 and later) lists each device ID of a resource as its own entry, and a device with
+    # a topology once per NUMA node: the client merges them into one record per (container, resource).
+    from gpunode.node.kubelet._proto import podresources_v1_pb2 as pb
+    from gpunode.node.kubelet.podresources import flatten_list_response
+
+    numa = pb.TopologyInfo(nodes=[pb.NUMANode(ID=0)])
+    answer = pb.ListPodResourcesResponse(
+        pod_resources=[
+            pb.PodResources(
+                name="p",
+                namespace="ns",
+                containers=[
+                    pb.ContainerResources(
+                        name="c",
+                        devices=[
+                            pb.ContainerDevices(
+                                resource_name="gpunode.io/gpu-memory", device_ids=[f"{GPU0}::mem1"]
+                            ),
+                            pb.ContainerDevices(
+                                resource_name="nvidia.com/gpu", device_ids=[GPU1], topology=numa
+                            ),
+                            pb.ContainerDevices(
+                                resource_name="gpunode.io/gpu-memory", device_ids=[f"{GPU0}::mem0"]
+                            ),
+                            pb.ContainerDevices(
+                                resource_name="nvidia.com/gpu", device_ids=[GPU1], topology=numa
+                            ),
+                        ],
+                    )
+                ],
+            )
+        ]
+    )
+    assert flatten_list_response(answer) == (
+        ContainerDevices("ns", "p", "c", "gpunode.io/gpu-memory", (f"{GPU0}::mem1", f"{GPU0}::mem0")),
+        ContainerDevices("ns", "p", "c", "nvidia.com/gpu", (GPU1,)),
+    )

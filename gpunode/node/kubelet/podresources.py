@@ -101,20 +101,28 @@ class AttributionSnapshot:
 
 
 def flatten_list_response(response: pb.ListPodResourcesResponse) -> tuple[ContainerDevices, ...]:
-    """Turn a List answer into one record per (container, resource); containers without devices are left out."""
+    """Turn a List answer into one record per (container, resource); containers without devices are left out.
+
+    The kubelet lists a container's devices of one resource as one entry per device ID (and per NUMA
+    node of a device with a topology: since 1.21), so the entries of one resource are merged here, each
+    device ID once, in the kubelet's order.
+    """
     out: list[ContainerDevices] = []
     for pod in response.pod_resources:
         for container in pod.containers:
+            merged: dict[str, dict[str, None]] = {}
             for devices in container.devices:
-                if not devices.device_ids:
-                    continue
+                if devices.device_ids:
+                    ids = merged.setdefault(devices.resource_name, {})
+                    ids.update(dict.fromkeys(devices.device_ids))
+            for resource_name, ids in merged.items():
                 out.append(
                     ContainerDevices(
                         namespace=pod.namespace,
                         pod=pod.name,
                         container=container.name,
-                        resource_name=devices.resource_name,
-                        device_ids=tuple(devices.device_ids),
+                        resource_name=resource_name,
+                        device_ids=tuple(ids),
                     )
                 )
     return tuple(out)
