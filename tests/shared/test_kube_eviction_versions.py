@@ -1,6 +1,6 @@
-"""Eviction on an API server that serves only policy/v1beta1 (Kubernetes 1.20, 1.21): the client falls back
-and remembers; the disruption-budget answer is the same in both versions. The real 1.20 API server is in
-tests/e2e/test_realnode_deviceplugin.py."""
+"""Eviction is policy/v1 only (served from Kubernetes 1.22; gpunode supports 1.34 to 1.37): an API server
+that refuses it gets no second request in another version, and its answer is one error. The real API
+server (1.36) is in tests/e2e/test_realnode_deviceplugin.py."""
 
 from __future__ import annotations
 
@@ -41,50 +41,28 @@ def _versions(api: ApiServerStandIn) -> list[str]:
     return [r.body["apiVersion"] for r in api.requests("POST", r"/eviction$")]
 
 
-def test_policy_v1_is_used_where_served(api: ApiServerStandIn, kube: KubeClient, run: Run) -> None:
-    api.add_pod("ns", "p")
-    run(kube.evict_pod("ns", "p"))
+def test_policy_v1_is_used(api: ApiServerStandIn, kube: KubeClient, run: Run) -> None:
+    uid = api.add_pod("ns", "p")
+    run(kube.evict_pod("ns", "p", uid=uid, grace_period_s=5))
     assert _versions(api) == ["policy/v1"] and api.pods() == []
-
-
-def test_falls_back_to_v1beta1_once_and_remembers(api: ApiServerStandIn, kube: KubeClient, run: Run) -> None:
-    api.serve_eviction_versions("policy/v1beta1")
-    uid = api.add_pod("ns", "a")
-    api.add_pod("ns", "b")
-    run(kube.evict_pod("ns", "a", uid=uid, grace_period_s=5))
-    assert _versions(api) == ["policy/v1", "policy/v1beta1"]
     body = api.requests("POST", r"/eviction$")[-1].body
+    assert body["kind"] == "Eviction" and body["metadata"] == {"name": "p", "namespace": "ns"}
     assert body["deleteOptions"] == {"preconditions": {"uid": uid}, "gracePeriodSeconds": 5}
-    run(kube.evict_pod("ns", "b"))
-    assert _versions(api) == ["policy/v1", "policy/v1beta1", "policy/v1beta1"], "the choice is kept"
-    assert api.pods() == []
 
 
-def test_back_to_v1_when_the_server_drops_v1beta1(api: ApiServerStandIn, kube: KubeClient, run: Run) -> None:
-    api.serve_eviction_versions("policy/v1beta1")
-    api.add_pod("ns", "a")
-    api.add_pod("ns", "b")
-    run(kube.evict_pod("ns", "a"))
-    api.serve_eviction_versions("policy/v1")  # the API server was upgraded past 1.25 meanwhile
-    run(kube.evict_pod("ns", "b"))
-    assert _versions(api)[-2:] == ["policy/v1beta1", "policy/v1"] and api.pods() == []
-
-
-def test_a_budget_blocks_a_v1beta1_eviction_the_same_way(
+def test_a_budget_blocks_an_eviction_until_it_allows_it(
     api: ApiServerStandIn, kube: KubeClient, run: Run
 ) -> None:
-    api.serve_eviction_versions("policy/v1beta1")
     api.add_pod("ns", "p")
     api.block_evictions("ns", "p", times=1)
     with pytest.raises(EvictionBlocked) as err:
         run(kube.evict_pod("ns", "p"))
     assert err.value.status == 429
-    assert _versions(api) == ["policy/v1", "policy/v1beta1"]
     run(kube.evict_pod("ns", "p"))
-    assert _versions(api)[-1] == "policy/v1beta1" and api.pods() == []
+    assert _versions(api) == ["policy/v1", "policy/v1"] and api.pods() == []
 
 
-def test_other_refusals_are_not_retried_in_another_version(
+def test_refusals_are_not_retried_in_another_version(
     api: ApiServerStandIn, kube: KubeClient, run: Run
 ) -> None:
     with pytest.raises(KubeNotFound):
@@ -94,13 +72,14 @@ def test_other_refusals_are_not_retried_in_another_version(
     with pytest.raises(KubeApiError) as err:
         run(kube.evict_pod("ns", "p"))
     assert err.value.status == 400
-    assert _versions(api) == ["policy/v1", "policy/v1"] and kube.eviction_version == "policy/v1"
+    assert _versions(api) == ["policy/v1", "policy/v1"]
 
 
-def test_no_version_served_is_one_error(api: ApiServerStandIn, kube: KubeClient, run: Run) -> None:
-    api.serve_eviction_versions()
+def test_a_server_without_policy_v1_is_one_error(api: ApiServerStandIn, kube: KubeClient, run: Run) -> None:
+    # An API server older than 1.22 (outside the supported range) refuses the body: one request, one line.
+    api.serve_eviction_versions("policy/v1beta1")
     api.add_pod("ns", "p")
     with pytest.raises(KubeApiError) as err:
         run(kube.evict_pod("ns", "p"))
-    assert err.value.status == 400 and "policy/v1beta1" in str(err.value) and "\n" not in str(err.value)
-    assert _versions(api) == ["policy/v1", "policy/v1beta1"] and api.pods() == [("ns", "p")]
+    assert err.value.status == 400 and "policy/v1" in str(err.value) and "\n" not in str(err.value)
+    assert _versions(api) == ["policy/v1"] and api.pods() == [("ns", "p")]

@@ -10,9 +10,8 @@ QueueController runs on one asyncio loop with one gpunode.infra.kube.KubeClient:
   pods (their admission and notice annotations), so nothing is admitted twice;
 - a reconcile runs after changes (batched for `settle_s`), when a notice runs out,
   and every `resync_s`; its writes: annotations on pods, then their Events, then
-  evictions through the Eviction API (policy/v1, policy/v1beta1 on servers without
-  it: KubeClient.evict_pod), each stage with up to `max_in_flight` requests under way
-  at once (one pod's writes stay in order). A failed admission write makes the core
+  evictions through the Eviction API (policy/v1: KubeClient.evict_pod), each stage
+  with up to `max_in_flight` requests under way at once (one pod's writes stay in order). A failed admission write makes the core
   rebuild from what the pods say (a gang left marked part-way is completed there
   or undone, its bound members evicted: repair.py); a refused eviction (a PodDisruptionBudget) is tried again at the
   next reconcile;

@@ -37,8 +37,8 @@ JSON_PATCH = "application/json-patch+json"
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 COMPONENT = "gpunode"
 LIST_CHUNK = 500
-# Eviction versions, newest first: policy/v1 from Kubernetes 1.22, policy/v1beta1 up to 1.25.
-EVICTION_VERSIONS = ("policy/v1", "policy/v1beta1")
+# The Eviction version: policy/v1, served from Kubernetes 1.22 on (gpunode supports 1.34 to 1.37).
+EVICTION_VERSION = "policy/v1"
 
 
 class _ListMeta(msgspec.Struct):
@@ -58,7 +58,6 @@ class KubeClient:
         self.transport = transport
         self.request_timeout_s = transport.request_timeout_s
         self.host = transport.host
-        self.eviction_version = EVICTION_VERSIONS[0]  # switched when the API server does not serve it
 
     # -- construction ------------------------------------------------------------------------
 
@@ -234,12 +233,7 @@ class KubeClient:
         grace_period_s: int | None = None,
         dry_run: bool = False,
     ) -> None:
-        """Ask for an eviction. Raises EvictionBlocked on 429 (a PDB), KubeNotFound when gone.
-
-        The body is policy/v1; an API server that cannot decode that version (1.20 answers 400 "no kind
-        Eviction is registered for version policy/v1") is asked again with policy/v1beta1, and the
-        client keeps using the version that was served.
-        """
+        """Ask for an eviction (policy/v1). Raises EvictionBlocked on 429 (a PDB), KubeNotFound when gone."""
         delete_options: dict[str, Any] = {}
         if uid:
             delete_options["preconditions"] = {"uid": uid}
@@ -247,25 +241,20 @@ class KubeClient:
             delete_options["gracePeriodSeconds"] = grace_period_s
         if dry_run:
             delete_options["dryRun"] = ["All"]
-        body: dict[str, Any] = {"kind": "Eviction", "metadata": {"name": name, "namespace": namespace}}
+        body: dict[str, Any] = {
+            "apiVersion": EVICTION_VERSION,
+            "kind": "Eviction",
+            "metadata": {"name": name, "namespace": namespace},
+        }
         if delete_options:
             body["deleteOptions"] = delete_options
-        order = [self.eviction_version, *(v for v in EVICTION_VERSIONS if v != self.eviction_version)]
-        for version in order:
-            try:
-                await self.transport.request(
-                    "POST",
-                    f"{_pod_path(namespace, name)}/eviction",
-                    body={"apiVersion": version, **body},
-                    what=f"evict pod {namespace}/{name}",
-                    eviction=True,
-                )
-            except KubeApiError as exc:
-                if not _version_not_served(exc, version) or version == order[-1]:
-                    raise
-                continue
-            self.eviction_version = version
-            return
+        await self.transport.request(
+            "POST",
+            f"{_pod_path(namespace, name)}/eviction",
+            body=body,
+            what=f"evict pod {namespace}/{name}",
+            eviction=True,
+        )
 
     async def delete_pod(
         self, namespace: str, name: str, *, uid: str | None = None, grace_period_s: int | None = None
@@ -426,12 +415,6 @@ class KubeClient:
             content_type=STRATEGIC_MERGE_PATCH,
             what=f"set condition {condition.type} on node {name}",
         )
-
-
-def _version_not_served(exc: KubeApiError, version: str) -> bool:
-    """Whether the API server refused an Eviction body only because it does not know its `version`."""
-    text = str(exc)
-    return exc.status == 400 and 'no kind "Eviction"' in text and f'"{version}"' in text
 
 
 def _pod_path(namespace: str, name: str) -> str:

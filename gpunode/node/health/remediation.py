@@ -2,8 +2,7 @@
 
 For each new Fault, KubeRemediator asks the kubelet (pod-resources List) which
 containers hold the fault's device IDs, and evicts each of their pods once
-through the Eviction API (policy/v1; policy/v1beta1 where the API server serves
-only that, as 1.20 and 1.21 do), so PodDisruptionBudgets are honoured: a
+through the Eviction API (policy/v1), so PodDisruptionBudgets are honoured: a
 429 is retried with backoff until the eviction deadline, after which the pod is
 optionally deleted. It posts a Warning Event on the node and on each pod
 naming the GPU and the fault, and keeps the node annotation

@@ -230,11 +230,7 @@ def test_a_queue_over_its_quota_is_held_with_the_reason(api: ApiServerStandIn) -
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("versions", [("policy/v1",), ("policy/v1beta1",)])
-def test_borrowing_then_reclaim_with_notice_then_eviction(
-    api: ApiServerStandIn, versions: tuple[str]
-) -> None:
-    api.serve_eviction_versions(*versions)  # 1.20 serves only policy/v1beta1
+def test_borrowing_then_reclaim_with_notice_then_eviction(api: ApiServerStandIn) -> None:
     add_node(api, "n1", 8)
 
     async def main() -> None:
@@ -261,7 +257,7 @@ def test_borrowing_then_reclaim_with_notice_then_eviction(
             await until(lambda: admission(api, "b0") is not None, "preemptor admitted")
         assert ("ml", victim) in api.evictions() and ("ml", kept) in api.pods()
         evictions = api.requests("POST", r"/eviction$")
-        assert evictions[-1].body["apiVersion"] == versions[0]
+        assert evictions[-1].body["apiVersion"] == "policy/v1"
         preempting = [e for e in api.events() if e["reason"] == "Preempting"]
         assert preempting and all("ml/b0" in e["message"] for e in preempting)
         assert {e["involvedObject"]["name"] for e in preempting} == {victim}
