@@ -1,65 +1,50 @@
 #!/usr/bin/env bash
-# Build a real Kubernetes v1.20.2 control plane and node for the end-to-end tests (tests/e2e/), and
-# link it at <repo>/.tools/kube.
+# Build a real Kubernetes cluster's parts for the end-to-end tests (tests/e2e/) from Go modules, and link
+# them at <repo>/.tools/kube.
 #
-# Everything comes from Debian 12 (bookworm), through apt's own clients and signature chain:
-#   - kube-apiserver, kube-scheduler, kubelet: built from Debian's `kubernetes` source package with
-#     Debian's Go 1.19 (golang-1.19-go/-src, unpacked with dpkg -x, nothing installed). The vendored
-#     modern-go/reflect2 1.0.1 crashes under Go >= 1.18 (fatal error in mapiterinit), so it and
-#     json-iterator/go are replaced by the sources of Debian's reflect2 1.0.2 and json-iterator 1.1.12.
-#   - etcd and etcdctl: taken out of Debian's etcd-server and etcd-client packages.
-#   - the local test image (no registry is reachable from the tests): a static pause built with
-#     gcc -static from scripts/kube/pause.c plus busybox from busybox-static, packed as a
-#     `docker save` tarball by scripts/kube/mkimage.py, for `ctr images import`.
-#   - containerd, runc and containernetworking-plugins, installed with apt-get (for the kubelet tests).
-# Every downloaded file is checked against the SHA256 pinned below (apt also checks it against the
-# signed Debian indexes). apt runs with a private sources list and lists directory under the cache,
-# so the system's apt configuration is left as it is.
+# What is built, each from its own wrapper module under scripts/kube/mod/<component>/ (go.mod + go.sum
+# committed: the checksum of every module; GOSUMDB checks what the proxy serves against them):
+#   - kubernetes: kube-apiserver, kube-controller-manager, kube-scheduler, kubelet from k8s.io/kubernetes,
+#     with every staging module (k8s.io/api, k8s.io/client-go, ...) replaced by the same-numbered v0.X.Y
+#     (scripts/kube/update-mods.sh writes that list from k8s.io/kubernetes's own go.mod). Built as
+#     upstream builds them: CGO_ENABLED=0, -trimpath, tags selinux,notest, the version set through
+#     ldflags so that --version and /version report it (gitCommit stays empty: the module proxy does
+#     not say which commit a tag is; the modules' checksums in go.sum say what was built);
+#   - etcd: etcd (go.etcd.io/etcd/server/v3) and etcdctl;
+#   - containerd: containerd, containerd-shim-runc-v2, ctr (tag no_btrfs, no cgo);
+#   - runc: cgo with libseccomp (tag seccomp; libseccomp-dev, gcc and pkg-config from apt);
+#   - cni: the loopback plugin (the test node's pods use the loopback network only).
+# Plus the local test image (no registry is reachable from the tests): a static pause built with
+# gcc -static from scripts/kube/pause.c plus busybox from Debian's busybox-static, packed as a
+# `docker save` tarball by scripts/kube/mkimage.py, for `ctr images import`.
 #
-# The result is cached in ~/.cache/gpunode/kube-v1.20.2-<hash of the pins>/ (GPUNODE_KUBE_CACHE
-# overrides ~/.cache/gpunode); a run that finds a complete cache only re-checks the binaries'
-# digests and relinks .tools/kube (GPUNODE_KUBE_LINK overrides). Idempotent; concurrent runs wait for
-# each other (flock). `get-kube.sh --print-cache-dir` prints the cache directory and does nothing else.
-# A cold build takes a few minutes of 2 cores; the Go build runs under nice.
+# Go: the machine's `go` when it is at least the newest go directive of the modules; otherwise the
+# toolchain the Go project publishes on the module proxy (GOTOOLCHAIN=go$GO_TOOLCHAIN, checked by
+# GOSUMDB), started from the machine's go (>= 1.21) or from the newest golang-1.2x-go package Debian 12
+# offers (bookworm-backports), unpacked with dpkg -x. GOMODCACHE and GOCACHE are Go's defaults, kept
+# between runs.
+#
+# Each component's binaries are cached in ~/.cache/gpunode/build/<component>-<version>-<hash of its
+# module files, the recipe and the Go version>/ (GPUNODE_KUBE_CACHE overrides ~/.cache/gpunode) with a
+# SHA256SUMS; the assembled tree is ~/.cache/gpunode/kube-<version>-<hash of all>/ (bin/, cni/, image/),
+# linked at .tools/kube (GPUNODE_KUBE_LINK overrides). A run that finds everything cached checks the
+# digests and relinks: seconds. Concurrent runs wait for each other (flock). `--print-cache-dir` prints
+# the assembled directory and does nothing else (it may need the Go version: see go_env).
+# Builds run under nice with `go build -p 2`; each component's cold build time is printed and kept in
+# <component dir>/BUILD_SECONDS.
 set -Eeuo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-KUBE_VERSION="v1.20.2"
-KUBE_SRC_VERSION="1.20.5+really1.20.2-1.1+deb12u1"
-RECIPE_REV=1  # bump when the build steps change in a way that changes the binaries
-# name=version of every .deb fetched with apt-get download.
-DEBS=(
-  golang-1.19-go=1.19.8-2
-  golang-1.19-src=1.19.8-2
-  etcd-server=3.4.23-4+b4
-  etcd-client=3.4.23-4+b4
-  golang-github-modern-go-reflect2-dev=1.0.2-2
-  golang-github-json-iterator-go-dev=1.1.12-1
-  busybox-static=1:1.35.0-4+deb12u1+b1
-)
-# sha256 of every downloaded file (the kubernetes source package's three files, then the .debs).
-PINS="
-19fa1da5aefcef673894ac9511986bd98a14410cf8eea0b626613c30df435257  kubernetes_1.20.5+really1.20.2-1.1+deb12u1.dsc
-b83c0780efb182d928dc63d46488a847f161f04e40a94b96bf5247dd671ecdfc  kubernetes_1.20.5+really1.20.2.orig.tar.gz
-9b6e5fd41769d2b5badf2e73b274e3bcd90f85e13d06a1a4a845ccce018127d8  kubernetes_1.20.5+really1.20.2-1.1+deb12u1.debian.tar.xz
-545123039b6c79e75cf2d86528781a825424cf33ce9d3f4513d772d7144cd531  golang-1.19-go_1.19.8-2_amd64.deb
-2dfa82fe4f08f4e0193c532e561af4c91871f5235608f04f2bb8d57bb288df5a  golang-1.19-src_1.19.8-2_all.deb
-3a9445d4560ad6de1c375756b2a17d97713df44cbd20a658c871fe108af7ef5d  etcd-server_3.4.23-4+b4_amd64.deb
-db3a484d5d924b50bf71f459ee544ecd7b11c25dc2f6becc0c50352d67299cc8  etcd-client_3.4.23-4+b4_amd64.deb
-af150a5172cf4c19bb321a53e67103e7fb18d07c1baa1e816a235155265d3948  golang-github-modern-go-reflect2-dev_1.0.2-2_all.deb
-b03bbfae7e679be899cd583e2560de92e652979c40a8c44816ff8c8d25e1a5fe  golang-github-json-iterator-go-dev_1.1.12-1_all.deb
-3d3fdbe91d4660c873e14b092c213fe81c1da6362daa236eb25d0171eb108744  busybox-static_1%3a1.35.0-4+deb12u1+b1_amd64.deb
-"
-BINARIES=(kube-apiserver kube-scheduler kubelet etcd etcdctl)
-NODE_PACKAGES=(containerd runc containernetworking-plugins)
+MODS="$ROOT/scripts/kube/mod"
+RECIPE_REV=1          # bump when the build steps change in a way that changes the binaries
+GO_TOOLCHAIN=1.26.8   # the toolchain fetched from the module proxy when the machine's go is too old
 IMAGE_REF="gpunode.local/pause-busybox:1"
-
-KEY="$(printf '%s\n' "$KUBE_VERSION" "$KUBE_SRC_VERSION" "$RECIPE_REV" "${DEBS[@]}" "$PINS" | sha256sum | cut -c1-12)"
+BUSYBOX_DEB="busybox-static=1:1.35.0-4+deb12u1+b1"
+BUSYBOX_SHA="3d3fdbe91d4660c873e14b092c213fe81c1da6362daa236eb25d0171eb108744"
 CACHE_ROOT="${GPUNODE_KUBE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpunode}"
-CACHE="$CACHE_ROOT/kube-$KUBE_VERSION-$KEY"
 LINK="${GPUNODE_KUBE_LINK:-$ROOT/.tools/kube}"
 STEP="starting"
-if [ "${1:-}" = --print-cache-dir ]; then echo "$CACHE"; exit 0; fi
+LOG=""
 
 fail() {  # one line naming the problem, one with the fix
   echo "get-kube.sh: $1" >&2
@@ -72,41 +57,90 @@ on_error() {
 }
 trap on_error ERR
 
-[ "$(uname -s)-$(uname -m)" = Linux-x86_64 ] ||
-  fail "the pinned packages are for linux-amd64; this is $(uname -s)-$(uname -m)" \
-    "run the e2e tests on an amd64 Debian 12 machine"
-# shellcheck disable=SC1091
-codename="$(. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-}")"
-[ "$codename" = bookworm ] ||
-  fail "the pinned packages are Debian 12 (bookworm)'s; this system is '${codename:-unknown}'" \
-    "run the e2e tests on Debian 12, or update the versions and checksums pinned in scripts/get-kube.sh"
+# The version a wrapper module requires of its main module ("require <path> <version>").
+mod_version() {
+  awk -v p="$2" '($1 == p || ($1 == "require" && $2 == p)) { v = ($1 == "require") ? $3 : $2; print v; exit }' \
+    "$MODS/$1/go.mod"
+}
+KUBE_VERSION="$(mod_version kubernetes k8s.io/kubernetes)"
+ETCD_VERSION="$(mod_version etcd go.etcd.io/etcd/server/v3)"
+CONTAINERD_VERSION="$(mod_version containerd github.com/containerd/containerd/v2)"
+RUNC_VERSION="$(mod_version runc github.com/opencontainers/runc)"
+CNI_VERSION="$(mod_version cni github.com/containernetworking/plugins)"
 
-mkdir -p "$CACHE_ROOT"
-exec 9>"$CACHE_ROOT/.kube.lock"
-flock 9  # another get-kube.sh may be building the same thing: wait for it
+# -- Go ------------------------------------------------------------------------------------------------
 
-sha_of_bins() { (cd "$CACHE/bin" && sha256sum "${BINARIES[@]}"); }
+version_ge() { [ "$(printf '%s\n%s\n' "$1" "$2" | sort -V | head -n1)" = "$2" ]; }
 
-control_plane_cached() {
-  [ -f "$CACHE/bin/SHA256SUMS" ] && (cd "$CACHE/bin" && sha256sum --quiet -c SHA256SUMS >/dev/null 2>&1)
+# Sets GO (the go command to run) and GOENV_ARGS (env assignments: GOTOOLCHAIN, GOFLAGS, ...).
+go_env() {
+  local need have="" sys_go
+  need="$(awk '$1 == "go" { print $2 }' "$MODS"/*/go.mod | sort -V | tail -n1)"
+  sys_go="$(command -v go || true)"
+  [ -z "$sys_go" ] && [ -x /usr/local/go/bin/go ] && sys_go=/usr/local/go/bin/go
+  if [ -n "$sys_go" ]; then
+    have="$(GOTOOLCHAIN=local "$sys_go" env GOVERSION 2>/dev/null || true)"
+    have="${have#go}"
+  fi
+  GOENV_ARGS=(GOFLAGS="-mod=readonly -buildvcs=false" GOWORK=off GO111MODULE=on)
+  if [ -n "$have" ] && version_ge "$have" "$need"; then
+    GO="$sys_go"
+    GOENV_ARGS+=(GOTOOLCHAIN=local)
+    return 0
+  fi
+  version_ge "$GO_TOOLCHAIN" "$need" ||
+    fail "the modules need Go $need, above the pinned toolchain go$GO_TOOLCHAIN" \
+      "raise GO_TOOLCHAIN in scripts/get-kube.sh to at least $need"
+  if [ -n "$have" ] && version_ge "$have" 1.21; then
+    GO="$sys_go"
+  else
+    debian_go  # sets GO
+  fi
+  echo ">> Go ${have:-(none)} is older than the modules' go $need: using go$GO_TOOLCHAIN from the module proxy"
+  GOENV_ARGS+=(GOTOOLCHAIN="go$GO_TOOLCHAIN")
 }
 
-# apt with a private sources list (deb + deb-src, copied from the system's Debian entries) and lists.
+# The newest golang-1.2x-go Debian 12 offers (bookworm-backports), unpacked into the cache; sets GO to its go.
+debian_go() {
+  STEP="finding a Go >= 1.21 in Debian (to start go$GO_TOOLCHAIN from the module proxy)"
+  write_private_sources backports
+  apt_private -qq update >/dev/null 2>"$CACHE_ROOT/apt-update.err" ||
+    fail "no Go on this machine is new enough, and apt-get update failed: $(tail -n 1 "$CACHE_ROOT/apt-update.err")" \
+      "install Go >= 1.21 (https://go.dev/dl/) or let this machine reach Debian's mirror"
+  local pkg
+  pkg="$(apt_private -qq list 'golang-1.[2-9][0-9]-go' 2>/dev/null | cut -d/ -f1 | sort -V | tail -n1)"
+  [ -n "$pkg" ] ||
+    fail "Debian offers no golang-1.2x-go package here (bookworm-backports), and this machine's Go is older than 1.21" \
+      "install Go >= 1.21 (https://go.dev/dl/); the e2e tests are skipped until then"
+  local dir="$CACHE_ROOT/debian-go/$pkg"
+  if [ ! -x "$dir/go/bin/go" ]; then
+    mkdir -p "$dir"
+    (cd "$dir" && apt_private -qq download "$pkg" >/dev/null 2>"$dir/err") ||
+      fail "apt-get download $pkg failed: $(tail -n 1 "$dir/err")" "check this machine's access to Debian's mirror"
+    dpkg -x "$dir"/"$pkg"_*.deb "$dir/x"
+    ln -sfn "$(dirname "$(dirname "$(find "$dir/x/usr/lib" -path '*/bin/go' -type f | head -n1)")")" "$dir/go"
+  fi
+  GO="$dir/go/bin/go"
+}
+
+# apt with a private sources list and lists directory, so the system's apt configuration stays as it is.
 APT_DIR="$CACHE_ROOT/apt"
 apt_private() {
   apt-get -o Dir::Etc::SourceList="$APT_DIR/sources.list" -o Dir::Etc::SourceParts="$APT_DIR/sources.list.d" \
     -o Dir::State::Lists="$APT_DIR/lists" -o Dir::Cache="$APT_DIR/cache" -o Debug::NoLocking=1 \
     -o APT::Sandbox::User=root "$@"
 }
-write_private_sources() {
+write_private_sources() {  # [backports]: add bookworm-backports
   mkdir -p "$APT_DIR/sources.list.d" "$APT_DIR/lists/partial" "$APT_DIR/cache/archives/partial"
   : >"$APT_DIR/sources.list"
-  python3 - "$APT_DIR/sources.list.d/debian.sources" <<'PY'
+  python3 - "$APT_DIR/sources.list.d/debian.sources" "${1:-}" <<'PY'
 import glob
 import sys
 
-# Copy the system's deb822 entries for Debian's own archive (same mirror, same Signed-By) as deb + deb-src.
+# Copy the system's deb822 entries for Debian's own archive (same mirror, same Signed-By).
 stanzas = []
+keyring = "/usr/share/keyrings/debian-archive-keyring.gpg"
+uri = "http://deb.debian.org/debian"
 for path in sorted(glob.glob("/etc/apt/sources.list.d/*.sources")):
     for block in open(path).read().split("\n\n"):
         fields = {}
@@ -115,136 +149,218 @@ for path in sorted(glob.glob("/etc/apt/sources.list.d/*.sources")):
                 key, _, value = line.partition(":")
                 fields[key.strip()] = value.strip()
         if "deb" in fields.get("Types", "").split() and "debian-archive-keyring" in fields.get("Signed-By", ""):
-            fields["Types"] = "deb deb-src"
             fields.pop("Enabled", None)
             stanzas.append("\n".join(f"{k}: {v}" for k, v in fields.items()))
+            if "security" not in fields.get("URIs", ""):
+                uri, keyring = fields["URIs"].split()[0], fields["Signed-By"]
 if not stanzas:
-    keyring = "/usr/share/keyrings/debian-archive-keyring.gpg"
-    for uri, suites in (("http://deb.debian.org/debian", "bookworm bookworm-updates"),
-                        ("http://deb.debian.org/debian-security", "bookworm-security")):
-        stanzas.append(f"Types: deb deb-src\nURIs: {uri}\nSuites: {suites}\nComponents: main\nSigned-By: {keyring}")
+    stanzas.append(f"Types: deb\nURIs: {uri}\nSuites: bookworm bookworm-updates\nComponents: main\nSigned-By: {keyring}")
+if sys.argv[2] == "backports":
+    stanzas.append(f"Types: deb\nURIs: {uri}\nSuites: bookworm-backports\nComponents: main\nSigned-By: {keyring}")
 open(sys.argv[1], "w").write("\n\n".join(stanzas) + "\n")
 PY
 }
 
-fetch_sources() {
-  DL="$CACHE_ROOT/downloads"
-  mkdir -p "$DL"
-  if (cd "$DL" && echo "$PINS" | sed '/^$/d' | sha256sum --quiet -c >/dev/null 2>&1); then
-    return 0
-  fi
-  STEP="reading Debian's package indexes"
-  write_private_sources
-  apt_private -qq update >/dev/null 2>"$CACHE_ROOT/apt-update.err" ||
-    fail "apt-get update (private lists for the Kubernetes sources) failed: $(tail -n 1 "$CACHE_ROOT/apt-update.err")" \
-      "check that this machine reaches Debian's mirror (the e2e tests are skipped without it)"
-  STEP="downloading the kubernetes source package and the .debs"
-  (cd "$DL" && apt_private -qq source --download-only "kubernetes=$KUBE_SRC_VERSION" >/dev/null 2>"$DL/err") ||
-    fail "apt-get source kubernetes=$KUBE_SRC_VERSION failed: $(tail -n 1 "$DL/err")" \
-      "Debian may have replaced that version: update KUBE_SRC_VERSION and the checksums in scripts/get-kube.sh"
-  (cd "$DL" && apt_private -qq download "${DEBS[@]}" >/dev/null 2>"$DL/err") ||
-    fail "apt-get download failed: $(tail -n 1 "$DL/err")" \
-      "Debian may have replaced one of the pinned versions: update DEBS and the checksums in scripts/get-kube.sh"
-  STEP="checking the downloads' checksums"
-  (cd "$DL" && echo "$PINS" | sed '/^$/d' | sha256sum --quiet -c) ||
-    fail "a downloaded file does not have its pinned sha256; nothing was built" \
-      "delete $DL and run again; if it persists, Debian changed the file: review and update the pins"
+# -- components ---------------------------------------------------------------------------------------
+
+# The flags each component is built with (part of its cache key).
+component_recipe() {
+  local c="$1"
+  case "$c" in
+    kubernetes)
+      local minor ldflags="-s -w" p date
+      minor="${KUBE_VERSION#v1.}"; minor="${minor%%.*}"
+      date="$(module_time k8s.io/kubernetes "$KUBE_VERSION")"
+      for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+        ldflags+=" -X $p.gitVersion=$KUBE_VERSION -X $p.gitMajor=1 -X $p.gitMinor=$minor"
+        ldflags+=" -X $p.gitTreeState=clean -X $p.buildDate=$date"
+      done
+      RECIPE=(
+        "CGO_ENABLED=0|selinux notest|$ldflags|./|k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubelet"
+      )
+      OUTPUTS=(kube-apiserver kube-controller-manager kube-scheduler kubelet) ;;
+    etcd)
+      local p="-s -w"
+      RECIPE=(
+        "CGO_ENABLED=0||$p|etcd|go.etcd.io/etcd/server/v3"
+        "CGO_ENABLED=0||$p|etcdctl|go.etcd.io/etcd/etcdctl/v3"
+      )
+      OUTPUTS=(etcd etcdctl) ;;
+    containerd)
+      local pkg=github.com/containerd/containerd/v2 v
+      v="-s -w -X $pkg/version.Version=$CONTAINERD_VERSION -X $pkg/version.Package=github.com/containerd/containerd/v2"
+      RECIPE=(
+        "CGO_ENABLED=0|no_btrfs|$v|./|$pkg/cmd/containerd $pkg/cmd/ctr"
+        "CGO_ENABLED=0|no_btrfs no_grpc|$v|containerd-shim-runc-v2|$pkg/cmd/containerd-shim-runc-v2"
+      )
+      OUTPUTS=(containerd ctr containerd-shim-runc-v2) ;;
+    runc)
+      RECIPE=(
+        "CGO_ENABLED=1|seccomp urfave_cli_no_docs|-s -w|runc|github.com/opencontainers/runc"
+      )
+      OUTPUTS=(runc) ;;
+    cni)
+      RECIPE=(
+        "CGO_ENABLED=0||-s -w -X github.com/containernetworking/plugins/pkg/utils/buildversion.BuildVersion=$CNI_VERSION|loopback|github.com/containernetworking/plugins/plugins/main/loopback"
+      )
+      OUTPUTS=(loopback) ;;
+  esac
 }
 
-build_control_plane() {
-  STEP="installing the build tools (rsync, make, patch, xz-utils, gcc) with apt-get"
-  ensure_apt_packages rsync make patch xz-utils gcc libc6-dev
-  fetch_sources
-  local work src gopkgs goroot
-  work="$(mktemp -d "$CACHE_ROOT/build.XXXXXX")"
-  LOG="$work.log"
-  trap 'rm -rf "$work"' EXIT
-  STEP="unpacking Go 1.19 and the replacement vendor packages"
-  for deb in golang-1.19-go golang-1.19-src; do dpkg -x "$DL/${deb}"_*.deb "$work/go"; done
-  for deb in golang-github-modern-go-reflect2-dev golang-github-json-iterator-go-dev; do
-    dpkg -x "$DL/${deb}"_*.deb "$work/gocode"
-  done
-  goroot="$work/go/usr/lib/go-1.19"
-  STEP="unpacking the kubernetes source and applying Debian's patches"
-  tar -xzf "$DL/kubernetes_${KUBE_SRC_VERSION%-*}.orig.tar.gz" -C "$work"
-  src="$work/kubernetes-${KUBE_VERSION#v}"
-  tar -xJf "$DL/kubernetes_${KUBE_SRC_VERSION}.debian.tar.xz" -C "$src"
-  while read -r p; do
-    [ -n "$p" ] && [ "${p#\#}" = "$p" ] && patch -s -p1 -d "$src" <"$src/debian/patches/$p"
-  done <"$src/debian/patches/series"
-  STEP="replacing vendored reflect2 and json-iterator (the 1.0.1 reflect2 crashes under Go 1.19)"
-  gopkgs="$work/gocode/usr/share/gocode/src/github.com"
-  rm -rf "$src/vendor/github.com/modern-go/reflect2" "$src/vendor/github.com/json-iterator/go"
-  cp -a "$gopkgs/modern-go/reflect2" "$src/vendor/github.com/modern-go/reflect2"
-  cp -a "$gopkgs/json-iterator/go" "$src/vendor/github.com/json-iterator/go"
-  STEP="building kube-apiserver, kube-scheduler and kubelet (a few minutes; log: $LOG)"
-  echo ">> building Kubernetes $KUBE_VERSION from Debian's source (a few minutes; log: $LOG)"
-  (cd "$src" && env PATH="$goroot/bin:$PATH" GOROOT="$goroot" GOCACHE="$work/gocache" GOPATH="$work/gopath" \
-    HOME="$work" GOFLAGS= GOPROXY=off CGO_ENABLED=0 KUBE_BUILD_PLATFORMS=linux/amd64 \
-    KUBE_GIT_VERSION="$KUBE_VERSION" KUBE_GIT_MAJOR=1 KUBE_GIT_MINOR=20 KUBE_GIT_TREE_STATE=clean \
-    KUBE_GIT_COMMIT=0000000000000000000000000000000000000000 \
-    nice -n 5 make WHAT="cmd/kube-apiserver cmd/kube-scheduler cmd/kubelet") >"$LOG" 2>&1 ||
-    fail "the Kubernetes build failed: $(grep -m1 -iE 'error|cannot|fatal' "$LOG" || tail -n 1 "$LOG")" \
-      "see $LOG (kept); the usual causes are a full disk or a killed build; run scripts/get-kube.sh again"
-  STEP="collecting the binaries"
-  local out="$CACHE.tmp"
+# The module's publication time on the proxy (the binaries' buildDate: the same on every rebuild).
+module_time() {
+  local info
+  info="$(cd "$MODS/kubernetes" && env "${GOENV_ARGS[@]}" "$GO" list -m -json "$1" 2>/dev/null)" || true
+  python3 -c 'import json,sys; print(json.loads(sys.argv[1] or "{}").get("Time", "1970-01-01T00:00:00Z"))' "$info"
+}
+
+component_version() {
+  case "$1" in
+    kubernetes) echo "$KUBE_VERSION" ;; etcd) echo "$ETCD_VERSION" ;; containerd) echo "$CONTAINERD_VERSION" ;;
+    runc) echo "$RUNC_VERSION" ;; cni) echo "$CNI_VERSION" ;;
+  esac
+}
+
+component_dir() {
+  local c="$1" key
+  component_recipe "$c"
+  key="$(
+    {
+      cat "$MODS/$c/go.mod" "$MODS/$c/go.sum" "$MODS/$c/tools.go"
+      printf '%s\n' "$RECIPE_REV" "$GOVERSION" "${RECIPE[@]}"
+    } | sha256sum | cut -c1-12
+  )"
+  echo "$CACHE_ROOT/build/$c-$(component_version "$c")-$key"
+}
+
+cached() { [ -f "$1/SHA256SUMS" ] && (cd "$1" && sha256sum --quiet -c SHA256SUMS >/dev/null 2>&1); }
+
+build_component() {
+  local c="$1" dir out start line cgo tags ldflags o pkgs
+  dir="$(component_dir "$c")"
+  component_recipe "$c"  # RECIPE, OUTPUTS (component_dir ran in a subshell)
+  if cached "$dir"; then
+    return 0
+  fi
+  [ "$c" = runc ] && ensure_apt_packages libseccomp-dev pkg-config gcc libc6-dev
+  out="$dir.tmp"
   rm -rf "$out"
-  mkdir -p "$out/bin"
-  for b in kube-apiserver kube-scheduler kubelet; do
-    install -m 0755 "$src/_output/local/bin/linux/amd64/$b" "$out/bin/$b"
+  mkdir -p "$out"
+  LOG="$CACHE_ROOT/build/$c.log"
+  STEP="building $c $(component_version "$c") (log: $LOG)"
+  echo ">> building $c $(component_version "$c") from Go modules (cold: minutes; log: $LOG)"
+  start=$SECONDS
+  : >"$LOG"
+  for line in "${RECIPE[@]}"; do
+    IFS='|' read -r cgo tags ldflags o pkgs <<<"$line"
+    local target="$out/$o"
+    [ "$o" = ./ ] && target="$out/"
+    # shellcheck disable=SC2086  # pkgs is a list
+    (cd "$MODS/$c" && env "${GOENV_ARGS[@]}" "$cgo" nice -n 10 "$GO" build -p 2 -trimpath \
+      ${tags:+-tags "${tags// /,}"} -ldflags "$ldflags" -o "$target" $pkgs) >>"$LOG" 2>&1 ||
+      fail "building $c failed: $(grep -v '^go: downloading' "$LOG" | grep -m1 . || echo "see the log")" \
+        "see $LOG; 'module lookup disabled' or a network error: let this machine reach the Go module proxy (GOPROXY); 'missing go.sum entry' or 'verifying': run scripts/kube/update-mods.sh"
   done
-  dpkg -x "$DL"/etcd-server_*.deb "$work/etcd"
-  dpkg -x "$DL"/etcd-client_*.deb "$work/etcd"
-  install -m 0755 "$work/etcd/usr/bin/etcd" "$work/etcd/usr/bin/etcdctl" "$out/bin/"
-  STEP="checking that the binaries start"
-  "$out/bin/kube-apiserver" --version | grep -q "$KUBE_VERSION" ||
-    fail "the built kube-apiserver does not report $KUBE_VERSION" "see $LOG"
-  (cd "$out/bin" && sha256sum "${BINARIES[@]}" >SHA256SUMS)
-  rm -rf "$CACHE"
-  mv "$out" "$CACHE"
-  rm -rf "$work" "$LOG"
-  trap - EXIT
+  for o in "${OUTPUTS[@]}"; do [ -x "$out/$o" ] || fail "building $c produced no $o" "see $LOG"; done
+  echo "$((SECONDS - start))" >"$out/BUILD_SECONDS"
+  (cd "$out" && sha256sum "${OUTPUTS[@]}" >SHA256SUMS)
+  rm -rf "$dir"
+  mv "$out" "$dir"
+  echo ">> $c $(component_version "$c") built in $((SECONDS - start))s"
 }
 
 build_image() {
-  local stamp want
-  want="$(cat "$ROOT/scripts/kube/pause.c" "$ROOT/scripts/kube/mkimage.py" | sha256sum | cut -c1-16) $IMAGE_REF"
-  stamp="$CACHE/image/STAMP"
-  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -f "$CACHE/image/pause-busybox.tar" ]; then
+  local dest="$1" stamp want
+  want="$(cat "$ROOT/scripts/kube/pause.c" "$ROOT/scripts/kube/mkimage.py" | sha256sum | cut -c1-16) $IMAGE_REF $BUSYBOX_SHA"
+  stamp="$dest/STAMP"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -f "$dest/pause-busybox.tar" ]; then
     return 0
   fi
   STEP="building the local pause+busybox image"
-  fetch_sources
+  ensure_apt_packages gcc libc6-dev
+  local dl="$CACHE_ROOT/downloads" deb
+  mkdir -p "$dl"
+  deb="$(find "$dl" -maxdepth 1 -name 'busybox-static_*.deb' | head -n1)"
+  if [ -z "$deb" ] || [ "$(sha256sum "$deb" | cut -d' ' -f1)" != "$BUSYBOX_SHA" ]; then
+    write_private_sources
+    apt_private -qq update >/dev/null 2>"$CACHE_ROOT/apt-update.err" ||
+      fail "apt-get update (private lists, for busybox-static) failed: $(tail -n 1 "$CACHE_ROOT/apt-update.err")" \
+        "check that this machine reaches Debian's mirror"
+    (cd "$dl" && apt_private -qq download "$BUSYBOX_DEB" >/dev/null 2>"$dl/err") ||
+      fail "apt-get download $BUSYBOX_DEB failed: $(tail -n 1 "$dl/err")" \
+        "Debian may have replaced that version: update BUSYBOX_DEB and BUSYBOX_SHA in scripts/get-kube.sh"
+    deb="$(find "$dl" -maxdepth 1 -name 'busybox-static_*.deb' | head -n1)"
+    [ "$(sha256sum "$deb" | cut -d' ' -f1)" = "$BUSYBOX_SHA" ] ||
+      fail "$deb does not have its pinned sha256" "delete it and run again; if it persists, review and update BUSYBOX_SHA"
+  fi
   local work
   work="$(mktemp -d)"
-  dpkg -x "$DL"/busybox-static_*.deb "$work/bb"
+  dpkg -x "$deb" "$work/bb"
   gcc -static -O2 -o "$work/pause" "$ROOT/scripts/kube/pause.c"
-  mkdir -p "$CACHE/image"
+  mkdir -p "$dest"
   python3 "$ROOT/scripts/kube/mkimage.py" "$work/image.tar" "$IMAGE_REF" "$work/pause" "$work/bb/bin/busybox"
-  mv -f "$work/image.tar" "$CACHE/image/pause-busybox.tar"
-  echo "$IMAGE_REF" >"$CACHE/image/REF"
+  mv -f "$work/image.tar" "$dest/pause-busybox.tar"
+  echo "$IMAGE_REF" >"$dest/REF"
   echo "$want" >"$stamp"
   rm -rf "$work"
 }
 
+# -- main ---------------------------------------------------------------------------------------------
+
+[ "$(uname -s)-$(uname -m)" = Linux-x86_64 ] ||
+  fail "the e2e cluster is built for linux-amd64; this is $(uname -s)-$(uname -m)" \
+    "run the e2e tests on an amd64 Debian 12 machine"
+COMPONENTS=(kubernetes etcd containerd runc cni)
+mkdir -p "$CACHE_ROOT/build"
+exec 9>"$CACHE_ROOT/.kube.lock"
+flock 9  # another get-kube.sh may be building the same thing: wait for it
+
 START=$SECONDS
-if control_plane_cached; then
-  echo ">> Kubernetes $KUBE_VERSION binaries cached in $CACHE"
+go_env
+GOVERSION="$(env "${GOENV_ARGS[@]}" "$GO" env GOVERSION 2>/dev/null)" ||
+  fail "the Go toolchain did not start ($GO with ${GOENV_ARGS[*]})" \
+    "check that this machine reaches the Go module proxy (GOPROXY) or install Go >= 1.21"
+dirs=()
+for c in "${COMPONENTS[@]}"; do dirs+=("$(component_dir "$c")"); done
+KEY="$(printf '%s\n' "${dirs[@]}" "$IMAGE_REF" "$BUSYBOX_SHA" | sha256sum | cut -c1-12)"
+CACHE="$CACHE_ROOT/kube-$KUBE_VERSION-$KEY"
+if [ "${1:-}" = --print-cache-dir ]; then echo "$CACHE"; exit 0; fi
+
+if cached "$CACHE/bin" && cached "$CACHE/cni"; then
+  echo ">> Kubernetes $KUBE_VERSION, etcd $ETCD_VERSION, containerd $CONTAINERD_VERSION, runc $RUNC_VERSION cached in $CACHE"
 else
-  build_control_plane
+  for c in "${COMPONENTS[@]}"; do build_component "$c"; done
+  STEP="assembling $CACHE"
+  out="$CACHE.tmp"
+  rm -rf "$out"
+  mkdir -p "$out/bin" "$out/cni"
+  for c in "${COMPONENTS[@]}"; do
+    dir="$(component_dir "$c")"
+    component_recipe "$c"
+    dest="$out/bin"
+    [ "$c" = cni ] && dest="$out/cni"
+    for o in "${OUTPUTS[@]}"; do cp -l "$dir/$o" "$dest/$o" 2>/dev/null || cp "$dir/$o" "$dest/$o"; done
+    printf '%s %s %ss\n' "$c" "$(component_version "$c")" "$(cat "$dir/BUILD_SECONDS")" >>"$out/BUILD_SECONDS"
+  done
+  STEP="checking that the binaries start"
+  "$out/bin/kube-apiserver" --version | grep -qx "Kubernetes $KUBE_VERSION" ||
+    fail "the built kube-apiserver does not report $KUBE_VERSION" "see $CACHE_ROOT/build/kubernetes.log"
+  cat >"$out/VERSIONS" <<EOF
+kubernetes $KUBE_VERSION
+etcd $ETCD_VERSION
+containerd $CONTAINERD_VERSION
+runc $RUNC_VERSION
+cni-plugins $CNI_VERSION
+go $GOVERSION
+EOF
+  (cd "$out/bin" && sha256sum -- * >SHA256SUMS)
+  (cd "$out/cni" && sha256sum -- * >SHA256SUMS)
+  rm -rf "$CACHE"
+  mv "$out" "$CACHE"
 fi
-build_image
+build_image "$CACHE/image"
 mkdir -p "$(dirname "$LINK")"
 ln -sfn "$CACHE" "$LINK"
-
-STEP="installing containerd, runc and the CNI plugins from Debian"
-node_ok=1
-ensure_apt_packages "${NODE_PACKAGES[@]}" || node_ok=0
-if [ "$node_ok" = 1 ]; then
-  echo "kube $KUBE_VERSION (apiserver, scheduler, kubelet, etcd, image $IMAGE_REF) ready at $LINK" \
-    "-> $CACHE in $((SECONDS - START))s"
-else
-  trap - ERR
-  fail "control plane ready at $LINK, but containerd/runc/containernetworking-plugins did not install" \
-    "install them with apt-get (as root); until then the kubelet e2e tests are skipped"
-fi
+echo "Kubernetes $KUBE_VERSION (apiserver, controller-manager, scheduler, kubelet), etcd $ETCD_VERSION," \
+  "containerd $CONTAINERD_VERSION, runc $RUNC_VERSION, CNI $CNI_VERSION, image $IMAGE_REF ready at $LINK" \
+  "-> $CACHE in $((SECONDS - START))s"

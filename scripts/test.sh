@@ -6,7 +6,7 @@ ensure_apt_packages gcc libc6-dev pkg-config libsystemd-dev prometheus valgrind 
 ensure_venv "[test,systemd]"
 echo ">> helm (for the chart tests)"
 bash "$ROOT/scripts/get-helm.sh" || echo "!! no helm: the chart tests will be skipped" >&2
-echo ">> Kubernetes v1.20 binaries (for the end-to-end tests in tests/e2e; built once, then cached)"
+echo ">> Kubernetes 1.36, etcd, containerd, runc (for the end-to-end tests in tests/e2e; built once from Go modules, then cached)"
 bash "$ROOT/scripts/get-kube.sh" || echo "!! no Kubernetes binaries: the e2e tests will be skipped" >&2
 cd "$ROOT"
 echo ">> ruff"; "$VENV/bin/ruff" check gpunode tests bench protos native

@@ -1,7 +1,7 @@
 """Fixtures for the end-to-end tier: one real control plane for the session.
 
-Without the binaries (scripts/get-kube.sh could not build them: no network, no root, not Debian 12)
-every test here is skipped with the reason. Binaries that exist but do not start fail the tests.
+Without the binaries (scripts/get-kube.sh could not build them: no Go module proxy, no Go new enough
+and none to start one with, not linux-amd64) every test here is skipped with the reason. Binaries that exist but do not start fail the tests.
 When a test fails, the end of every component's log is added to its report; the full logs stay in
 the control plane's directory under pytest's basetemp (the last three runs are kept).
 """

@@ -1,16 +1,21 @@
-"""A real Kubernetes v1.20 control plane for the end-to-end tests: etcd, kube-apiserver and kube-scheduler.
+"""A real Kubernetes control plane for the end-to-end tests: etcd, kube-apiserver, kube-controller-manager
+and kube-scheduler, as scripts/get-kube.sh builds them (Kubernetes 1.36, etcd 3.6).
 
-The binaries come from scripts/get-kube.sh (.tools/kube/bin, or $GPUNODE_KUBE_DIR/bin). ControlPlane
-runs them from a temporary directory on free loopback ports:
+The binaries come from .tools/kube/bin (or $GPUNODE_KUBE_DIR/bin). ControlPlane runs them from a
+temporary directory on free loopback ports:
 
 - etcd, plain HTTP on 127.0.0.1;
-- kube-apiserver on its secure port only, with a serving certificate from a throw-away CA, static
-  bearer tokens (--token-auth-file: one per User given), RBAC and the Node authorizer, and generated
-  service-account signing keys. The ServiceAccount admission plugin is off: nothing here creates
-  service-account tokens (there is no kube-controller-manager), and pods need none;
+- kube-apiserver on its secure port, with a serving certificate from a throw-away CA, static bearer
+  tokens (--token-auth-file: one per User given), the Node and RBAC authorizers, the NodeRestriction
+  admission plugin on top of the default ones (ServiceAccount included), service-account tokens signed
+  with a generated key pair, and the DRA features of FEATURE_GATES (resource.k8s.io/v1 is served by
+  default; DeviceTaintRules through resource.k8s.io/v1beta2);
+- kube-controller-manager with its default controllers (node lifecycle and taint eviction, garbage
+  collector, Job, ResourceClaim, device-taint eviction, service accounts and their tokens, root-ca
+  publisher, ...), each controller with its own service-account credentials, as kubeadm runs it;
 - kube-scheduler (started per test or module with start_scheduler, since its extenders are part of its
-  configuration) with a kubescheduler.config.k8s.io/v1beta1 KubeSchedulerConfiguration, the newest
-  version 1.20 reads.
+  configuration) from a kubescheduler.config.k8s.io/v1 KubeSchedulerConfiguration: the chart's own one
+  given whole, or one built from an extenders list.
 
 Every component logs to <workdir>/logs/<name>.log; a start failure raises StartError carrying the end of
 that log. stop() ends everything (SIGTERM, then SIGKILL), and tests.e2e.procs stops anything left at exit.
@@ -22,6 +27,7 @@ import contextlib
 import json
 import os
 import secrets
+import ssl
 import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,27 +42,55 @@ from tests.e2e.procs import Proc, StartError
 from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-KUBE_VERSION = "v1.20.2"
-CONTROL_PLANE_BINARIES = ("etcd", "kube-apiserver", "kube-scheduler")
+KUBE_MINOR = 36  # the Kubernetes minor version this harness is written for (scripts/get-kube.sh builds it)
+CONTROL_PLANE_BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
 START_TIMEOUT_S = 120.0  # generous: two shared cores, and the API server's first start builds its caches
-SCHEDULER_API = "kubescheduler.config.k8s.io/v1beta1"
-# The API server's audit log keeps pod evictions (who, which pod, the answer's code), nothing else. Not
-# their bodies: 1.20 cannot encode an Eviction for the audit log ("not suitable for converting").
+SCHEDULER_API = "kubescheduler.config.k8s.io/v1"
+# The DRA features this cluster runs with, on every component that reads them. In 1.36 all but
+# DRADeviceTaintRules are beta and on by default (set anyway, so that the list says what is on);
+# DRADeviceTaintRules is beta and off by default, and its API (resource.k8s.io/v1beta2 DeviceTaintRule)
+# too: RUNTIME_CONFIG serves it.
+FEATURE_GATES = {
+    "DRAConsumableCapacity": True,
+    "DRAPartitionableDevices": True,
+    "DRADeviceTaints": True,
+    "DRADeviceTaintRules": True,
+    "DRAExtendedResource": True,
+    "ResourceHealthStatus": True,
+}
+RUNTIME_CONFIG = "resource.k8s.io/v1beta2/devicetaintrules=true"
+# The API server's audit log keeps pod evictions (who, which pod, the answer's code, the Eviction sent),
+# nothing else.
 AUDIT_POLICY = {
     "apiVersion": "audit.k8s.io/v1",
     "kind": "Policy",
     "omitStages": ["RequestReceived"],
     "rules": [
-        {"level": "Metadata", "resources": [{"group": "", "resources": ["pods/eviction"]}]},
+        {"level": "Request", "resources": [{"group": "", "resources": ["pods/eviction"]}]},
         {"level": "None"},
     ],
 }
 
 
+def feature_gates_flag() -> str:
+    """--feature-gates for every component (FEATURE_GATES)."""
+    return "--feature-gates=" + ",".join(f"{k}={str(v).lower()}" for k, v in sorted(FEATURE_GATES.items()))
+
+
 def kube_dir() -> Path:
     """Where scripts/get-kube.sh left the binaries and the image ($GPUNODE_KUBE_DIR overrides)."""
     named = os.environ.get("GPUNODE_KUBE_DIR")
-    return Path(named) if named else ROOT / ".tools" / "kube"
+    return Path(named).resolve() if named else ROOT / ".tools" / "kube"
+
+
+def kube_version() -> str:
+    """The Kubernetes version get-kube.sh built (its VERSIONS file), e.g. "v1.36.3"; "" when unknown."""
+    try:
+        lines = (kube_dir() / "VERSIONS").read_text().splitlines()
+    except OSError:
+        return ""
+    versions = dict(line.split(" ", 1) for line in lines if " " in line)
+    return versions.get("kubernetes", "")
 
 
 def missing_reason(binaries: Sequence[str] = CONTROL_PLANE_BINARIES) -> str | None:
@@ -65,8 +99,14 @@ def missing_reason(binaries: Sequence[str] = CONTROL_PLANE_BINARIES) -> str | No
     missing = [b for b in binaries if not os.access(bindir / b, os.X_OK)]
     if missing:
         return (
-            f"no Kubernetes {KUBE_VERSION} binaries ({', '.join(missing)}) in {bindir}: "
-            "run scripts/get-kube.sh (it builds them from Debian's source package) or set GPUNODE_KUBE_DIR"
+            f"no Kubernetes 1.{KUBE_MINOR} binaries ({', '.join(missing)}) in {bindir}: "
+            "run scripts/get-kube.sh (it builds them from Go modules) or set GPUNODE_KUBE_DIR"
+        )
+    version = kube_version()
+    if not version.startswith(f"v1.{KUBE_MINOR}."):
+        return (
+            f"{kube_dir()} holds Kubernetes {version or '(no VERSIONS file)'}, not 1.{KUBE_MINOR}: "
+            "run scripts/get-kube.sh again (it links .tools/kube to what it builds)"
         )
     return None
 
@@ -81,6 +121,7 @@ class User:
 
 ADMIN = User("e2e-admin", ("system:masters",))
 SCHEDULER = User("system:kube-scheduler")
+CONTROLLER_MANAGER = User("system:kube-controller-manager")
 
 
 def service_account_user(namespace: str, name: str) -> User:
@@ -99,22 +140,31 @@ class ControlPlane:
         self.workdir = workdir
         self.logs = workdir / "logs"
         self.bin = kube_dir() / "bin"
-        self.users: dict[str, User] = {"admin": ADMIN, "scheduler": SCHEDULER, **(users or {})}
+        self.users: dict[str, User] = {
+            "admin": ADMIN,
+            "scheduler": SCHEDULER,
+            "controller-manager": CONTROLLER_MANAGER,
+            **(users or {}),
+        }
         self.tokens = {key: secrets.token_hex(16) for key in self.users}
         self.procs: list[Proc] = []
         self.ca: CertificateAuthority | None = None
+        self.sa_keys: CertFiles | None = None
+        self.controller_manager: Proc | None = None
         self.api_port = 0
         self.etcd_port = 0
 
     # -- start and stop --------------------------------------------------------------------------
 
     def start(self) -> ControlPlane:
-        """Start etcd and kube-apiserver and wait until the API server is ready; StartError if not."""
+        """Start etcd, kube-apiserver and kube-controller-manager; wait until the API server is ready and
+        the controller manager healthy; StartError if not."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.ca = CertificateAuthority(self.workdir / "pki")
         try:
             self._start_etcd()
             self._start_apiserver()
+            self._start_controller_manager()
         except BaseException:
             self.stop()
             raise
@@ -147,7 +197,7 @@ class ControlPlane:
             server=True,
             hosts=("127.0.0.1", "localhost", "10.0.0.1"),
         )
-        sa = service_account_keys(self.workdir / "pki")
+        sa = self.sa_keys = service_account_keys(self.workdir / "pki")
         tokens = self.workdir / "tokens.csv"
         tokens.write_text(
             "".join(
@@ -164,8 +214,10 @@ class ControlPlane:
                 f"--etcd-servers=http://127.0.0.1:{self.etcd_port}",
                 "--bind-address=127.0.0.1",
                 "--advertise-address=127.0.0.1",
+                # 1.36 refuses a loopback address in the kubernetes Service's endpoints: do not keep them
+                # (nothing here reaches the API server through that Service).
+                "--endpoint-reconciler-type=none",
                 f"--secure-port={self.api_port}",
-                "--insecure-port=0",
                 f"--tls-cert-file={serving.cert}",
                 f"--tls-private-key-file={serving.key}",
                 f"--client-ca-file={self.ca.cert}",
@@ -175,7 +227,9 @@ class ControlPlane:
                 f"--service-account-signing-key-file={sa.key}",
                 "--service-account-issuer=https://kubernetes.default.svc",
                 "--service-cluster-ip-range=10.0.0.0/24",
-                "--disable-admission-plugins=ServiceAccount",
+                "--enable-admission-plugins=NodeRestriction",
+                feature_gates_flag(),
+                f"--runtime-config={RUNTIME_CONFIG}",
                 "--allow-privileged=true",
                 "--profiling=false",
                 f"--cert-dir={self.workdir / 'apiserver-certs'}",
@@ -187,33 +241,80 @@ class ControlPlane:
         admin = self.api()
         apiserver.wait_until(lambda: admin.ok("/readyz"), timeout_s=START_TIMEOUT_S, what="ready API server")
 
+    def _start_controller_manager(self) -> None:
+        assert self.ca is not None and self.sa_keys is not None
+        port = free_port()
+        kubeconfig = self.kubeconfig("controller-manager")
+        manager = self._proc(
+            "kube-controller-manager",
+            [
+                self.bin / "kube-controller-manager",
+                f"--kubeconfig={kubeconfig}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={port}",
+                f"--cert-dir={self.workdir / 'controller-manager-certs'}",
+                "--controllers=*",
+                "--use-service-account-credentials=true",
+                f"--service-account-private-key-file={self.sa_keys.key}",
+                f"--root-ca-file={self.ca.cert}",
+                f"--cluster-signing-cert-file={self.ca.cert}",
+                f"--cluster-signing-key-file={self.workdir / 'pki' / 'ca.key'}",
+                "--leader-elect=false",
+                feature_gates_flag(),
+                "--profiling=false",
+                "--v=1",
+            ],
+        )
+        manager.wait_until(
+            lambda: _https_ok(f"https://127.0.0.1:{port}/healthz"),
+            timeout_s=START_TIMEOUT_S,
+            what="healthy kube-controller-manager",
+        )
+        self.controller_manager = manager
+
     def start_scheduler(
         self,
         extenders: Sequence[Mapping[str, Any]] = (),
         *,
         name: str = "kube-scheduler",
         profiles: Sequence[Mapping[str, Any]] = ({"schedulerName": "default-scheduler"},),
+        config: Mapping[str, Any] | None = None,
     ) -> Proc:
-        """Start a kube-scheduler with these `extenders` entries and `profiles` (v1beta1 fields) and wait
-        until healthy."""
-        health = free_port()
-        config = {
-            "apiVersion": SCHEDULER_API,
-            "kind": "KubeSchedulerConfiguration",
+        """Start a kube-scheduler and wait until healthy. Its configuration is `config` when given (a whole
+        KubeSchedulerConfiguration, such as the chart's: used as it is, with only what the chart leaves to
+        the cluster added: clientConnection and leaderElection), else one with these `extenders` entries
+        and `profiles`. Either way kubescheduler.config.k8s.io/v1."""
+        if config is None:
+            config = {
+                "apiVersion": SCHEDULER_API,
+                "kind": "KubeSchedulerConfiguration",
+                "profiles": [dict(p) for p in profiles],
+                "extenders": [dict(e) for e in extenders],
+            }
+        written = {
+            **config,
             "clientConnection": {"kubeconfig": str(self.kubeconfig("scheduler"))},
             "leaderElection": {"leaderElect": False},
-            "healthzBindAddress": f"127.0.0.1:{health}",
-            "metricsBindAddress": f"127.0.0.1:{health}",
-            "profiles": [dict(p) for p in profiles],
-            "extenders": [dict(e) for e in extenders],
         }
+        for key in ("clientConnection", "leaderElection"):
+            assert key not in config, f"the configuration given sets {key}: the harness sets it"
         path = self.workdir / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        path.write_text(yaml.safe_dump(written, sort_keys=False))
+        port = free_port()
         scheduler = self._proc(
-            name, [self.bin / "kube-scheduler", f"--config={path}", "--secure-port=0", "--port=0", "--v=2"]
+            name,
+            [
+                self.bin / "kube-scheduler",
+                f"--config={path}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={port}",
+                f"--cert-dir={self.workdir / (name + '-certs')}",
+                feature_gates_flag(),
+                "--v=2",
+            ],
         )
         scheduler.wait_until(
-            lambda: _http_ok(f"http://127.0.0.1:{health}/healthz"),
+            lambda: _https_ok(f"https://127.0.0.1:{port}/healthz"),
             timeout_s=START_TIMEOUT_S,
             what="healthy kube-scheduler",
         )
@@ -311,13 +412,26 @@ def _http_ok(url: str) -> bool:
         return int(resp.status) == 200
 
 
+def _https_ok(url: str) -> bool:
+    """A component's /healthz on its secure port (a self-signed certificate: not verified; the path is
+    one the components serve to anyone)."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    with urllib.request.urlopen(url, timeout=5, context=ctx) as resp:
+        return int(resp.status) == 200
+
+
 __all__ = [
     "ADMIN",
+    "CONTROLLER_MANAGER",
+    "FEATURE_GATES",
     "SCHEDULER",
     "ControlPlane",
     "StartError",
     "User",
     "kube_dir",
+    "kube_version",
     "missing_reason",
     "service_account_user",
 ]

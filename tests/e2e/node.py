@@ -1,14 +1,20 @@
-"""A real node for the end-to-end tests: containerd (CRI, runc, loopback-only CNI) and a kubelet v1.20.
+"""A real node for the end-to-end tests: containerd 2 (CRI, runc, loopback-only CNI, CDI) and a kubelet,
+all as scripts/get-kube.sh builds them (.tools/kube/bin, .tools/kube/cni).
 
-The kubelet registers with the ControlPlane's API server as system:node:<name> and runs pods from the
-local pause+busybox image that scripts/get-kube.sh builds (there is no registry: imagePullPolicy Never).
-Settings this machine needs: containerd's restrict_oom_score_adj (no CAP_SYS_RESOURCE), the cgroupfs
-driver with cgroupsPerQOS and node-allocatable enforcement off, no swap check, no iptables chains.
+The kubelet registers with the ControlPlane's API server as system:node:<name> (NodeRestriction holds
+it to its own Node) and runs pods from the local pause+busybox image that scripts/get-kube.sh builds
+(there is no registry: imagePullPolicy Never; containerd pins it as the sandbox image). Settings this
+machine needs: containerd's restrict_oom_score_adj (no CAP_SYS_RESOURCE), the kubelet's
+failCgroupV1: false (the machine mounts cgroup v1, which kubelet 1.35+ refuses otherwise), the cgroupfs
+driver with cgroupsPerQOS and node-allocatable enforcement off, no swap check. containerd reads CDI
+specs from the node's own directory (cdi_dir).
 
-kubelet 1.20 serves device-plugin registration at /var/lib/kubelet/device-plugins/kubelet.sock whatever
-its --root-dir, so it runs in a private mount namespace (unshare -m) in which the test's own directory
-is bind-mounted there; a device plugin outside (the agent) uses that directory as its --kubelet-dir.
-There is no kube-controller-manager: the harness removes the node.kubernetes.io/not-ready taint itself.
+The kubelet serves device-plugin registration at /var/lib/kubelet/device-plugins/kubelet.sock whatever
+its --root-dir (still so in 1.36), and links container logs in /var/log/containers, so it runs in a
+private mount namespace (unshare -m) in which the test's own directories are bind-mounted there; a
+device plugin outside (the agent) uses device_plugins as its --kubelet-dir. Pod logs follow podLogsDir.
+The node is ready for pods once it is Ready and kube-controller-manager's node lifecycle controller has
+removed the node.kubernetes.io/not-ready taint the kubelet registered it with.
 """
 
 from __future__ import annotations
@@ -25,15 +31,15 @@ from pathlib import Path
 import yaml
 
 from tests.e2e.api import ApiError, eventually
-from tests.e2e.controlplane import ControlPlane, User, kube_dir
-from tests.e2e.objects import remove_not_ready_taint
+from tests.e2e.controlplane import FEATURE_GATES, ControlPlane, User, kube_dir
+from tests.e2e.objects import NOT_READY_TAINT
 from tests.e2e.procs import Proc
 from tests.ports import free_port
 
-NODE_PACKAGES_BINARIES = ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "unshare")
+NODE_BINARIES = ("kubelet", "containerd", "containerd-shim-runc-v2", "runc", "ctr")
 KUBELET_DEVICE_PLUGINS = Path("/var/lib/kubelet/device-plugins")
-POD_LOGS, CONTAINER_LOGS = Path("/var/log/pods"), Path("/var/log/containers")  # fixed paths in kubelet 1.20
-CNI_BIN_DIR = Path("/usr/lib/cni")
+CONTAINER_LOGS = Path("/var/log/containers")  # fixed in kubelet 1.36 (pod logs follow podLogsDir)
+CNI_PLUGINS = "cni"
 IMAGE_REF_FILE = "image/REF"
 IMAGE_TAR = "image/pause-busybox.tar"
 NODE_WAIT_S = 180.0
@@ -48,14 +54,12 @@ def node_missing_reason() -> str | None:
     """Why a real node cannot run here, or None."""
     if os.geteuid() != 0:
         return "a real kubelet and containerd need root"
-    missing = [b for b in NODE_PACKAGES_BINARIES if shutil.which(b) is None]
+    needed = [f"bin/{b}" for b in NODE_BINARIES] + [f"{CNI_PLUGINS}/loopback", IMAGE_TAR, IMAGE_REF_FILE]
+    missing = [n for n in needed if not (kube_dir() / n).is_file()]
     if missing:
-        return f"missing {', '.join(missing)}: run scripts/get-kube.sh (it installs containerd, runc and the CNI plugins)"
-    if not (CNI_BIN_DIR / "loopback").is_file():
-        return f"no CNI loopback plugin in {CNI_BIN_DIR}: install Debian's containernetworking-plugins"
-    for needed in ("bin/kubelet", IMAGE_TAR, IMAGE_REF_FILE):
-        if not (kube_dir() / needed).is_file():
-            return f"no {kube_dir() / needed}: run scripts/get-kube.sh"
+        return f"no {', '.join(missing)} in {kube_dir()}: run scripts/get-kube.sh (it builds them)"
+    if shutil.which("unshare") is None:
+        return "no unshare (util-linux): install it with apt-get"
     probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, text=True, check=False)
     if probe.returncode != 0:
         return f"cannot make a mount namespace (unshare -m): {probe.stderr.strip()}"
@@ -72,9 +76,11 @@ class RealNode:
         self.workdir = workdir
         self.user = user
         self.device_plugins = workdir / "device-plugins"
+        self.cdi_dir = workdir / "cdi"  # containerd's CDI spec directory
         self.root_dir = workdir / "kubelet"
         self.sock = workdir / "containerd.sock"
         self.pod_logs = workdir / "pod-logs"
+        self.bin = kube_dir() / "bin"
         self.image = (kube_dir() / IMAGE_REF_FILE).read_text().strip()
         self.containerd: Proc | None = None
         self.kubelet: Proc | None = None
@@ -90,9 +96,11 @@ class RealNode:
         return "".join(p.read_text(errors="replace") for p in found)
 
     def start(self) -> RealNode:
-        """Start containerd, load the image, start the kubelet; wait until the Node is Ready and untainted."""
+        """Start containerd, load the image, start the kubelet; wait until the Node is Ready and the node
+        lifecycle controller has removed its not-ready taint."""
         for d in (
             self.device_plugins,
+            self.cdi_dir,
             self.root_dir,
             self.workdir / "cni",
             self.pod_logs,
@@ -106,44 +114,51 @@ class RealNode:
         def ready() -> bool:
             node = admin.get(f"/api/v1/nodes/{self.name}")
             conditions = {c["type"]: c["status"] for c in node.get("status", {}).get("conditions", [])}
-            return conditions.get("Ready") == "True"
+            taints = {t.get("key") for t in node.get("spec", {}).get("taints") or []}
+            return conditions.get("Ready") == "True" and NOT_READY_TAINT not in taints
 
-        eventually(ready, timeout_s=NODE_WAIT_S, what=f"node {self.name} Ready")
-        remove_not_ready_taint(admin, self.name)
+        eventually(
+            ready, timeout_s=NODE_WAIT_S, what=f"node {self.name} Ready and without the not-ready taint"
+        )
         return self
 
     def _start_containerd(self) -> None:
         (self.workdir / "cni" / "10-loopback.conflist").write_text(
-            json.dumps({"cniVersion": "0.4.0", "name": "loopback", "plugins": [{"type": "loopback"}]})
+            json.dumps({"cniVersion": "1.0.0", "name": "loopback", "plugins": [{"type": "loopback"}]})
         )
-        cri = 'plugins."io.containerd.grpc.v1.cri"'
-        config = f"""version = 2
+        runtime = 'plugins."io.containerd.cri.v1.runtime"'
+        config = f"""version = 3
 root = "{self.workdir / "containerd" / "root"}"
 state = "{self.workdir / "containerd" / "state"}"
-disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
-  "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper"]
+disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs",
+  "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.blockfile",
+  "io.containerd.snapshotter.v1.erofs"]
 [grpc]
   address = "{self.sock}"
-[{cri}]
-  sandbox_image = "{self.image}"
+[{runtime}]
   restrict_oom_score_adj = true
   enable_selinux = false
-[{cri}.containerd]
+  enable_cdi = true
+  cdi_spec_dirs = ["{self.cdi_dir}"]
+[{runtime}.containerd]
   default_runtime_name = "runc"
-[{cri}.containerd.runtimes.runc]
+[{runtime}.containerd.runtimes.runc]
   runtime_type = "io.containerd.runc.v2"
-[{cri}.containerd.runtimes.runc.options]
+[{runtime}.containerd.runtimes.runc.options]
   SystemdCgroup = false
-[{cri}.cni]
-  bin_dir = "{CNI_BIN_DIR}"
+  BinaryName = "{self.bin / "runc"}"
+[{runtime}.cni]
+  bin_dirs = ["{kube_dir() / CNI_PLUGINS}"]
   conf_dir = "{self.workdir / "cni"}"
+[plugins."io.containerd.cri.v1.images".pinned_images]
+  sandbox = "{self.image}"
 """
         path = self.workdir / "containerd.toml"
         path.write_text(config)
-        # containerd writes the containers' logs where the kubelet says: /var/log/pods, kept in this node's
-        # directory by the same bind mount the kubelet has.
-        argv = _private_mounts({self.pod_logs: POD_LOGS}, ["containerd", "--config", str(path)])
-        self.containerd = Proc("containerd", argv, self.cp.logs).start()
+        # The shim is found on PATH (containerd runs containerd-shim-runc-v2 by name).
+        env = {**os.environ, "PATH": f"{self.bin}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
+        argv = [str(self.bin / "containerd"), "--config", str(path)]
+        self.containerd = Proc("containerd", argv, self.cp.logs, env=env).start()
         self.cp.procs.append(self.containerd)
         self.containerd.wait_until(self.sock.exists, timeout_s=NODE_WAIT_S, what="containerd socket")
         self.import_image(kube_dir() / IMAGE_TAR)
@@ -151,7 +166,16 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
     def import_image(self, tarball: Path) -> None:
         """Load a `docker save` tarball (scripts/kube/mkimage.py) into containerd's k8s.io namespace."""
         subprocess.run(
-            ["ctr", "--address", str(self.sock), "-n", "k8s.io", "images", "import", str(tarball)],
+            [
+                str(self.bin / "ctr"),
+                "--address",
+                str(self.sock),
+                "-n",
+                "k8s.io",
+                "images",
+                "import",
+                str(tarball),
+            ],
             check=True,
             capture_output=True,
             timeout=NODE_WAIT_S,
@@ -177,11 +201,14 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             "healthzPort": healthz,
             "authentication": {"anonymous": {"enabled": False}, "webhook": {"enabled": False}},
             "authorization": {"mode": "AlwaysAllow"},
+            "containerRuntimeEndpoint": f"unix://{self.sock}",
+            "podLogsDir": str(self.pod_logs),
             "cgroupDriver": "cgroupfs",
             "cgroupsPerQOS": False,
             "enforceNodeAllocatable": [],
             "failSwapOn": False,
-            "makeIPTablesUtilChains": False,
+            "failCgroupV1": False,  # this machine mounts cgroup v1: kubelet 1.35+ refuses it otherwise
+            "featureGates": dict(FEATURE_GATES),
             "evictionHard": {"memory.available": "1Mi", "nodefs.available": "1%", "imagefs.available": "1%"},
             "imageGCHighThresholdPercent": 100,
             "imageGCLowThresholdPercent": 99,
@@ -200,15 +227,11 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             f"--kubeconfig={self.cp.kubeconfig(self.user)}",
             f"--root-dir={self.root_dir}",
             f"--cert-dir={self.workdir / 'kubelet-pki'}",
-            "--container-runtime=remote",
-            f"--container-runtime-endpoint=unix://{self.sock}",
             f"--hostname-override={self.name}",
-            f"--pod-infra-container-image={self.image}",
             "--v=2",
         ]
         binds = {
             self.device_plugins: KUBELET_DEVICE_PLUGINS,
-            self.pod_logs: POD_LOGS,
             self.workdir / "container-logs": CONTAINER_LOGS,
         }
         self.kubelet = Proc("kubelet", _private_mounts(binds, kubelet), self.cp.logs).start()
@@ -224,10 +247,13 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         if self.kubelet is not None:
             self.kubelet.stop()
         if self.containerd is not None and self.containerd.running():
-            _remove_all_pods(self.sock)
+            _remove_all_pods(self.bin / "ctr", self.sock)
             self.containerd.stop()
         # The shims outlive containerd by design (own sessions): end the ones of this node's tasks.
         _kill_shims(self.workdir)
+        # containerd 2 mounts each sandbox's /dev/shm under its state directory; with the sandboxes
+        # removed behind its back, nobody else unmounts them.
+        _unmount_under(self.workdir)
         # Leave no Node behind for later tests' schedulers to count.
         with contextlib.suppress(ApiError, OSError):
             self.cp.api().delete(f"/api/v1/nodes/{self.name}")
@@ -249,8 +275,8 @@ def _private_mounts(binds: dict[Path, Path], argv: list[str]) -> list[str]:
     ]
 
 
-def _remove_all_pods(sock: Path) -> None:
-    ctr = ["ctr", "--address", str(sock), "-n", "k8s.io"]
+def _remove_all_pods(ctr_bin: Path, sock: Path) -> None:
+    ctr = [str(ctr_bin), "--address", str(sock), "-n", "k8s.io"]
     tasks = subprocess.run(
         [*ctr, "tasks", "ls", "-q"], capture_output=True, text=True, timeout=60, check=False
     )
@@ -274,3 +300,19 @@ def _kill_shims(workdir: Path) -> None:
         if b"containerd-shim-runc-v2" in cmdline and marker in cmdline:
             with contextlib.suppress(OSError):
                 os.kill(int(entry.name), signal.SIGKILL)
+
+
+def _unmount_under(directory: Path) -> None:
+    """Lazily unmount every mount point under `directory`, deepest first."""
+    prefix = str(directory.resolve()) + "/"
+    try:
+        lines = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return
+    # /proc/self/mounts escapes spaces and other characters as octal (\040): undo that.
+    points = [
+        p.encode().decode("unicode_escape")
+        for p in (line.split()[1] for line in lines if len(line.split()) > 1)
+    ]
+    for point in sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True, timeout=30, check=False)

@@ -1,21 +1,92 @@
 """Nodes and pods on the real API server: fake Nodes that the scheduler takes for ready ones, pods, and the
-Events recorded about them."""
+Events recorded about them.
+
+A fake Node has no kubelet, so the test does what one does: it writes the Node's status once and renews
+the Node's Lease (kube-node-lease) every few seconds from a daemon thread, so that kube-controller-manager's
+node lifecycle controller keeps taking it for a live node (without a renewed Lease it marks the Node
+Unknown after its grace period, taints it unreachable and evicts its pods).
+"""
 
 from __future__ import annotations
 
 import datetime
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
 
-from tests.e2e.api import STRATEGIC, Api
+from tests.e2e.api import MERGE, STRATEGIC, Api, ApiError, eventually
 
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
 BASE_CAPACITY = {"cpu": "16", "memory": "64Gi", "pods": "110", "ephemeral-storage": "100Gi"}
+NODE_LEASE_NAMESPACE = "kube-node-lease"
+LEASE_DURATION_S = 40
+LEASE_RENEW_S = 5.0
+NAMESPACE_WAIT_S = 60.0
 
 
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _micro_now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class _NodeHeartbeats:
+    """Renews the Lease of every fake Node (see the module docstring) until the Node is gone."""
+
+    def __init__(self) -> None:
+        self._nodes: dict[tuple[str, str], Api] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, api: Api, name: str) -> None:
+        """Create (or take over) the Node's Lease and keep renewing it."""
+        node = api.get(f"/api/v1/nodes/{name}")
+        owner = {"apiVersion": "v1", "kind": "Node", "name": name, "uid": node["metadata"]["uid"]}
+        api.apply(
+            f"/apis/coordination.k8s.io/v1/namespaces/{NODE_LEASE_NAMESPACE}/leases",
+            {
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "Lease",
+                "metadata": {"name": name, "namespace": NODE_LEASE_NAMESPACE, "ownerReferences": [owner]},
+                "spec": {
+                    "holderIdentity": name,
+                    "leaseDurationSeconds": LEASE_DURATION_S,
+                    "renewTime": _micro_now(),
+                },
+            },
+        )
+        with self._lock:
+            self._nodes[(api.server, name)] = api
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="fake-node-heartbeats", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(LEASE_RENEW_S)
+            with self._lock:
+                nodes = list(self._nodes.items())
+            for (server, name), api in nodes:
+                try:
+                    api.patch(
+                        f"/apis/coordination.k8s.io/v1/namespaces/{NODE_LEASE_NAMESPACE}/leases/{name}",
+                        {"spec": {"renewTime": _micro_now()}},
+                        content_type=MERGE,
+                    )
+                    api.get(f"/api/v1/nodes/{name}")
+                except ApiError as exc:
+                    if exc.status == 404:  # the Node (or its Lease, collected with it) is gone
+                        with self._lock:
+                            self._nodes.pop((server, name), None)
+                except OSError:
+                    continue  # the API server is stopping or busy: the next round tries again
+
+
+_HEARTBEATS = _NodeHeartbeats()
 
 
 def create_fake_node(
@@ -26,8 +97,10 @@ def create_fake_node(
     labels: Mapping[str, str] | None = None,
     annotations: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """A Node with no kubelet behind it: created, its status written (capacity, allocatable, Ready) and
-    the not-ready taint removed, so that kube-scheduler places pods on it. Returns the Node."""
+    """A Node with no kubelet behind it: created, its status written (capacity, allocatable, Ready), its
+    Lease renewed from now on, and the not-ready taint (added by the TaintNodesByCondition admission
+    plugin) removed at once rather than at the node lifecycle controller's next pass, so that
+    kube-scheduler places pods on it. Returns the Node."""
     api.create(
         "/api/v1/nodes",
         {
@@ -41,6 +114,7 @@ def create_fake_node(
         },
     )
     write_ready_status(api, name, {**BASE_CAPACITY, **(capacity or {})})
+    _HEARTBEATS.add(api, name)
     return remove_not_ready_taint(api, name)
 
 
@@ -74,7 +148,8 @@ def write_ready_status(api: Api, name: str, capacity: Mapping[str, str]) -> None
 
 
 def remove_not_ready_taint(api: Api, name: str) -> dict[str, Any]:
-    """Drop node.kubernetes.io/not-ready (a kubelet adds it; kube-controller-manager would remove it)."""
+    """Drop node.kubernetes.io/not-ready from a Node that is Ready (the node lifecycle controller would
+    remove it too, at its next pass)."""
     node: dict[str, Any] = api.get(f"/api/v1/nodes/{name}")
     taints = node.get("spec", {}).get("taints") or []
     kept = [t for t in taints if t.get("key") != NOT_READY_TAINT]
@@ -147,5 +222,11 @@ def pod_events(api: Api, namespace: str, name: str) -> list[dict[str, Any]]:
 
 
 def ensure_namespace(api: Api, name: str) -> None:
-    """Create a namespace unless it exists."""
+    """Create a namespace unless it exists, and wait for its default ServiceAccount (the ServiceAccount
+    admission plugin refuses pods until kube-controller-manager has made it)."""
     api.apply("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    eventually(
+        lambda: api.get(f"/api/v1/namespaces/{name}/serviceaccounts/default"),
+        timeout_s=NAMESPACE_WAIT_S,
+        what=f"the default ServiceAccount of namespace {name}",
+    )

@@ -1,15 +1,18 @@
-"""The real kube-scheduler (v1.20) places GPU pods through `gpunode extender`, as the Helm chart sets them up.
+"""The real kube-scheduler (1.36) places GPU pods through `gpunode extender`, as the Helm chart sets them up.
 
-What is real here: etcd, kube-apiserver with RBAC, kube-scheduler, and the extender as a subprocess of
-the `gpunode` command. The chart (rendered by helm) supplies the extender's RBAC, applied to the API
-server, and the scheduler configuration's extenders entry (kube-scheduler 1.20 reads it as v1beta1).
-kube-scheduler and the extender talk HTTPS with client certificates, as with extender.tls.enabled.
-The three Nodes are fake (no kubelet): the test writes their status and the gpunode.io/gpu-state
-annotation an agent would publish.
+What is real here: etcd, kube-apiserver with RBAC, kube-controller-manager, kube-scheduler, and the
+extender as a subprocess of the `gpunode` command. The chart (rendered by helm) supplies the extender's
+RBAC, applied to the API server, and kube-scheduler's whole configuration: its
+kubescheduler.config.k8s.io/v1 KubeSchedulerConfiguration, used as the chart renders it but for the
+extender's address and the certificates' paths, which name this test's. kube-scheduler and the extender
+talk HTTPS with client certificates, as with extender.tls.enabled. The three Nodes are fake (no
+kubelet): the test writes their status and the gpunode.io/gpu-state annotation an agent would publish,
+and renews their Leases (tests/e2e/objects.py).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import ssl
 import sys
@@ -46,7 +49,6 @@ CHART_VALUES = {
         "bind": True,
         "nodeCacheCapable": True,
         "tls": {"enabled": True, "existingSecret": "gpunode-extender-tls"},
-        "schedulerConfig": {"apiVersion": "v1beta2"},  # 1.20 reads the same extenders entry as v1beta1
     }
 }
 
@@ -146,29 +148,42 @@ def cluster(
             annotations={NODE_STATE_ANNOTATION: gpu_state(node, free)},
         )
 
-    # kube-scheduler 1.20 retries a pod that every node failed only after a minute or a cluster event:
-    # wait until the extender's node refresh has seen the nodes (a filter call for a one-GPU pod passes
-    # all three; with more than one node passing, filter reserves nothing), so the first attempt counts.
+    # kube-scheduler retries a pod that every node failed only after its backoff or a cluster event: wait
+    # until the extender's node refresh has seen the nodes (a filter call for a one-GPU pod passes all
+    # three; with more than one node passing, filter reserves nothing), so the first attempt counts.
     eventually(
         partial(_extender_knows, port, client, control_plane.ca_file),
         timeout_s=WAIT_S,
         what="the extender's node cache holding the nodes",
     )
 
-    # The chart's scheduler configuration, with its files where this test keeps them.
+    # The chart's scheduler configuration, whole, with the extender's address and the certificates'
+    # files where this test has them.
     config_map = next(
         d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("scheduler-config")
     )
     chart_config = yaml.safe_load(config_map["data"]["scheduler-config.yaml"])
-    entries = chart_config["extenders"]
+    assert chart_config["apiVersion"] == "kubescheduler.config.k8s.io/v1", chart_config["apiVersion"]
+    config = copy.deepcopy(chart_config)
+    entries = config["extenders"]
     assert len(entries) == 1 and entries[0]["bindVerb"] == "bind" and entries[0]["enableHTTPS"] is True
+    assert entries[0]["preemptVerb"] == "preempt", entries[0]
     entries[0]["urlPrefix"] = f"https://127.0.0.1:{port}"
     entries[0]["tlsConfig"] = {
         "certFile": str(client.cert),
         "keyFile": str(client.key),
         "caFile": str(control_plane.ca_file),
     }
-    scheduler = control_plane.start_scheduler(entries, name="kube-scheduler-extender")
+    scheduler = control_plane.start_scheduler(name="kube-scheduler-extender", config=config)
+    # What kube-scheduler read is the chart's configuration: only those three settings differ, and the
+    # harness added its client connection and leader election (which the chart leaves to the cluster).
+    used = yaml.safe_load((control_plane.workdir / "kube-scheduler-extender.yaml").read_text())
+    assert {k: v for k, v in used.items() if k not in ("clientConnection", "leaderElection")} == config
+    differing = {k for k in chart_config["extenders"][0] if chart_config["extenders"][0][k] != entries[0][k]}
+    assert differing == {"urlPrefix", "tlsConfig"}, differing
+    assert {k: v for k, v in config.items() if k != "extenders"} == {
+        k: v for k, v in chart_config.items() if k != "extenders"
+    }
     try:
         yield {"extender": extender, "scheduler": scheduler, "port": port, "client": client}
     finally:
