@@ -10,6 +10,7 @@ in the log, in a gauge, and in `gpunode devices` / `gpunode doctor`.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpunode import cli
 from gpunode.node import doctor
 from gpunode.node.agent import Agent
 from gpunode.node.devices.simnode.backend import SimBackend
@@ -59,7 +61,10 @@ def pending_series(ra: RunningAgent) -> list[dict[str, str]]:
 
 
 def test_reload_keeps_held_gpus_until_their_holders_are_gone(
-    sockdir: Path, kubelet: KubeletStandIn, caplog: pytest.LogCaptureFixture
+    sockdir: Path,
+    kubelet: KubeletStandIn,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     def doc(devices: Any) -> dict[str, Any]:
         return {
@@ -106,6 +111,22 @@ def test_reload_keeps_held_gpus_until_their_holders_are_gone(
         assert len(lines) == 7 and "team/job-1/main" in lines[0]
         check = next(c for c in doctor.checks(ra.agent.config) if c.name == "sharing changes")
         assert check.status == doctor.WARN and "7 GPU(s) keep their old mode" in check.detail
+        args = [
+            "devices",
+            "--backend",
+            "sim",
+            "--sim-profile",
+            "dgx-h100",
+            "--state-dir",
+            str(sockdir / "state"),
+        ]
+        assert cli.main(args) == 0
+        err = capsys.readouterr().err
+        assert (
+            err.count("pending: GPU ") == 7 and "stays fractional (" in err and "then becomes whole (" in err
+        )
+        assert cli.main([*args, "--json"]) == 0
+        assert len(json.loads(capsys.readouterr().out)["pending"]) == 7
 
         pr.set_pods(holders[3:])  # the jobs on GPUs 1-3 end
         kubelet.wait_for(lambda: len(served(kubelet, GPU)) == 3, what="GPUs 1-3 sold whole")
@@ -259,5 +280,7 @@ def test_a_restart_with_a_new_configuration_waits_for_holders_too(
             )
             assert g1 not in served(kubelet, GPU) and list(ra.agent.gate.pending) == [g1]
             pr.set_pods([])
-            kubelet.wait_for(lambda: len(served(kubelet, GPU)) == 3, timeout=20, what="GPU 1 sold whole once free")
+            kubelet.wait_for(
+                lambda: len(served(kubelet, GPU)) == 3, timeout=20, what="GPU 1 sold whole once free"
+            )
             assert len(served(kubelet, MEM)) == 15
