@@ -196,6 +196,7 @@ class Agent:
             checkpoint=self.checkpoint,
             state_dir=self.config.state_dir,
         )
+        await self.plugins.holds.seed_from_kubelet()  # what containers held before this start
         inventory = await self.gate.apply(inventory)
         allocator.preload_lib = self._stage_preload(inventory)
         self._announce(inventory)

@@ -184,3 +184,26 @@ def test_without_the_kubelets_list_only_in_flight_and_recent_allocates_count(
         time.sleep(0.6)
         kubelet.allocate(MEM, units[2:6])  # the kubelet's word: the first holder has ended
         assert ra.agent.plugins.holds.unchecked >= 1
+
+
+def test_replicas_held_before_the_agent_started_are_refused(sockdir: Path, kubelet: KubeletStandIn) -> None:
+    """After an agent restart it has not seen the Allocates of running containers: the kubelet's List tells it."""
+    shared = "nvidia.com/gpu.shared"
+    doc = {
+        "sharing": {
+            "timeSlicing": {"renameByDefault": True, "resources": [{"name": "nvidia.com/gpu", "replicas": 4}]}
+        },
+        "gpunode": {"podResourcesSocket": str(sockdir / "pr.sock")},
+    }
+    cfg = make_config(sockdir / "device-plugins", sockdir / "state", doc)
+    backend = SimBackend.from_profile("t4")
+    g0 = backend.gpus()[0].uuid
+    with PodResourcesStandIn(str(sockdir / "pr.sock")) as pr:
+        pr.set_pods([ContainerDevices("team", "old", "main", shared, (f"{g0}::1",))])
+        with RunningAgent(Agent(cfg, backend=backend)):
+            kubelet.wait_for_resources([shared])
+            with pytest.raises(grpc.RpcError) as err:
+                kubelet.allocate(shared, [f"{g0}::1", f"{g0}::2"])
+            assert "still held by the running container team/old/main" in (err.value.details() or "")
+            kubelet.allocate(shared, [f"{g0}::2"])
+            kubelet.allocate(shared, [f"{g0}::1"])  # the same set as its holder's: the holder allocated again

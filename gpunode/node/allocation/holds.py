@@ -81,6 +81,13 @@ class DeviceHolds:
             for dev_id in ids:
                 self.given[dev_id] = given
 
+    async def seed_from_kubelet(self) -> None:
+        """Take every device the kubelet says a container holds as handed out (at start: this process
+        did not see those Allocates), so reusing one of them makes the check ask the kubelet."""
+        containers = await self.live()
+        if containers is not None:
+            self.seed((region_key(c.device_ids), c.device_ids) for c in containers if c.device_ids)
+
     def claim(self, resource: str, device_ids: Sequence[str]) -> str:
         """Claim the devices of one container's Allocate; AllocationError if another Allocate in flight
         holds one. Returns the region key of the set; release() must follow."""
