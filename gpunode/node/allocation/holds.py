@@ -6,22 +6,26 @@ device and its holder) when one of its device IDs
 - is claimed by another Allocate still in flight (the kubelet never sends two at once);
 - is held by another running container, as the kubelet's pod-resources List says
   (a container listed with exactly the same devices is the same container allocated
-  again, after a kubelet restart, and is let through);
-- was given by this agent to another set of devices less than RECORD_GRACE_S ago
-  and the kubelet does not list it yet: the kubelet records an allocation only after
-  the answer reached it, so for that long a List cannot be the whole truth. An
-  init container's devices reused by its pod's app container (the kubelet's
-  reuse: one set within the other) are let through.
+  again, after a kubelet restart, and is let through).
+The kubelet records an allocation only once the answer reached it, so a device
+this agent gave to another set less than RECORD_GRACE_S ago that the List does
+not show yet is not taken as free at once: the List is asked again every
+LIST_POLL_S until it shows the holder (refused) or the grace has passed (the
+earlier holder never started, e.g. its pod was rejected: let through). The
+kubelet allocates one container at a time and records each before the next, so
+it waits only after such a rejection; an init container's devices reused by its
+pod's app container (one set within the other) are not waited for.
 The kubelet is asked only when a device was given before to another set (a unit
 reused after its holder ended), so most Allocates cost no call. While it cannot
 be asked (no pod-resources socket, no answer), the check falls back to the calls
-in flight and the grace period, says so once per outage, and asks again after
-LIST_RETRY_S; units reused after their holder ended keep getting a fresh region.
+in flight, says so once per outage, and asks again after LIST_RETRY_S; units
+reused after their holder ended keep getting a fresh region.
 `given` also tells the reload which GPUs this agent handed out (gpunode.node.drain).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -33,7 +37,8 @@ from gpunode.node.kubelet.podresources import ContainerDevices
 
 log = logging.getLogger(__name__)
 
-RECORD_GRACE_S = 2.0  # how long after an Allocate answered the kubelet may not list it yet
+RECORD_GRACE_S = 0.5  # how long after an Allocate answered the kubelet may not list it yet
+LIST_POLL_S = 0.05  # how often the kubelet is asked again meanwhile
 LIST_RETRY_S = 5.0  # after a failed List, how long Allocates do without one
 LIST_TIMEOUT_S = 2.0
 
@@ -71,6 +76,7 @@ class DeviceHolds:
         self.given: dict[str, Given] = {}  # device ID -> the last Allocate this agent answered with it
         self.refused = 0  # Allocates refused for devices another container holds, since start
         self.unchecked = 0  # Allocates let through without the kubelet's List (it could not be asked)
+        self.waited = 0  # times an Allocate waited for the kubelet to record an earlier answer
         self.problem: str | None = None  # why the kubelet cannot be asked, while it cannot
         self._failed_at: float | None = None
 
@@ -126,9 +132,8 @@ class DeviceHolds:
             if self.problem is None:
                 log.warning(
                     "Allocate: the kubelet's pod-resources List cannot be asked (%s); devices are checked "
-                    "against Allocates in flight and those of the last %g s only",
+                    "against the Allocates in flight only",
                     exc,
-                    self.record_grace_s,
                 )
             self.problem = str(exc)
             return None
@@ -143,12 +148,13 @@ class DeviceHolds:
         others = {d: self.given[d] for d in device_ids if d in self.given and self.given[d].key != key}
         if not others:
             return
-        now = self.clock()
         wanted = frozenset(device_ids)
-        containers = await self.live()
-        if containers is None:
-            self.unchecked += 1
-        else:
+        while True:
+            containers = await self.live()
+            if containers is None:
+                self.unchecked += 1  # the kubelet's word is all there is
+                return
+            now = self.clock()
             listed: dict[str, ContainerDevices] = {}
             for c in containers:
                 for dev_id in c.device_ids:
@@ -163,17 +169,21 @@ class DeviceHolds:
                         hint="the kubelet gave out a device a running container holds; restart the kubelet "
                         "if this repeats (`kubectl get pods -A -o wide` shows the holder)",
                     )
-            for dev_id, g in others.items():  # not listed: the holder has ended
-                if now - g.at >= self.record_grace_s and self.given.get(dev_id) is g:
-                    del self.given[dev_id]
-        for dev_id, g in others.items():
-            if now - g.at < self.record_grace_s and not (wanted <= g.ids or g.ids <= wanted):
-                self.refused += 1
-                raise AllocationError(
-                    f"{resource}: device {dev_id[:80]} was allocated to another container "
-                    f"{(now - g.at) * 1000:.0f} ms ago",
-                    hint="the kubelet sends one Allocate at a time; a second client is talking to the plugin",
-                )
+            # Not listed: the holder has ended, unless it was answered so recently that the kubelet may not
+            # have recorded it yet (an init container's devices reused by its own pod are not waited for).
+            recent = [
+                g
+                for g in others.values()
+                if now - g.at < self.record_grace_s and not (wanted <= g.ids or g.ids <= wanted)
+            ]
+            if not recent:
+                for dev_id, g in others.items():
+                    if self.given.get(dev_id) is g:
+                        del self.given[dev_id]
+                return
+            self.waited += 1
+            wait = min(LIST_POLL_S, max(0.0, min(g.at for g in recent) + self.record_grace_s - now))
+            await asyncio.sleep(wait)
 
     def given_on(self, device_ids: Iterable[str]) -> list[str]:
         """The IDs among device_ids that this agent handed out and has not seen released."""
