@@ -345,6 +345,7 @@ PARTS = [
     "event pump",
     "topology watch",
     "reloader",
+    "sharing drain",
     "rediscovery",
     "sim control",
     "kubelet watch",
