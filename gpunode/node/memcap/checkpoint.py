@@ -142,9 +142,11 @@ class Checkpoint:
             return
         for rec in old:
             if rec.key not in self._records:  # a file written since is newer than the old checkpoint
-                self._write(rec)
+                self._write(rec, sync_dir=False)
                 self._hold(rec)
+        _sync_dir(self.dir)  # every record is in place before the old file goes
         self.path.unlink()
+        _sync_dir(self.state_dir)
         log.info("checkpoint: %d cap(s) of %s moved to %s/", len(old), self.path.name, self.dir)
 
     def _set_aside(self, path: Path, exc: Exception) -> None:
@@ -210,11 +212,11 @@ class Checkpoint:
             if gone:
                 _sync_dir(self.dir)
 
-    def _write(self, record: CapRecord) -> None:
+    def _write(self, record: CapRecord, *, sync_dir: bool = True) -> None:
         if not self.dir.is_dir():
             self.dir.mkdir(parents=True, exist_ok=True)
             _sync_dir(self.state_dir)
-        write_atomically(self.dir / f"{record.key}.json", json.dumps(asdict(record)), sync_dir=True)
+        write_atomically(self.dir / f"{record.key}.json", json.dumps(asdict(record)), sync_dir=sync_dir)
         self.writes += 1
 
 
