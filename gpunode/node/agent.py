@@ -198,6 +198,7 @@ class Agent:
         )
         await self.plugins.holds.seed_from_kubelet()  # what containers held before this start
         inventory = await self.gate.apply(inventory)
+        await asyncio.to_thread(allocator.trim, inventory)  # regions an agent without the bound left
         allocator.preload_lib = self._stage_preload(inventory)
         self._announce(inventory)
         sup = self.supervisor = Supervisor()

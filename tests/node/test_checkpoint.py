@@ -153,3 +153,20 @@ def test_capacity_counts_the_capped_devices_of_a_gpu(tmp_path: Path, unit: str) 
     assert allocator.bound is not None
     assert allocator.bound.capacity(inventory, backend.gpus()[0].uuid) == 3
     assert allocator.bound.capacity(inventory, backend.gpus()[1].uuid) == 0
+
+
+def test_regions_an_unbounded_agent_left_are_trimmed_at_start(tmp_path: Path) -> None:
+    """An old agent left 300 regions on a 15-unit GPU (kept in an old checkpoint.json): the next start keeps
+    only those no newer region superseded."""
+    allocator, state, units = sim_config(tmp_path)
+    gpu = state.snapshot().inventory.gpus[0].uuid
+    assert allocator.bound is not None and allocator.checkpoint is not None
+    allocator.bound = None  # the old agent: no bound
+    for i in range(300):
+        allocator.allocate(state.snapshot(), MEM, units[i % 13 :][: 1 + (i // 13) % 3])
+    assert allocator.checkpoint.count_on(gpu) > 15
+    again, state, _ = sim_config(tmp_path)
+    assert again.trim(state.snapshot().inventory) > 0
+    assert again.checkpoint is not None and again.checkpoint.count_on(gpu) <= 15
+    root = tmp_path / "state" / "memcap"
+    assert {p.name for p in root.iterdir() if not p.name.startswith(".")} == set(again.checkpoint.records())

@@ -158,19 +158,28 @@ class RegionBound:
         """Note a new region; the keys of the superseded regions to remove now, oldest first."""
         with self._lock:
             self._note(rec)
-            superseded = self._superseded[rec.gpu_uuid]
-            out: list[str] = []
-            excess = self.checkpoint.count_on(rec.gpu_uuid) - max(capacity, 1)
-            while excess > 0 and superseded:
-                key = next(iter(superseded))
+            return self._over(rec.gpu_uuid, capacity, keep=rec.key)
+
+    def over(self, uuid: str, capacity: int) -> list[str]:
+        """The keys of the superseded regions of `uuid` beyond `capacity`, oldest first (at start: the
+        regions an agent without this bound left)."""
+        with self._lock:
+            return self._over(uuid, capacity, keep=None)
+
+    def _over(self, uuid: str, capacity: int, keep: str | None) -> list[str]:
+        superseded = self._superseded.setdefault(uuid, {})
+        out: list[str] = []
+        excess = self.checkpoint.count_on(uuid) - max(capacity, 1)
+        while excess > 0 and superseded:
+            key = next(iter(superseded))
+            del superseded[key]
+            if key != keep and self.checkpoint.get(key) is not None:
+                out.append(key)
+                excess -= 1
+        if len(superseded) > 2 * max(capacity, 1):  # forget those the collector removed already
+            for key in [k for k in superseded if self.checkpoint.get(k) is None]:
                 del superseded[key]
-                if key != rec.key and self.checkpoint.get(key) is not None:
-                    out.append(key)
-                    excess -= 1
-            if len(superseded) > 2 * max(capacity, 1):  # forget those the collector removed already
-                for key in [k for k in superseded if self.checkpoint.get(k) is None]:
-                    del superseded[key]
-            return out
+        return out
 
 
 class Allocator:
@@ -321,9 +330,30 @@ class Allocator:
 
     def _keep_bound(self, snapshot: Snapshot, record: CapRecord) -> None:
         """Remove the superseded regions of the record's GPU beyond what the GPU can hold."""
-        assert self.checkpoint is not None and self.bound is not None
+        if self.bound is None:
+            return
         capacity = self.bound.capacity(snapshot.inventory, record.gpu_uuid)
-        for old in self.bound.added(record, capacity):
+        self._evict(self.bound.added(record, capacity), record.gpu_uuid, capacity)
+
+    def trim(self, inventory: Inventory) -> int:
+        """Bring every capped GPU within its bound (at start); the number of regions removed."""
+        if self.checkpoint is None or self.bound is None:
+            return 0
+        before = self.bound.evicted
+        for uuid in {r.gpu_uuid for r in self.checkpoint.records().values()}:
+            capacity = self.bound.capacity(inventory, uuid)
+            if capacity:  # a GPU no longer capped keeps its regions until the collector removes them
+                self._evict(self.bound.over(uuid, capacity), uuid, capacity)
+        removed = self.bound.evicted - before
+        if removed:
+            log.info(
+                "memory caps: removed %d region(s) of ended containers beyond their GPUs' units", removed
+            )
+        return removed
+
+    def _evict(self, keys: Sequence[str], uuid: str, capacity: int) -> None:
+        assert self.checkpoint is not None and self.bound is not None
+        for old in keys:
             try:
                 memcap.remove_region(self.regions_root, old)
             except MemcapError as exc:
@@ -335,6 +365,6 @@ class Allocator:
                 "memory caps: removed region %s of %s: newer regions took its units and the GPU "
                 "holds at most %d",
                 old,
-                record.gpu_uuid,
+                uuid,
                 capacity,
             )
