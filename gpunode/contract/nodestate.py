@@ -40,7 +40,8 @@ change and on its periodic refresh (nodeState.interval, 60 s by default) even
 when nothing changed, so readers can tell a node whose agent stopped publishing
 (the extender's --node-state-max-age). It is written with the agent's clock.
 
-decode() checks every field (types, ranges, that assigned never exceeds
+decode() checks every field (types, ranges within the MAX_* bounds below, which
+are what real hardware has with room to spare, that assigned never exceeds
 capacity, that UUIDs are unique and peers exist) and raises NodeStateError (a
 GpunodeError) with the field path for anything wrong; it refuses versions it
 does not know, newer ones included, rather than guess. Readers that see an
@@ -60,8 +61,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpunode.contract.names import MILLI_PER_GPU, NODE_STATE_ANNOTATION, SHARING_MODES, Sharing
-from gpunode.contract.reader import SectionReader
+from gpunode.contract.names import MILLI_PER_GPU, NODE_STATE_ANNOTATION, SHARING_MODES, TIB, Sharing
+from gpunode.contract.reader import SectionReader, excerpt
 from gpunode.errors import NodeStateError
 
 ANNOTATION_KEY = NODE_STATE_ANNOTATION
@@ -70,6 +71,20 @@ SUPPORTED_VERSIONS = (VERSION,)
 HEALTH_VALUES = ("Healthy", "Unhealthy")
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "examples" / "node-gpu-state-v1.schema.json"
 MAX_TEXT_BYTES = 256 * 1024  # an annotation value larger than this is refused before parsing
+
+# Bounds of every number and list of v1, from what real hardware has with room to spare. A value beyond
+# one is refused (NodeStateError): placement works in 64-bit integers, and no count or size here can
+# overflow them, even summed over a node's GPUs and multiplied by MILLI_PER_GPU.
+MAX_GPUS_PER_NODE = 64  # DGX/HGX systems have 8 or 16 GPUs
+MAX_GPU_MEMORY_BYTES = TIB  # the largest GPUs (B300) have 288 GB
+MAX_MIG_PER_GPU = 7  # A100, H100, H200, B200: at most 7 GPU instances
+MAX_PODS_PER_GPU = 1024  # pods sharing one GPU (time-slicing allows 48; 1Gi memory units ~300)
+MAX_NODE_CPU_MILLI = 16384 * 1000  # 16,384 cores; the largest servers have under 2,000 threads
+MAX_NODE_MEMORY_BYTES = 64 * TIB  # the largest servers have 32-48 TiB
+MAX_NUMA_NODE = 1023  # Linux's MAX_NUMNODES is at most 1024
+MAX_GENERATION = 2**53  # a JSON-safe integer; the agent adds one per change
+MAX_UPDATED = 4102444800.0  # 2100-01-01T00:00:00Z, unix seconds
+MAX_NAME_CHARS = 320  # a UUID, model, MIG profile or pod namespace/name (253 + 1 + 63)
 
 
 @dataclass(frozen=True)
@@ -185,25 +200,44 @@ def _reader(data: object, where: str) -> SectionReader:
 
 def _decode_mig(r: SectionReader) -> MigInstance:
     assigned = r.flag("assigned")
-    profile, uuid = r.get("profile", str), r.get("uuid", str)
-    if not profile or not uuid:
-        raise NodeStateError(f"{r.where}: profile and uuid cannot be empty")
+    profile, uuid = _name(r, "profile"), _name(r, "uuid")
     return MigInstance(profile=profile, uuid=uuid, assigned=assigned)
 
 
+def _name(r: SectionReader, key: str, *, empty: bool = False) -> str:
+    """A string (non-empty unless `empty`) of at most MAX_NAME_CHARS characters."""
+    value = r.get(key, str)
+    if not value and not empty:
+        raise r.fail(key, "cannot be empty")
+    if len(value) > MAX_NAME_CHARS:
+        raise r.fail(key, f"{len(value)} characters is more than the {MAX_NAME_CHARS} accepted")
+    return value
+
+
+def _names(r: SectionReader, key: str, most: int) -> tuple[str, ...]:
+    """A list of at most `most` non-empty strings of at most MAX_NAME_CHARS characters each."""
+    values = r.text_list(key, ())
+    if len(values) > most:
+        raise r.fail(key, f"{len(values)} entries is more than the {most} accepted")
+    if any(len(v) > MAX_NAME_CHARS for v in values):
+        raise r.fail(key, f"an entry is longer than the {MAX_NAME_CHARS} characters accepted")
+    return values
+
+
 def _decode_gpu(r: SectionReader) -> GpuRecord:
-    uuid = r.get("uuid", str)
-    if not uuid:
-        raise r.fail("uuid", "cannot be empty")
-    memory_total = r.integer("memoryTotalBytes", minimum=0)
+    uuid = _name(r, "uuid")
+    memory_total = r.integer("memoryTotalBytes", minimum=0, maximum=MAX_GPU_MEMORY_BYTES)
     capacity = r.integer("milliCapacity", minimum=0, maximum=MILLI_PER_GPU)
-    assigned = r.integer("milliAssigned", minimum=0)
-    memory_assigned = r.integer("memoryAssignedBytes", minimum=0)
+    assigned = r.integer("milliAssigned", minimum=0)  # at most milliCapacity, below
+    memory_assigned = r.integer("memoryAssignedBytes", minimum=0, maximum=MAX_GPU_MEMORY_BYTES)
     if assigned > capacity:
         raise r.fail("milliAssigned", f"{assigned} exceeds milliCapacity {capacity}")
     if memory_assigned > memory_total:
         raise r.fail("memoryAssignedBytes", f"{memory_assigned} exceeds memoryTotalBytes {memory_total}")
-    mig = tuple(_decode_mig(r.item(item, r.key_path(f"mig[{i}]"))) for i, item in enumerate(r.items("mig")))
+    mig_items = r.items("mig")
+    if len(mig_items) > MAX_MIG_PER_GPU:
+        raise r.fail("mig", f"{len(mig_items)} MIG instances is more than the {MAX_MIG_PER_GPU} a GPU has")
+    mig = tuple(_decode_mig(r.item(item, r.key_path(f"mig[{i}]"))) for i, item in enumerate(mig_items))
     sharing = Sharing(r.choice("sharing", SHARING_MODES))
     serves_whole = r.flag("servesWhole", sharing == Sharing.WHOLE)
     if serves_whole != whole_by_mode(sharing, serves_whole):
@@ -214,8 +248,8 @@ def _decode_gpu(r: SectionReader) -> GpuRecord:
         )
     return GpuRecord(
         uuid=uuid,
-        index=r.integer("index", minimum=0),
-        model=r.get("model", str),
+        index=r.integer("index", minimum=0, maximum=MAX_GPUS_PER_NODE - 1),
+        model=_name(r, "model", empty=True),
         memory_total_bytes=memory_total,
         milli_capacity=capacity,
         milli_assigned=assigned,
@@ -224,9 +258,9 @@ def _decode_gpu(r: SectionReader) -> GpuRecord:
         sharing=sharing,
         serves_whole=serves_whole,
         mig=mig,
-        nvlink_peers=r.text_list("nvlinkPeers", ()),
-        numa_node=r.integer("numaNode", None, minimum=0),
-        pods=r.text_list("pods", ()),
+        nvlink_peers=_names(r, "nvlinkPeers", MAX_GPUS_PER_NODE - 1),
+        numa_node=r.integer("numaNode", None, minimum=0, maximum=MAX_NUMA_NODE),
+        pods=_names(r, "pods", MAX_PODS_PER_GPU),
     )
 
 
@@ -274,22 +308,21 @@ def decode(text: str | bytes, *, node: str | None = None) -> NodeGpuState:
             f"{', '.join(SUPPORTED_VERSIONS)})",
             hint="run an extender at least as new as the agents, or pin the agents to publish v1",
         )
-    name = r.get("node", str)
-    if not name:
-        raise r.fail("node", "cannot be empty")
+    name = _name(r, "node")
     if node is not None and name != node:
-        raise r.fail("node", f"says {name!r} but it is on node {node!r}")
-    gpus = tuple(
-        _decode_gpu(r.item(item, r.key_path(f"gpus[{i}]"))) for i, item in enumerate(r.items("gpus"))
-    )
+        raise r.fail("node", f"says {excerpt(name)} but it is on node {excerpt(node)}")
+    gpu_items = r.items("gpus")
+    if len(gpu_items) > MAX_GPUS_PER_NODE:
+        raise r.fail("gpus", f"{len(gpu_items)} GPUs is more than the {MAX_GPUS_PER_NODE} a node may have")
+    gpus = tuple(_decode_gpu(r.item(item, r.key_path(f"gpus[{i}]"))) for i, item in enumerate(gpu_items))
     _check_gpus(gpus)
     return NodeGpuState(
         node=name,
-        updated=r.number("updated", minimum=0),
-        generation=r.integer("generation", minimum=0),
+        updated=r.number("updated", minimum=0, maximum=MAX_UPDATED),
+        generation=r.integer("generation", minimum=0, maximum=MAX_GENERATION),
         gpus=gpus,
-        cpu_milli_free=r.integer("cpuMilliFree", None, minimum=0),
-        memory_free_bytes=r.integer("memoryFreeBytes", None, minimum=0),
+        cpu_milli_free=r.integer("cpuMilliFree", None, minimum=0, maximum=MAX_NODE_CPU_MILLI),
+        memory_free_bytes=r.integer("memoryFreeBytes", None, minimum=0, maximum=MAX_NODE_MEMORY_BYTES),
         version=version,
         extra=r.unread(),
     )

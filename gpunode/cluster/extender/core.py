@@ -283,7 +283,11 @@ class Extender:
         with self._lock:
             reason = self._fits.get(key, _UNSET)
         if reason is _UNSET:
-            reason = unfit_reason(state, request)
+            try:
+                reason = unfit_reason(state, request)
+            except Exception as exc:  # one node's state never fails the request (nodes.py)
+                log.warning("node %s: its GPU state could not be evaluated: %r", view.name, exc)
+                return _Verdict(f"its GPU state could not be evaluated: {type(exc).__name__}: {exc}", None)
             with self._lock:
                 if len(self._fits) > _CACHE_LIMIT:
                     self._fits.clear()
@@ -294,7 +298,11 @@ class Extender:
         with self._lock:
             scored = self._scores.get(score_key, _UNSET)
         if scored is _UNSET:
-            choice = score_node(state, request, policy=ctx.policy, workload=ctx.workload)
+            try:
+                choice = score_node(state, request, policy=ctx.policy, workload=ctx.workload)
+            except Exception as exc:  # as above: this node scores 0
+                log.warning("node %s: its GPU state could not be scored: %r", view.name, exc)
+                return _Verdict(None, None)
             scored = None if choice is None else (choice.score, choice.gpu_uuids)
             with self._lock:
                 if len(self._scores) > _CACHE_LIMIT:

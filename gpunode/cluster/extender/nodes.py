@@ -9,10 +9,24 @@ decoded state.
 
 A node whose agent stopped publishing is not trusted forever: with `max_age_s`
 (--node-state-max-age), a node whose annotation was published (its `updated`
-field) longer ago than that is answered without a state, its reason naming the
-age and the bound, so filter sends it to FailedNodes and bind refuses it. The
-agent republishes every nodeState.interval (60 s by default) even when nothing
-changed. Thread safe; no I/O.
+field) longer ago than that, or whose annotation text this cache has seen
+unchanged for longer than that (by the extender's own clock: an annotation
+frozen with a future `updated` goes stale too), is answered without a state,
+its reason naming the age and the bound, so filter sends it to FailedNodes and
+bind refuses it. The agent republishes every nodeState.interval (60 s by
+default) even when nothing changed, with a new `updated`. With `max_skew_s`
+(--node-state-max-skew), an annotation whose `updated` lies further in the
+future than that (a node whose clock runs ahead, or a forged value) fails its
+node the same way.
+
+One node's state never fails a request about others: an annotation that does
+not decode or that placement cannot use (any error, not only the expected
+ones) gives its node a view without a state and the reason.
+
+The cache is bounded: a node not seen (in a request or a refresh) for
+`ttl_s` (--node-cache-ttl) is forgotten, and beyond `max_nodes`
+(--node-cache-max-nodes) the node seen least recently is; its annotation is
+decoded again when it comes back. Thread safe; no I/O.
 
 OnDemandRefresh covers the names-only mode's blind spot: a node created after the
 last periodic refresh. When a request names nodes the cache does not know, it
@@ -25,19 +39,28 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from gpunode.cluster.extender.pods import _ceil, parse_quantity
-from gpunode.contract.nodestate import ANNOTATION_KEY, NodeGpuState, decode
+from gpunode.contract.nodestate import (
+    ANNOTATION_KEY,
+    MAX_NODE_CPU_MILLI,
+    MAX_NODE_MEMORY_BYTES,
+    NodeGpuState,
+    decode,
+)
 from gpunode.errors import GpunodeError, InvalidRequest, NodeStateError
 from gpunode.placement import NodeCapacity, NodeState
 from gpunode.placement.published import node_state
 
 log = logging.getLogger(__name__)
 _UNKNOWN_NODE = "node unknown to the extender's cache (no refresh has seen it yet)"
+DEFAULT_MAX_NODES = 10_000  # the cache's bound on nodes (Kubernetes supports clusters of 5,000)
+DEFAULT_TTL_S = 3600.0  # a node not seen for this long is forgotten
+DEFAULT_MAX_SKEW_S = 65.0  # the agent's default republish interval (60 s) and a few seconds
 
 
 @dataclass(frozen=True)
@@ -52,29 +75,63 @@ class NodeView:
     pods: frozenset[str] = frozenset()  # namespace/name of the pods the annotation lists
 
 
-def _allocatable(node: Mapping[str, Any], key: str, scale: int) -> int:
+def _allocatable(node: Mapping[str, Any], key: str, scale: int, most: int) -> int:
+    """The node's allocatable `key` in units of 1/scale (0 when absent or unreadable); NodeStateError
+    beyond `most`, which no real node has."""
     status = node.get("status") or {}
     alloc = status.get("allocatable") if isinstance(status, Mapping) else None
     if not isinstance(alloc, Mapping) or key not in alloc:
         return 0
     try:
-        return _ceil(parse_quantity(alloc[key], where=f"status.allocatable.{key}") * scale)
-    except InvalidRequest:
+        value = _ceil(parse_quantity(alloc[key], where=f"status.allocatable.{key}") * scale)
+    except (InvalidRequest, ArithmeticError, ValueError):
         return 0
+    if not 0 <= value <= most:
+        raise NodeStateError(f"status.allocatable.{key}: {value} is beyond the {most} a node may have")
+    return value
+
+
+@dataclass
+class _Entry:
+    """A cached node: its annotation text, its view, when the text last changed and when the node was
+    last seen (the cache's clock)."""
+
+    text: str
+    view: NodeView
+    changed: float
+    seen: float
 
 
 class NodeCache:
-    """Decoded node states by name, reused while a node's annotation text is unchanged."""
+    """Decoded node states by name, reused while a node's annotation text is unchanged (see the module
+    docstring for staleness, skew and the bounds)."""
 
-    def __init__(self, *, max_age_s: float | None = None, clock: Callable[[], float] = time.time) -> None:
-        """`max_age_s`: annotations published longer ago than this (by `clock`, unix seconds) are stale."""
+    def __init__(
+        self,
+        *,
+        max_age_s: float | None = None,
+        max_skew_s: float | None = DEFAULT_MAX_SKEW_S,
+        ttl_s: float | None = DEFAULT_TTL_S,
+        max_nodes: int = DEFAULT_MAX_NODES,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """`max_age_s`: annotations published longer ago than this (by `clock`, unix seconds), or seen
+        unchanged for longer, are stale; `max_skew_s`: how far in the future `updated` may lie (None: any);
+        `ttl_s`: nodes not seen for this long are forgotten (None: never); `max_nodes`: at most this many
+        nodes are kept (the least recently seen go first)."""
+        if max_nodes < 1:
+            raise ValueError("max_nodes must be at least 1")
         self.max_age_s = max_age_s
+        self.max_skew_s = max_skew_s
+        self.ttl_s = ttl_s
+        self.max_nodes = max_nodes
         self._clock = clock
         self._lock = threading.Lock()
-        self._views: dict[str, tuple[str, NodeView]] = {}
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently seen first
         self._supply: Counter[str] = Counter()  # GPUs per model over the cached views
         self._capacity: dict[str, NodeCapacity] = {}  # what each cached node offers empty (node pressure)
         self.capacity_version = 0  # moves whenever _capacity changes
+        self.forgotten = 0  # nodes dropped by the TTL or the node bound, in all
 
     def view(self, node: object) -> NodeView:
         """Decode (or reuse) one v1.Node; never raises for a bad node, the reason says what is wrong."""
@@ -86,33 +143,73 @@ class NodeCache:
             return NodeView(name="", state=None, reason="Node without metadata.name")
         annotations = meta.get("annotations") or {}
         text = annotations.get(ANNOTATION_KEY) if isinstance(annotations, Mapping) else None
+        now = self._clock()
         with self._lock:
-            cached = self._views.get(name)
-        if cached is not None and cached[0] == text and text is not None:
-            return self._judged(cached[1], self._clock())
+            cached = self._entries.get(name)
+            if cached is not None and cached.text == text and text is not None:
+                cached.seen = now
+                self._entries.move_to_end(name)
+                return self._judged(cached, now)
         view = self._decode(name, node, text)
         with self._lock:
-            old = self._views.get(name)
-            if old is not None and old[1].state is not None:
-                self._supply.subtract(g.model for g in old[1].state.gpus)
+            old = self._entries.pop(name, None)
+            if old is not None and old.view.state is not None:
+                self._supply.subtract(g.model for g in old.view.state.gpus)
             if view.state is not None:
                 self._supply.update(g.model for g in view.state.gpus)
             self._set_capacity(name, view.state)
-            self._views[name] = (text or "", view)
-        return self._judged(view, self._clock())
+            entry = _Entry(text if isinstance(text, str) else "", view, now, now)
+            self._entries[name] = entry
+            self._evict(now)
+        return self._judged(entry, now)
 
-    def _judged(self, view: NodeView, now: float) -> NodeView:
-        """The view as it may be used now: without a state when its annotation is too old."""
-        if self.max_age_s is None or view.annotation is None or view.state is None:
+    def _evict(self, now: float) -> None:
+        """Forget the nodes not seen for ttl_s, and the least recently seen beyond max_nodes (lock held)."""
+        entries = self._entries
+        while entries:
+            name, oldest = next(iter(entries.items()))
+            if len(entries) <= self.max_nodes and (self.ttl_s is None or now - oldest.seen <= self.ttl_s):
+                return
+            self._drop(name)
+            self.forgotten += 1
+
+    def _drop(self, name: str) -> None:
+        old = self._entries.pop(name, None)
+        if old is not None and old.view.state is not None:
+            self._supply.subtract(g.model for g in old.view.state.gpus)
+        self._set_capacity(name, None)
+
+    def _judged(self, entry: _Entry, now: float) -> NodeView:
+        """The view as it may be used now: without a state when its annotation is too old or too new."""
+        view = entry.view
+        if view.annotation is None or view.state is None:
+            return view
+        ahead = view.annotation.updated - now
+        if self.max_skew_s is not None and ahead > self.max_skew_s:
+            reason = (
+                f"{ANNOTATION_KEY} annotation published {ahead:.0f} s in the future (updated "
+                f"{view.annotation.updated:.0f}), more than the {self.max_skew_s:g} s allowed "
+                f"(--node-state-max-skew): is the clock of {view.name} right (NTP)?"
+            )
+            return replace(view, state=None, reason=reason)
+        if self.max_age_s is None:
             return view
         age = now - view.annotation.updated
-        if age <= self.max_age_s:
-            return view
-        reason = (
-            f"{ANNOTATION_KEY} annotation published {age:.0f} s ago, more than the {self.max_age_s:g} s "
-            f"allowed (--node-state-max-age): is the gpunode agent on {view.name} running and publishing?"
-        )
-        return replace(view, state=None, reason=reason)
+        if age > self.max_age_s:
+            reason = (
+                f"{ANNOTATION_KEY} annotation published {age:.0f} s ago, more than the {self.max_age_s:g} s "
+                f"allowed (--node-state-max-age): is the gpunode agent on {view.name} running and publishing?"
+            )
+            return replace(view, state=None, reason=reason)
+        unchanged = now - entry.changed
+        if unchanged > self.max_age_s:
+            reason = (
+                f"{ANNOTATION_KEY} annotation unchanged for {unchanged:.0f} s as the extender saw it, more "
+                f"than the {self.max_age_s:g} s allowed (--node-state-max-age): is the gpunode agent on "
+                f"{view.name} running and publishing?"
+            )
+            return replace(view, state=None, reason=reason)
+        return view
 
     def _set_capacity(self, name: str, state: NodeState | None) -> None:
         """Record what the node offers empty (one GPU model per node; others get no node pressure)."""
@@ -151,12 +248,15 @@ class NodeCache:
             labels = (node.get("metadata") or {}).get("labels") or {}
             state = node_state(
                 annotation,
-                cpu_milli_free=_allocatable(node, "cpu", 1000),
-                memory_free_bytes=_allocatable(node, "memory", 1),
+                cpu_milli_free=_allocatable(node, "cpu", 1000, MAX_NODE_CPU_MILLI),
+                memory_free_bytes=_allocatable(node, "memory", 1, MAX_NODE_MEMORY_BYTES),
                 labels={str(k): str(v) for k, v in labels.items()} if isinstance(labels, Mapping) else {},
             )
         except NodeStateError as exc:
             return NodeView(name, None, f"unusable {ANNOTATION_KEY} annotation: {exc}")
+        except Exception as exc:  # a defect of ours must fail this node only, never the request
+            log.warning("node %s: its %s annotation could not be read: %r", name, ANNOTATION_KEY, exc)
+            return NodeView(name, None, f"unusable {ANNOTATION_KEY} annotation: {type(exc).__name__}: {exc}")
         fingerprint = f"{annotation.generation}:{hash(text)}"
         return NodeView(name, state, annotation=annotation, fingerprint=fingerprint, pods=annotation.pods())
 
@@ -170,37 +270,36 @@ class NodeCache:
 
     def get_many(self, names: Iterable[str]) -> list[NodeView]:
         """The cached views of these nodes, in order; an unknown name gets a view that says so."""
-        with self._lock:
-            found = [self._views.get(n) for n in names]
         names = list(names) if not isinstance(names, list) else names
-        if self.max_age_s is not None:
-            now = self._clock()
-            return [
-                self._judged(c[1], now) if c is not None else NodeView(n, None, _UNKNOWN_NODE)
-                for n, c in zip(names, found, strict=True)
-            ]
+        now = self._clock()
+        with self._lock:
+            found: list[_Entry | None] = []
+            for n in names:
+                entry = self._entries.get(n)
+                if entry is not None:
+                    entry.seen = now
+                    self._entries.move_to_end(n)
+                found.append(entry)
+            self._evict(now)
         return [
-            c[1] if c is not None else NodeView(n, None, _UNKNOWN_NODE)
+            self._judged(c, now) if c is not None else NodeView(n, None, _UNKNOWN_NODE)
             for n, c in zip(names, found, strict=True)
         ]
 
     def views(self) -> list[NodeView]:
         """Every node view in the cache (stale ones with their state: the node table's rows)."""
         with self._lock:
-            return [view for _, view in self._views.values()]
+            return [entry.view for entry in self._entries.values()]
 
     def forget(self, names: Iterable[str]) -> None:
         """Drop these nodes from the cache (and from the GPU supply and node capacities)."""
         with self._lock:
             for n in names:
-                old = self._views.pop(n, None)
-                if old is not None and old[1].state is not None:
-                    self._supply.subtract(g.model for g in old[1].state.gpus)
-                self._set_capacity(n, None)
+                self._drop(n)
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._views)
+            return len(self._entries)
 
 
 class OnDemandRefresh:

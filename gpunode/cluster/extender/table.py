@@ -11,6 +11,7 @@ does not cover are left to the per-node functions. No I/O.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable
 
@@ -23,6 +24,8 @@ from gpunode.errors import InvalidState
 from gpunode.placement import NodeState, Request, TargetWorkload
 from gpunode.placement.arrays import check_batchable
 from gpunode.placement.batch import ClusterArrays
+
+log = logging.getLogger(__name__)
 
 
 class NodeTable:
@@ -69,6 +72,21 @@ class NodeTable:
         self._workload_key = (version, workload is not None)
 
     def verdicts(
+        self, views: list[NodeView], request: Request, **kwargs: object
+    ) -> tuple[list[int], npt.NDArray[np.bool_], npt.NDArray[np.float64]]:
+        """(positions in views the table covers, whether each fits, its score); keyword arguments as
+        _verdicts. Should the batch form fail (a defect, a state it cannot hold), the table is dropped
+        (rebuilt at the next request) and every node is left to the per-node functions, so that no node's
+        state fails a request."""
+        try:
+            return self._verdicts(views, request, **kwargs)  # type: ignore[arg-type]
+        except Exception as exc:
+            log.warning("node table: batch scoring failed, nodes scored one by one: %r", exc)
+            with self._lock:
+                self._table, self._rows, self._outside = None, {}, set()
+            return [], np.zeros(0, dtype=bool), np.zeros(0)
+
+    def _verdicts(
         self,
         views: list[NodeView],
         request: Request,
@@ -138,7 +156,7 @@ class NodeTable:
             if fingerprint != view.fingerprint or held != now_held:
                 try:
                     table.replace_node(reserved_state(view.state, live))
-                except InvalidState:
+                except (InvalidState, ArithmeticError, ValueError):
                     outside.add(view.name)
                     del table_rows[view.name]
                     continue
