@@ -162,7 +162,7 @@ class RegionDamaged(MemcapError):
     rewrote (the usage file is mounted read-write into it), or a limit file damaged on the host.
 
     `key` names the region; `reason` says what is wrong, as a metric label: truncated, missing, corrupt,
-    limit or io.
+    leased (a file lease held on the usage file), limit or io.
     """
 
     default_hint = (

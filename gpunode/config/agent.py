@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from gpunode.config.files import read_regular
 from gpunode.config.health import (
     HealthConfig,
     RemediationConfig,
@@ -261,8 +262,7 @@ def _text(r: SectionReader, key: str, default: str | None, max_chars: int) -> An
 def read_config_file(path: Path, *, named_by: str = "--config") -> Config:
     """Read and validate a configuration file (YAML or JSON). `named_by` says who named the file."""
     try:
-        with path.open("rb") as f:
-            data_bytes = f.read(MAX_CONFIG_BYTES + 1)
+        data_bytes = read_regular(path, MAX_CONFIG_BYTES)  # never blocks on a FIFO or a leased file
         if len(data_bytes) > MAX_CONFIG_BYTES:
             raise ConfigError(
                 f"{path}: the configuration file is larger than {MAX_CONFIG_BYTES // 1024} KiB",

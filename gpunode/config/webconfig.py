@@ -34,6 +34,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpunode.config.files import read_regular
 from gpunode.config.reader import load_yaml
 from gpunode.contract.reader import SectionReader
 from gpunode.errors import WebConfigError
@@ -109,8 +110,7 @@ def load_web_config(path: str | os.PathLike[str]) -> WebConfig:
     """Read and check a web configuration file; WebConfigError (one line) if it cannot be used."""
     name = os.fspath(path)
     try:
-        with open(name, "rb") as f:
-            raw = f.read(MAX_FILE_BYTES + 1)
+        raw = read_regular(name, MAX_FILE_BYTES)  # never blocks: a FIFO or a leased file is refused at once
     except OSError as err:
         raise WebConfigError(
             f"cannot read the web configuration file {name}: {err.strerror or err}",

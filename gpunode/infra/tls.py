@@ -7,8 +7,10 @@ and offer HTTP/1.1 only (ALPN), as the HTTP layer serves nothing else.
 
 from __future__ import annotations
 
+import os
 import ssl
 
+from gpunode.config.files import open_regular, regular_path
 from gpunode.errors import TlsConfigError
 
 
@@ -20,15 +22,34 @@ def server_tls_context(
     With `client_ca_file`, clients must present a certificate signed by one of its CAs (or, with
     require_client_cert=False, a certificate they do present is verified against them).
     """
-    for what, path in (("certificate", cert_file), ("key", key_file), ("client CA", client_ca_file)):
-        if path is not None:
-            try:
-                with open(path, "rb"):
-                    pass
-            except OSError as err:
-                raise TlsConfigError(
-                    f"cannot read the TLS {what} file {path}: {err.strerror or err}"
-                ) from None
+    # Each file is opened without blocking and must be a regular file (a FIFO put in its place must not
+    # stall the server); OpenSSL then reads the very file that was checked, through its descriptor.
+    fds: dict[str, int] = {}
+    try:
+        for what, path in (("certificate", cert_file), ("key", key_file), ("client CA", client_ca_file)):
+            if path is not None:
+                try:
+                    fds[what] = open_regular(path)
+                except OSError as err:
+                    raise TlsConfigError(
+                        f"cannot read the TLS {what} file {path}: {err.strerror or err}"
+                    ) from None
+        return _context(
+            regular_path(fds["certificate"]),
+            regular_path(fds["key"]),
+            regular_path(fds["client CA"]) if "client CA" in fds else None,
+            names=(cert_file, key_file, client_ca_file),
+            require_client_cert=require_client_cert,
+        )
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _context(
+    cert: str, key: str, ca: str | None, *, names: tuple[str, str, str | None], require_client_cert: bool
+) -> ssl.SSLContext:
+    cert_file, key_file, client_ca_file = names
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.set_alpn_protocols(["http/1.1"])
@@ -40,7 +61,7 @@ def server_tls_context(
         )
 
     try:
-        ctx.load_cert_chain(cert_file, key_file, password=encrypted)
+        ctx.load_cert_chain(cert, key, password=encrypted)
     except ssl.SSLError as err:
         why = (
             "the key does not belong to the certificate"
@@ -50,9 +71,9 @@ def server_tls_context(
         raise TlsConfigError(
             f"cannot use the TLS certificate {cert_file} with the key {key_file}: {why}"
         ) from None
-    if client_ca_file is not None:
+    if ca is not None:
         try:
-            ctx.load_verify_locations(cafile=client_ca_file)
+            ctx.load_verify_locations(cafile=ca)
         except ssl.SSLError as err:
             raise TlsConfigError(
                 f"the client CA file {client_ca_file} holds no usable PEM certificate ({err.reason or err})",

@@ -209,7 +209,7 @@ static int load_limit(struct gpunode_memcap_region *r)
     char path[PATH_MAX];
     if (!join_path(path, r->dir, GPUNODE_MEMCAP_LIMIT_FILE))
         return GPUNODE_MEMCAP_ERR_ARGUMENT;
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY);
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
     if (fd < 0) {
         r->last_errno = errno;
         return errno == ENOENT ? GPUNODE_MEMCAP_ERR_NO_REGION : GPUNODE_MEMCAP_ERR_IO;
@@ -263,7 +263,7 @@ static int open_usage_fd(struct gpunode_memcap_region *r, int writable, struct s
         r->last_errno = ENAMETOOLONG;
         return -1;
     }
-    int fd = open(path, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC | O_NOCTTY);
+    int fd = open(path, (writable ? O_RDWR : O_RDONLY) | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
     if (fd < 0) {
         r->last_errno = errno;
         return -1;

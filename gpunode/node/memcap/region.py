@@ -162,6 +162,11 @@ def _status_error(status: int, path: Path, errno_value: int = 0, *, usage_part: 
     if usage_part:
         if status in (lib.GPUNODE_MEMCAP_ERR_FAULT, lib.GPUNODE_MEMCAP_ERR_SIZE):
             reason = "truncated"
+        elif status == lib.GPUNODE_MEMCAP_ERR_IO and errno_value == errno.EWOULDBLOCK:
+            # Opened without blocking: a file lease the container took fails the open at once (instead of
+            # the kernel's 45 s lease-break wait); the region is skipped as damaged while the lease lasts.
+            reason = "leased"
+            detail = ": held by a file lease (a container locks its usage file)"
         elif status == lib.GPUNODE_MEMCAP_ERR_IO:
             reason = "missing" if errno_value == errno.ENOENT else "io"
         else:

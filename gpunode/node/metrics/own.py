@@ -57,7 +57,7 @@ class OwnMetrics:
         self.bad_regions = Gauge(
             "gpunode_memcap_bad_regions",
             "Memory-cap regions the agent skips because their files are unusable (1 each), by region key "
-            "and reason: truncated, missing, corrupt, limit or io.",
+            "and reason: truncated, missing, corrupt, leased, limit or io.",
             ["region", "reason"],
             registry=registry,
         )
