@@ -1,34 +1,33 @@
 """A tenant cannot jump the queue with a PriorityClass: kube-scheduler's own preemption never acts for it.
 
-The attack, on the real control plane of tests.e2e.queue (kube-scheduler 1.20.2 with the extender's entry
-of gpunode/examples/kube-scheduler-config.yaml, the extender with its default --queue-hold error, a queue
-controller, two simulated nodes of four GPUs): other workloads hold GPUs at the default priority; the
-tenant creates a pod in team-c (which may borrow one GPU at most) asking for two GPUs, in a PriorityClass
-far above everyone's. The queue never admits it.
+The attack, on the real control plane of tests.e2e.queue (kube-scheduler 1.36 with the extender's entry
+of gpunode/examples/kube-scheduler-config.yaml, preempt verb included, the extender with its default
+--queue-hold error, a queue controller, two simulated nodes of four GPUs): other workloads hold GPUs at
+the default priority; the tenant creates a pod in team-c (which may borrow one GPU at most) asking for two
+GPUs, in a PriorityClass far above everyone's. The queue never admits it.
 
 - Two GPUs free on one node: kube-scheduler's own filters pass there and it asks the extender, which
   answers the held pod's filter with an Error (the queue's reason). That is a scheduling error to
   kube-scheduler, not a fit failure: no preemption runs, no node is nominated (which would keep the free
-  GPUs from lower-priority pods), and the pod's event shows the queue's reason as it is. With
-  --queue-hold unschedulable (failed nodes) the same attack makes kube-scheduler 1.20.2's preemption
-  weigh the victimless node against the full one, and it panics (index out of range in
-  pickOneNodeForPreemption): the scheduler is gone.
-- Every GPU taken: kube-scheduler's own filters fail everywhere, so it never asks the extender's filter,
-  and 1.20.0-1.20.8 / 1.21.0-1.21.2 never call its preempt verb either (kubernetes issue 102971): it
-  evicts a pod for the tenant whatever the extender would answer. Marked xfail(strict) on this tier.
-  The guard there is the chart's queue.priorityGuard: a ResourceQuota allowing no pod of the PriorityClass
-  in the namespace, so the API server refuses to create the attacking pod (403, exceeded quota).
+  GPUs from lower-priority pods), and the pod's event and PodScheduled condition (reason SchedulerError)
+  show the queue's reason as it is. kube-scheduler tries the pod again after its backoff, on its own.
+- Every GPU taken: kube-scheduler's own filters fail everywhere, so it never asks the extender's filter;
+  its DefaultPreemption asks the extender's preempt verb before evicting anyone, and the extender answers
+  no candidates: "preemption: no candidate node for preemption", nobody evicted, nothing nominated. When
+  another pod is deleted the jumper fits by kube-scheduler's filters and gets the queue's Error.
+- The chart's queue.priorityGuard, a ResourceQuota allowing no pod of the PriorityClass in the namespace,
+  goes further: the API server refuses to create the attacking pod (403, exceeded quota) once
+  kube-controller-manager's quota controller has filled in the quota's status.
 
-Each try is made to happen at once by touching the pod (an update moves it out of kube-scheduler's
-unschedulable queue) and counted in kube-scheduler's log: "Unable to schedule pod; no fit; waiting" for a
-fit failure, "Error scheduling pod; retrying" for the extender's Error.
+kube-scheduler's tries are counted in its log: "Unable to schedule pod; no fit; waiting" for a fit
+failure, "Error scheduling pod; retrying" for the extender's Error.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -58,12 +57,15 @@ PRIORITY_CLASS = "e2e-jump-the-queue"
 PRIORITY_CLASSES = "/apis/scheduling.k8s.io/v1/priorityclasses"
 JUMPER = "jumper"
 OTHERS = [f"other-{i}" for i in range(4)]  # two GPUs each: every GPU of both nodes
-TRIES = 3
-POKE = "e2e.gpunode.io/poke"
+TRIES = 3  # kube-scheduler's tries of the jumper watched in the error case
 NO_FIT = re.compile(
     rf'"Unable to schedule pod; no fit; waiting" pod="{NAMESPACE}/{JUMPER}" err="(.*)"$', re.M
 )
-ERROR = re.compile(rf'"Error scheduling pod; retrying" err="(.*)" pod="{NAMESPACE}/{JUMPER}"$', re.M)
+# kube-scheduler reports a scheduling error through utilruntime.HandleErrorWithContext (structured, with
+# logger="UnhandledError" between the error and the pod)
+ERROR = re.compile(
+    rf'"Error scheduling pod; retrying" err="(.*)" logger="UnhandledError" pod="{NAMESPACE}/{JUMPER}"$', re.M
+)
 
 
 @pytest.fixture(scope="module")
@@ -109,27 +111,13 @@ def _tries(cluster: QueueCluster) -> list[tuple[str, str]]:
     return [(kind, text) for _, kind, text in sorted(found)]
 
 
-def _try_again_and_again(cluster: QueueCluster, others: Iterable[str] = ()) -> list[tuple[str, str]]:
-    """Wait for TRIES more failed tries, touching the pod before each; those tries. Stops early once one of
-    `others` was deleted (preempted: the caller's checks then fail at once instead of waiting out a try)."""
-    admin = cluster.cp.api()
-    start = len(_tries(cluster))
-    keys = [f"{NAMESPACE}/{name}" for name in others]
-    for n in range(1, TRIES + 1):
-        admin.patch(
-            f"/api/v1/namespaces/{NAMESPACE}/pods/{JUMPER}",
-            {"metadata": {"annotations": {POKE: f"{start}-{n}"}}},
-        )
-        eventually(
-            lambda n=n: (
-                len(_tries(cluster)) >= start + n or any(k in cluster.reaper.terminated for k in keys)
-            ),
-            timeout_s=WAIT_S,
-            what=f"kube-scheduler's try {n}",
-        )
-        if any(k in cluster.reaper.terminated for k in keys):
-            break
-    return _tries(cluster)[start:]
+def _wait_for_tries(cluster: QueueCluster, count: int) -> list[tuple[str, str]]:
+    """Wait until kube-scheduler has made `count` failed tries to place the jumper; all its tries so far."""
+    return eventually(
+        lambda: tries if len(tries := _tries(cluster)) >= count else None,
+        timeout_s=WAIT_S,
+        what=f"kube-scheduler's try {count}",
+    )
 
 
 def _fill(cluster: QueueCluster, others: list[str]) -> dict[str, str]:
@@ -193,7 +181,10 @@ def test_a_held_high_priority_pod_is_refused_by_error_and_neither_nominated_nor_
         )
 
     reason = eventually(written_reason, timeout_s=WAIT_S, what="the controller's reason on the jumper")
-    tries = _try_again_and_again(cluster)
+    # kube-scheduler puts a pod whose scheduling failed with an error in its backoff queue and tries it
+    # again once the backoff (1 s, doubling up to 10 s) is over: no update of the pod is needed.
+    start = len(_tries(cluster))
+    tries = _wait_for_tries(cluster, start + TRIES)
     _check_no_preemption(cluster, others)
     assert reason.startswith("queued in team-c, position 1: team-c is over its quota"), reason
     # a scheduling error each time, not a fit failure: the queue's reason (or, before the controller wrote
@@ -216,42 +207,61 @@ def test_a_held_high_priority_pod_is_refused_by_error_and_neither_nominated_nor_
         return next((c for c in conditions if c["type"] == "PodScheduled" and c["message"] == reason), None)
 
     scheduled = eventually(condition, timeout_s=WAIT_S, what="the queue's reason as the pod's condition")
-    assert scheduled["status"] == "False" and scheduled["reason"] == "Unschedulable", scheduled
+    # a scheduling error, not a fit failure: reason SchedulerError (Unschedulable is for no fit)
+    assert scheduled["status"] == "False" and scheduled["reason"] == "SchedulerError", scheduled
     _check_no_preemption(cluster, others)  # still
 
 
-# With every GPU taken kube-scheduler 1.20.2's own filters fail on every node: it never calls the extender's
-# filter, and 1.20.0-1.20.8 and 1.21.0-1.21.2 never call an extender's preempt verb (their framework is built
-# without the extenders: kubernetes issue 102971, fixed by PR 103019 and its cherry-picks). Nothing the
-# extender answers stops this eviction on this tier. Strict: once the tier runs a kube-scheduler with the
-# fix this passes, fails as XPASS, and the mark is to be removed.
-@pytest.mark.xfail(
-    strict=True,
-    reason="kube-scheduler 1.20.2 neither filters with extenders when its own filters leave no node nor calls "
-    "their preempt verb (kubernetes issue 102971)",
-)
 def test_a_held_high_priority_pod_preempts_nobody_when_every_gpu_is_taken(cluster: QueueCluster) -> None:
-    others = _fill_and_jump(cluster, OTHERS)
-    tries = _try_again_and_again(cluster, others)
-    _check_no_preemption(cluster, others)
-    assert len(tries) >= TRIES, tries
+    # kube-scheduler's own filters fail on every node, so it never asks the extender's filter; its
+    # DefaultPreemption (PostFilter) then finds both nodes worth preempting on and, before evicting
+    # anyone, asks the extender's preempt verb, which answers no candidates for a pod a queue holds.
+    admin = cluster.cp.api()
+    others = _fill(cluster, OTHERS)
+    start = len(_tries(cluster))  # an earlier test's jumper's
+    submit(admin, _jumper())
+    (kind, message), *_ = _wait_for_tries(cluster, start + 1)[start:]
+    assert kind == "no fit", (kind, message)
+    assert message == (
+        "0/2 nodes are available: 2 Insufficient nvidia.com/gpu. no new claims to deallocate, "
+        "preemption: no candidate node for preemption"
+    ), message
     # The extender was asked, and said why it allowed nothing.
     log = cluster.extender.log.read_text(errors="replace")
-    assert f"no preemption for pod {NAMESPACE}/{JUMPER}" in log and "only the queue controller" in log
+    said = f"no preemption for pod {NAMESPACE}/{JUMPER} on 2 candidate node(s): it waits in queue team-c"
+    assert said in log and "only the queue controller preempts for queues" in log, log[-2000:]
+    shown = eventually(
+        lambda: next(
+            (e for e in events(admin, JUMPER, "FailedScheduling") if event_text(e) == message), None
+        ),
+        timeout_s=WAIT_S,
+        what="kube-scheduler's FailedScheduling event",
+    )
+    assert shown["type"] == "Warning", shown
+    _check_no_preemption(cluster, others)
+    # The pod waits in kube-scheduler's unschedulable queue until something frees resources (the queueing
+    # hints of NodeResourcesFit, the plugin that failed it); an update of its annotations does not bring
+    # it back.
+    tried = len(_tries(cluster))
+    # Deleting another tenant's pod frees two GPUs: kube-scheduler tries again, now the jumper fits by its
+    # own filters, asks the extender's filter and gets the queue's Error. Still nobody preempted.
+    victim, *kept = OTHERS
+    admin.delete(f"/api/v1/namespaces/{NAMESPACE}/pods/{victim}?gracePeriodSeconds=0")
+    after = _wait_for_tries(cluster, tried + 1)[tried:]
+    assert after[0][0] == "error" and after[0][1].startswith("queued in team-c"), after
+    _check_no_preemption(cluster, {n: others[n] for n in kept})
 
 
 QUOTAS = f"/api/v1/namespaces/{NAMESPACE}/resourcequotas"
-PROBE = "guard-probe"
 
 
 @needs_helm
 def test_the_charts_priority_guard_refuses_the_attacking_pod_when_every_gpu_is_taken(
     cluster: QueueCluster,
 ) -> None:
-    # The guard for the case above (docs/queueing.md): the chart's queue.priorityGuard, rendered by helm
-    # for the harness's namespace and the attack's PriorityClass, applied to the API server. Its
-    # ResourceQuota admission plugin (on by default in 1.20; the tier disables only ServiceAccount)
-    # then refuses to create the pod at all, so kube-scheduler never sees it.
+    # The guard (docs/queueing.md): the chart's queue.priorityGuard, rendered by helm for the harness's
+    # namespace and the attack's PriorityClass, applied to the API server. Its ResourceQuota admission
+    # plugin then refuses to create the pod at all, so kube-scheduler never sees it.
     admin = cluster.cp.api()
     values = {
         "queue": {
@@ -261,20 +271,23 @@ def test_the_charts_priority_guard_refuses_the_attacking_pod_when_every_gpu_is_t
     }
     (quota,) = render(values).kinds("ResourceQuota")
     name = quota["metadata"]["name"]
-    others = _fill(cluster, OTHERS)  # every GPU taken: nothing the extender answers would help
+    others = _fill(cluster, OTHERS)  # every GPU taken
     try:
         admin.apply(QUOTAS, quota)
-        # Until the quota controller has filled in a new quota's status, quota admission lets a matching pod
-        # through (it checks against status.hard, still empty). Shown with a harmless pod of the class: no
-        # GPU, and a node selector no node matches (nothing to preempt for); deleted at once.
-        probe = pod_body(PROBE)
-        probe["spec"] |= {"priorityClassName": PRIORITY_CLASS, "nodeSelector": {POKE: "nowhere"}}
-        submit(admin, probe)
-        admin.delete(f"/api/v1/namespaces/{NAMESPACE}/pods/{PROBE}?gracePeriodSeconds=0")
-        # No kube-controller-manager on this tier: its quota controller would fill in the quota's status
-        # (the hard limits and the usage counted) moments after the quota is created. The test does so
-        # itself, acting as that controller, through the status subresource.
-        admin.patch(f"{QUOTAS}/{name}/status", {"status": {"hard": {"pods": "0"}, "used": {"pods": "0"}}})
+
+        # Quota admission checks a pod against the quota's status.hard, so until it is filled in a
+        # matching pod would get through. kube-controller-manager's quota controller fills it in (the hard
+        # limit and the usage counted), not the test.
+        def filled_in() -> dict[str, Any] | None:
+            status: dict[str, Any] = admin.get(f"{QUOTAS}/{name}").get("status") or {}
+            return status if status.get("hard") else None
+
+        status = eventually(
+            filled_in,
+            timeout_s=WAIT_S,
+            what="kube-controller-manager filling in the quota's status",
+        )
+        assert status == {"hard": {"pods": "0"}, "used": {"pods": "0"}}, status
         with pytest.raises(ApiError) as refused:
             submit(admin, _jumper())
         assert refused.value.status == 403, refused.value
