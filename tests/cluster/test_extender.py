@@ -181,6 +181,25 @@ def v1_pod(
     }
 
 
+class PodBook:
+    """The pods an API server has, as Extender(pod_reader=book.read) reads them: provisional reservations
+    are made only for pods that exist and wait."""
+
+    def __init__(self, *pods: dict[str, Any]) -> None:
+        self.pods: dict[str, dict[str, Any]] = {}
+        self.reads = 0
+        self.add(*pods)
+
+    def add(self, *pods: dict[str, Any]) -> None:
+        for pod in pods:
+            meta = pod["metadata"]
+            self.pods[f"{meta['namespace']}/{meta['name']}"] = pod
+
+    def read(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self.reads += 1
+        return self.pods.get(f"{namespace}/{name}")
+
+
 def node_list(*nodes: dict[str, Any]) -> dict[str, Any]:
     return {
         "kind": "NodeList",
@@ -432,8 +451,9 @@ def test_bind_annotates_the_pod_binds_it_and_reserves_its_gpu(
     args = {"PodName": "train-0", "PodNamespace": "team-a", "PodUID": pod["metadata"]["uid"], "Node": "n1"}
     status, result = client.post("bind", args)
     assert (status, result) == (200, {"Error": ""})
-    read, (patch_method, patch_path, patch), (post_method, post_path, binding) = api.calls
-    assert read == ("GET", "/api/v1/namespaces/team-a/pods/train-0", None)  # checked before binding
+    looked_up, read, (patch_method, patch_path, patch), (post_method, post_path, binding) = api.calls
+    # read at filter (its provisional reservation is for a pod that exists), and read again before binding
+    assert looked_up == read == ("GET", "/api/v1/namespaces/team-a/pods/train-0", None)
     assert (patch_method, patch_path) == ("PATCH", "/api/v1/namespaces/team-a/pods/train-0")
     assert patch == {"metadata": {"annotations": {"gpunode.io/gpu-assigned": "GPU-n1-0"}}}
     assert (post_method, post_path) == ("POST", "/api/v1/namespaces/team-a/pods/train-0/binding")

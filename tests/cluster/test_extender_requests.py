@@ -9,7 +9,7 @@ from gpunode.cluster.extender.pods import parse_quantity, request_from_pod
 from gpunode.cluster.extender.reservations import Reservations
 from gpunode.errors import InvalidRequest
 from gpunode.placement import Request
-from tests.cluster.test_extender import GIB, gpu_state, node_list, v1_node, v1_pod
+from tests.cluster.test_extender import GIB, PodBook, gpu_state, node_list, v1_node, v1_pod
 
 # ----- pod requests --------------------------------------------------------------------------------------------
 
@@ -106,9 +106,11 @@ class Clock:
 
 def test_two_pods_between_two_annotation_updates_never_share_a_gpu() -> None:
     clock = Clock()
+    book = PodBook()
     extender = Extender(
         config=ExtenderConfig(policy="bestfit", provisional_reservations=True),
         reservations=Reservations(ttl_s=30, clock=clock),
+        pod_reader=book.read,
     )
     nodes = [v1_node("n1", gpu_state("n1", [600])), v1_node("n2", gpu_state("n2", [600]))]
     pods = [
@@ -120,6 +122,7 @@ def test_two_pods_between_two_annotation_updates_never_share_a_gpu() -> None:
         )
         for i in range(3)
     ]
+    book.add(*pods)
     chosen = []
     for pod in pods[:2]:
         extender.filter({"Pod": pod, "Nodes": node_list(*nodes)})

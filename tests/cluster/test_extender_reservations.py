@@ -23,11 +23,16 @@ from gpunode.cluster.extender.cli import build_extender
 from gpunode.cluster.extender.core import Extender, ExtenderConfig
 from gpunode.cluster.extender.kubeapi import KubeApi, check_reservations
 from gpunode.cluster.extender.nodes import NodeCache
-from gpunode.cluster.extender.reservations import Reservations
+from gpunode.cluster.extender.reservations import (
+    DEFAULT_PROVISIONAL_PER_NAMESPACE,
+    PendingPods,
+    Reservations,
+    apply_reservations,
+)
 from gpunode.cluster.extender.server import ExtenderServer
 from gpunode.contract.nodestate import GpuRecord, NodeGpuState, encode
 from gpunode.errors import ConfigError, KubeError
-from tests.cluster.test_extender import gpu_state, node_list, parser, v1_node, v1_pod
+from tests.cluster.test_extender import Client, PodBook, gpu_state, node_list, parser, v1_node, v1_pod
 from tests.fakes.apiserver import ApiServerStandIn
 
 GIB = 2**30
@@ -61,9 +66,9 @@ def bind_body(pod: dict[str, Any], node: str) -> dict[str, str]:
 
 def test_filter_with_one_node_passing_reserves_it_so_that_the_bind_still_fits() -> None:
     clock = Clock()
-    extender = Extender(reservations=Reservations(ttl_s=30, clock=clock))
-    nodes = (v1_node("n1", gpu_state("n1", [1000, 0])), v1_node("full", gpu_state("full", [0, 0])))
     a, b = gpu_pod("a", "uid-a"), gpu_pod("b", "uid-b")
+    extender = Extender(reservations=Reservations(ttl_s=30, clock=clock), pod_reader=PodBook(a, b).read)
+    nodes = (v1_node("n1", gpu_state("n1", [1000, 0])), v1_node("full", gpu_state("full", [0, 0])))
     assert filter_names(extender, a, *nodes)[0] == ["n1"]  # one node: kube-scheduler will not prioritize
     held = extender.reservations.get("uid-a")
     assert held is not None and (held.node, held.gpu_uuids, held.final) == ("n1", ("GPU-n1-0",), False)
@@ -88,6 +93,142 @@ def test_no_provisional_means_no_reservation_at_filter_either() -> None:
     assert filter_names(extender, gpu_pod("a", "uid-a"), *nodes)[0] == ["n1"]
     assert len(extender.reservations) == 0
     assert filter_names(extender, gpu_pod("b", "uid-b"), *nodes)[0] == ["n1"]
+
+
+# ----- provisional reservations: only for pods that exist and wait, bounded per namespace -----------------------
+
+EIGHT = [1000] * 8
+
+
+def eight_gpu_nodes() -> list[dict[str, Any]]:
+    return [v1_node("n1", gpu_state("n1", EIGHT)), v1_node("n2", gpu_state("n2", EIGHT))]
+
+
+def free_gpus_seen(extender: Extender, pod: dict[str, Any]) -> int:
+    """Whole GPUs free for `pod` on the extender's nodes, its reservations counted (the pod's own not)."""
+    uid = pod["metadata"]["uid"]
+    views = extender.nodes.get_many(["n1", "n2"])
+    states = [apply_reservations(v, extender.reservations, skip_pod=uid) for v in views]
+    return sum(1 for state in states if state is not None for g in state.gpus if g.milli_free == 1000)
+
+
+def attack(extender: Extender, pods: list[dict[str, Any]], port: int) -> None:
+    """filter then prioritize for each pod, over HTTP, as anyone who reaches the extender's port can."""
+    client = Client(port)
+    for pod in pods:
+        body = {"Pod": pod, "NodeNames": ["n1", "n2"]}
+        assert client.post("filter", body)[0] == 200
+        assert client.post("prioritize", body)[0] == 200
+
+
+@pytest.fixture
+def served_book() -> Iterator[tuple[Extender, PodBook, int]]:
+    book = PodBook()
+    extender = Extender(config=ExtenderConfig(policy="bestfit"), pod_reader=book.read)
+    extender.refresh_nodes(eight_gpu_nodes())
+    server = ExtenderServer(extender, port=0)
+    server.start()
+    try:
+        yield extender, book, server.port
+    finally:
+        server.stop()
+
+
+def test_made_up_pods_reserve_nothing_and_a_real_pod_sees_every_free_gpu(
+    served_book: tuple[Extender, PodBook, int],
+) -> None:
+    extender, book, port = served_book
+    real = gpu_pod("real", "uid-real", gpus="8")
+    book.add(real)
+    ghosts = [gpu_pod(f"ghost-{i}", f"uid-ghost-{i}") for i in range(64)]  # no such pods
+    attack(extender, ghosts, port)
+    assert len(extender.reservations) == 0
+    assert free_gpus_seen(extender, real) == 16
+    passed = Client(port).post("filter", {"Pod": real, "NodeNames": ["n1", "n2"]})[1]["NodeNames"]
+    assert passed == ["n1", "n2"]  # the 8-GPU pod fits either node
+    assert book.reads <= 64 + 1  # one read per pod: prioritize took filter's
+
+
+def test_a_body_that_does_not_match_the_real_pod_reserves_nothing(
+    served_book: tuple[Extender, PodBook, int],
+) -> None:
+    extender, book, port = served_book
+    real = gpu_pod("real", "uid-real", gpus="1")
+    bound_pod = gpu_pod("running", "uid-running")
+    bound_pod["spec"]["nodeName"], bound_pod["status"]["phase"] = "n1", "Running"
+    finished = gpu_pod("done", "uid-done")
+    finished["status"]["phase"] = "Succeeded"
+    book.add(real, bound_pod, finished)
+    attack(
+        extender,
+        [
+            gpu_pod("real", "uid-other", gpus="1"),  # the real pod's name, another UID
+            gpu_pod("real", "uid-real", gpus="8"),  # its UID, a larger request
+            gpu_pod("running", "uid-running"),  # bound already
+            gpu_pod("done", "uid-done"),  # finished
+        ],
+        port,
+    )
+    assert len(extender.reservations) == 0 and free_gpus_seen(extender, real) == 16
+    attack(extender, [real], port)  # the pod as it is: reserved until its bind
+    held = extender.reservations.get("uid-real")
+    assert held is not None and not held.final and len(held.gpu_uuids) == 1
+
+
+def test_a_namespaces_real_waiting_pods_hold_at_most_its_bound(
+    served_book: tuple[Extender, PodBook, int],
+) -> None:
+    extender, book, port = served_book
+    tenants = [gpu_pod(f"wait-{i}", f"uid-wait-{i}") for i in range(64)]  # team-a: real, pending pods
+    other = gpu_pod("other", "uid-other", gpus="8")
+    other["metadata"]["namespace"] = "team-b"
+    book.add(*tenants, other)
+    attack(extender, tenants, port)
+    assert extender.reservations.provisional_in("team-a") == DEFAULT_PROVISIONAL_PER_NAMESPACE == 8
+    assert len(extender.reservations) == 8
+    assert free_gpus_seen(extender, other) == 16 - 8
+    assert [f"uid-wait-{i}" for i in range(56, 64)] == sorted(
+        (r.pod_uid for n in ("n1", "n2") for r in extender.reservations.on_node(n)),
+        key=lambda u: int(u.rsplit("-", 1)[1]),
+    )  # the newest 8: an older one ended when its namespace went over
+
+
+def test_reads_are_remembered_and_an_unreachable_api_costs_one_read() -> None:
+    clock = Clock()
+    calls: list[str] = []
+    down = False
+
+    def read(namespace: str, name: str) -> dict[str, Any] | None:
+        calls.append(name)
+        if down:
+            raise KubeError("read pod: no answer within 2 s")
+        return None
+
+    pending = PendingPods(read, cache_s=5, clock=clock)
+    for _ in range(10):
+        assert pending.get("team-a/x") is None
+    assert calls == ["x"]
+    clock.now += 6
+    down = True
+    for name in ("y", "z", "x"):
+        why = pending.get(f"team-a/{name}")
+        assert isinstance(why, str) and "cannot read pods through the API" in why
+    assert calls == ["x", "y"]  # after a failed read no pod is read until cache_s has passed
+    clock.now += 6
+    down = False
+    assert pending.get("team-a/z") is None and calls == ["x", "y", "z"]
+
+
+def test_the_provisional_bound_flag() -> None:
+    def built(*flags: str) -> Extender:
+        return build_extender(parser().parse_args(["extender", *flags]))[0]
+
+    assert built().reservations.max_provisional_per_namespace == 8
+    assert built().pending is None  # no API access: nothing is reserved before bind
+    api = built("--kube-api", "http://127.0.0.1:1", "--provisional-per-namespace", "3")
+    assert api.reservations.max_provisional_per_namespace == 3 and api.pending is not None
+    with pytest.raises(ConfigError, match="per namespace must be 1 or more"):
+        built("--provisional-per-namespace", "0")
 
 
 # ----- bound pods: held until the annotation lists them, or they are gone --------------------------------------

@@ -22,6 +22,7 @@ from gpunode.cluster.extender.kubeapi import (
 from gpunode.cluster.extender.nodes import NodeCache
 from gpunode.cluster.extender.promfeed import PromFeed
 from gpunode.cluster.extender.queued import HOLD_ERROR, HOLD_MODES, QueueNamespaces, warn_unsigned_once
+from gpunode.cluster.extender.reservations import DEFAULT_PROVISIONAL_PER_NAMESPACE
 from gpunode.cluster.extender.server import DEFAULT_MAX_BODY_BYTES, serve_extender
 from gpunode.cluster.extender.workload import WorkloadTracker
 from gpunode.cluster.queuemark import load_mark_key
@@ -33,6 +34,7 @@ from gpunode.placement import POLICIES
 
 log = logging.getLogger(__name__)
 DEFAULT_NODE_STATE_MAX_AGE = "3m"
+PENDING_READ_S = 2.0  # the pod read before a provisional reservation: filter and prioritize wait for it
 
 
 def register_extender_cli(
@@ -60,6 +62,13 @@ def register_extender_cli(
     )
     p.add_argument(
         "--no-provisional", action="store_true", help="reserve at bind only, not at filter or prioritize"
+    )
+    p.add_argument(
+        "--provisional-per-namespace",
+        type=int,
+        default=DEFAULT_PROVISIONAL_PER_NAMESPACE,
+        help="most provisional reservations the pods of one namespace hold at once (a newer one ends the "
+        "oldest); they are made only for pods the API server has pending (needs --kube-api)",
     )
     p.add_argument(
         "--node-state-max-age",
@@ -269,6 +278,7 @@ def build_extender(args: argparse.Namespace) -> tuple[Extender, KubeApi | None]:
             energy_weight=args.energy_weight,
             load_weight=args.load_weight,
             queue_hold=args.queue_hold,
+            max_provisional_per_namespace=args.provisional_per_namespace,
         )
     except PlacementError as exc:
         raise ConfigError(str(exc)) from exc
@@ -310,6 +320,13 @@ def build_extender(args: argparse.Namespace) -> tuple[Extender, KubeApi | None]:
         load_feed=feed,
         queue_namespaces=QueueNamespaces(args.queue_config).get if args.queue_config else dict,
         mark_key=load_mark_key(args.admission_key_file) if args.admission_key_file is not None else None,
+        # provisional reservations only for pods the API server has pending (read with a short timeout:
+        # filter and prioritize wait for it)
+        pod_reader=(
+            (lambda namespace, name: api.read_pod(namespace=namespace, name=name, timeout_s=PENDING_READ_S))
+            if api is not None
+            else None
+        ),
     )
     if extender.mark_key is None and args.queue_config is not None:  # serving a queue controller's pods
         warn_unsigned_once()  # else at the first queued pod (queued.queue_hold)
@@ -326,6 +343,16 @@ def build_ha(args: argparse.Namespace, extender: Extender, api: KubeApi | None) 
         args, candidate_identity(args.leader_elect_identity, args.leader_elect_pod)
     )
     return HighAvailability(extender, api, config, pod_name=args.leader_elect_pod)
+
+
+async def _warn_unreserved(serving: asyncio.Event) -> None:
+    """Once serving: say that no GPUs are reserved before bind (no API access to check pods with)."""
+    await serving.wait()
+    log.warning(
+        "extender: no reservations at filter and prioritize (GPUs are reserved at bind only): they are made "
+        "only for pods the API server has pending, and this extender has no API access (--kube-api)"
+    )
+    await asyncio.get_running_loop().create_future()  # a task that ends by itself is taken as a failure
 
 
 def run_extender_cli(args: argparse.Namespace) -> int:
@@ -358,6 +385,7 @@ def run_extender_cli(args: argparse.Namespace) -> int:
             # unknown would wait for kube-scheduler's retry, a minute or more in 1.20).
             await refresh_nodes_once(api=api, extender=extender)
         bound: list[int] = []
+        serving = asyncio.Event()
         tasks = [
             asyncio.create_task(
                 serve_extender(
@@ -366,10 +394,13 @@ def run_extender_cli(args: argparse.Namespace) -> int:
                     port=port,
                     path_prefix=args.path_prefix,
                     bound=bound,
+                    ready=serving,
                     **options,
                 )
             )
         ]
+        if extender.pending is None:
+            tasks.append(asyncio.create_task(_warn_unreserved(serving)))
         if ha is not None:
             tasks.append(asyncio.create_task(ha.run()))
         if api is not None:  # bound pods' reservations end when their pods are gone

@@ -13,8 +13,9 @@ pod a queue governs). Keys are matched case-insensitively, as Go's JSON decoder 
 Each node's GPU state comes from its gpunode.io/gpu-state annotation (see
 nodestate.py; an annotation older than the node cache's max age fails its node);
 reservations made at bind (and, provisionally, for the only node filter passes or
-the best node at prioritize) are applied on top until the annotation lists the pod
-(see reservations.py for when each kind ends). Bind decides and reserves in one step
+the best node at prioritize, for a pod the API server has pending with the body's UID
+and request: PendingPods, through `pod_reader`) are applied on top until the annotation
+lists the pod (see reservations.py for when each kind ends, and the bound per namespace). Bind decides and reserves in one step
 under the node's lock (decide.py). Bad input never crashes the server and never gets a 500: malformed
 JSON or a wrong shape is a 400 with a JSON message, a node with a missing or
 broken annotation goes to FailedNodes with the reason, a pod with an impossible
@@ -66,10 +67,14 @@ from gpunode.cluster.extender.queued import (
 )
 from gpunode.cluster.extender.reservations import (
     DEFAULT_BOUND_TTL_S,
+    DEFAULT_PROVISIONAL_PER_NAMESPACE,
+    PendingPods,
+    PodRead,
     Reservation,
     Reservations,
     apply_reservations,
     live_on,
+    pending_reason,
     reserved_state,
 )
 from gpunode.cluster.extender.table import NodeTable
@@ -128,7 +133,8 @@ class ExtenderConfig:
     memory_unit_bytes is the size of one unit of a pod's memory request; reservation_ttl_s is how
     long a provisional reservation lasts; bound_reservation_max_age_s the most seconds a bound pod's
     reservation stays while the node's annotation does not list the pod (and the pod exists);
-    provisional_reservations makes filter (when one node passes) and prioritize reserve; bind binds
+    provisional_reservations makes filter (when one node passes) and prioritize reserve, for pods the API
+    server has pending (at most max_provisional_per_namespace per namespace); bind binds
     only pods whose spec.schedulerName is in scheduler_names. energy_weight and load_weight (0..100)
     weigh the energy and load terms against the policy's score (weight 1) at prioritize, when the
     Extender has a load feed. queue_hold (queued.HOLD_MODES) is how filter holds a queued pod.
@@ -143,9 +149,14 @@ class ExtenderConfig:
     energy_weight: float = 0.5
     load_weight: float = 0.2
     queue_hold: str = HOLD_ERROR
+    max_provisional_per_namespace: int = DEFAULT_PROVISIONAL_PER_NAMESPACE
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
+        if self.max_provisional_per_namespace < 1:
+            raise InvalidRequest(
+                f"provisional reservations per namespace must be 1 or more, got {self.max_provisional_per_namespace}"
+            )
         if self.queue_hold not in HOLD_MODES:
             raise InvalidRequest(
                 f"queue hold must be one of {', '.join(HOLD_MODES)}, got {self.queue_hold!r}"
@@ -178,11 +189,14 @@ class Extender:
         load_feed: LoadFeed | None = None,
         queue_namespaces: Callable[[], Mapping[str, str]] = dict,
         mark_key: MarkKey | None = None,
+        pod_reader: PodRead | None = None,
     ) -> None:
         """`node_lister` (names-only mode): lists every Node when a request names nodes not yet cached;
         `load_feed`: figures for the energy and load terms of prioritize (none: the policy alone);
         `queue_namespaces`: the namespaces whose GPU pods the queue controller holds (queued.py);
-        `mark_key`: the key admission marks must be signed with (None: unsigned marks count, by UID)."""
+        `mark_key`: the key admission marks must be signed with (None: unsigned marks count, by UID);
+        `pod_reader`: reads a pod (namespace, name) from the API server, to make provisional reservations
+        only for pods that exist and wait (default: the binder's read_pod; neither: none are made)."""
         self.config = config or ExtenderConfig()
         self.load_feed = load_feed
         self.queue_namespaces = queue_namespaces
@@ -192,11 +206,17 @@ class Extender:
         self.nodes = NodeCache() if nodes is None else nodes
         self.reservations = (
             Reservations(
-                ttl_s=self.config.reservation_ttl_s, bound_ttl_s=self.config.bound_reservation_max_age_s
+                ttl_s=self.config.reservation_ttl_s,
+                bound_ttl_s=self.config.bound_reservation_max_age_s,
+                max_provisional_per_namespace=self.config.max_provisional_per_namespace,
             )
             if reservations is None
             else reservations
         )
+        if pod_reader is None and binder is not None:
+            read_pod = binder.read_pod
+            pod_reader = lambda namespace, name: read_pod(namespace=namespace, name=name)  # noqa: E731
+        self.pending = PendingPods(pod_reader) if pod_reader is not None else None
         self.workload = WorkloadTracker() if workload is None else workload
         self.table = NodeTable()
         self.binder = binder
@@ -343,9 +363,14 @@ class Extender:
             if (error := hold_error(hold, self.config.queue_hold)) is not None:
                 self.filtered.record(uid, key, request, [])
                 return {**filter_result(args, [], failed, unresolvable), "Error": error}
-            passing, failed = hold_filter(hold, views, request, self.reservations, uid=uid, key=key)
+            may_reserve = self._may_reserve_check(uid, key, request)
+            passing, failed = hold_filter(
+                hold, views, request, self.reservations, uid=uid, key=key, may_reserve=may_reserve
+            )
             if not passing and hold.admitted is not None:
-                passing, failed = self._hold_filter_again(hold, args, views, request, uid=uid, key=key)
+                passing, failed = self._hold_filter_again(
+                    hold, args, views, request, uid=uid, key=key, may_reserve=may_reserve
+                )
             if not passing and (error := plan_error(hold, failed, self.config.queue_hold)) is not None:
                 self.filtered.record(uid, key, request, [])
                 return {**filter_result(args, [], {}, {}), "Error": error}
@@ -370,18 +395,28 @@ class Extender:
         return filter_result(args, passing, failed, unresolvable)
 
     def _hold_filter_again(
-        self, hold: Hold, args: ExtenderArgs, views: list[NodeView], request: Request, *, uid: str, key: str
+        self,
+        hold: Hold,
+        args: ExtenderArgs,
+        views: list[NodeView],
+        request: Request,
+        *,
+        uid: str,
+        key: str,
+        may_reserve: Callable[[], bool],
     ) -> tuple[list[str], dict[str, str]]:
         names, on_demand, binder = args.node_names, self.on_demand, self.binder
         try:
             return hold_filter_again(
-                hold, views, request, self.reservations, uid=uid, key=key,
+                hold, views, request, self.reservations, uid=uid, key=key, may_reserve=may_reserve,
                 fresh_views=(lambda: on_demand.get_many_fresh(names)) if names and on_demand else None,
                 read_pod=(lambda ns, name: binder.read_pod(namespace=ns, name=name)) if binder else None,
             )  # fmt: skip
         except KubeError as exc:
             log.warning("queued pod %s: its node looked at anew: %s (hint: %s)", key, exc, exc.hint)
-            return hold_filter(hold, views, request, self.reservations, uid=uid, key=key)
+            return hold_filter(
+                hold, views, request, self.reservations, uid=uid, key=key, may_reserve=may_reserve
+            )
 
     def _batch(
         self, views: list[NodeView], request: Request, ctx: _Context
@@ -440,11 +475,34 @@ class Extender:
             self._reserve_provisionally(best, uid, key, request, ctx)
         return result
 
+    def _may_reserve(self, uid: str, key: str, request: Request, *, queued: bool = False) -> bool:
+        """Whether the pod may hold a provisional reservation: the API server has it, with this UID and this
+        GPU request, pending and unbound (read through PendingPods, remembered a few seconds). `queued`: the
+        GPUs of a queue admission's plan, reserved at filter even without provisional_reservations."""
+        if not (queued or self.config.provisional_reservations) or self.pending is None:
+            return False
+        pod = self.pending.get(key)
+        why = pod if isinstance(pod, str) else pending_reason(pod, key, uid)
+        if why is None and pod is not None and not isinstance(pod, str):
+            try:
+                if request_from_pod(pod, memory_unit_bytes=self.config.memory_unit_bytes) != request:
+                    why = f"pod {key} asks for other resources than the request body says"
+            except PlacementError as exc:
+                why = f"pod {key}: invalid GPU request: {exc}"
+        if why is not None:
+            log.debug("no provisional reservation: %s", why)
+            return False
+        return True
+
+    def _may_reserve_check(self, uid: str, key: str, request: Request) -> Callable[[], bool]:
+        """_may_reserve for this pod, asked only when a reservation is about to be made."""
+        return lambda: self._may_reserve(uid, key, request, queued=True)
+
     def _reserve_provisionally(
         self, view: NodeView, uid: str, key: str, request: Request, ctx: _Context
     ) -> None:
         """Reserve the GPUs the pod would get on this node until its bind decides (or the TTL passes)."""
-        if not self.config.provisional_reservations:
+        if not self._may_reserve(uid, key, request):
             return
         state = self._state(view, uid)
         choice = score_node(state, request, policy=ctx.policy, workload=ctx.workload) if state else None
@@ -539,6 +597,8 @@ class Extender:
                 self.reservations.release(uid, only=made)  # its GPUs go back to the pods racing for them
             return {"Error": str(exc)}
         self.filtered.forget(uid)  # bound: a second bind of the same answer is refused
+        if self.pending is not None:
+            self.pending.forget(key)
         return {"Error": ""}
 
 

@@ -154,10 +154,12 @@ class KubeApi:
 
     # -- from worker threads -----------------------------------------------------------------
 
-    def read_pod(self, *, namespace: str, name: str) -> dict[str, Any] | None:
-        """read_pod_async, from a thread that is not the loop's (the Extender's Binder protocol)."""
+    def read_pod(self, *, namespace: str, name: str, timeout_s: float | None = None) -> dict[str, Any] | None:
+        """read_pod_async, from a thread that is not the loop's (the Extender's Binder protocol); unanswered
+        within timeout_s (default: the client's timeout and a second): KubeUnreachable."""
         coro = self.read_pod_async(namespace=namespace, name=name)
-        return self._wait(coro, f"read pod {namespace}/{name}", self.timeout_s + 1.0)
+        limit = self.timeout_s + 1.0 if timeout_s is None else timeout_s
+        return self._wait(coro, f"read pod {namespace}/{name}", limit)
 
     def bind(
         self,

@@ -288,16 +288,26 @@ def _error_text(reason: str) -> str:
 
 
 def hold_filter(
-    hold: Hold, views: list[NodeView], request: Request, reservations: Reservations, *, uid: str, key: str
+    hold: Hold,
+    views: list[NodeView],
+    request: Request,
+    reservations: Reservations,
+    *,
+    uid: str,
+    key: str,
+    may_reserve: Callable[[], bool] = lambda: True,
 ) -> tuple[list[str], dict[str, str]]:
     """Filter of a queued pod: (the nodes that pass, the others with why). Waiting: none passes, every node
     shows the controller's reason. Admitted: the admission's node alone, where the plan's GPUs are then
-    reserved (provisionally, until bind) so that no other pod takes them meanwhile."""
+    reserved (provisionally, until bind, when `may_reserve()`: the pod exists and waits) so that no other
+    pod takes them meanwhile."""
     if hold.admitted is None:
         return [], {v.name: hold.reason for v in views if v.name}
     chosen, failed = admitted_filter(views, hold.admitted, request, reservations, uid)
     if chosen is None:
         return [], failed
+    if not may_reserve():
+        return [chosen.name], failed
     reservations.reserve(
         pod_uid=uid,
         pod_key=key,
@@ -320,6 +330,7 @@ def hold_filter_again(
     key: str,
     fresh_views: Callable[[], list[NodeView]] | None,
     read_pod: Callable[[str, str], Mapping[str, Any] | None] | None,
+    may_reserve: Callable[[], bool] = lambda: True,
 ) -> tuple[list[str], dict[str, str]]:
     """hold_filter once more for an admitted pod whose plan failed, with what may lag behind looked at anew.
 
@@ -339,7 +350,7 @@ def hold_filter_again(
         why = gone_reason(read_pod(namespace, name), r)
         if why is not None and reservations.release(r.pod_uid, only=r):
             log.info("reservation of pod %s on node %s released: %s", r.pod_key, r.node, why)
-    return hold_filter(hold, views, request, reservations, uid=uid, key=key)
+    return hold_filter(hold, views, request, reservations, uid=uid, key=key, may_reserve=may_reserve)
 
 
 def hold_scores(hold: Hold, views: Iterable[NodeView], best: int) -> list[dict[str, Any]]:

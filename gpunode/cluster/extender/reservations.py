@@ -5,7 +5,12 @@ two pods placed between two annotation updates never take the same GPU share.
 
 - A provisional reservation (filter with one node passing, prioritize's best
   node) lasts `ttl_s` (--reservation-ttl): it only steers other pods away until
-  the pod's bind decides.
+  the pod's bind decides. Whoever reaches the extender can POST filter bodies for
+  pods made up on the spot, so one is made only for a pod that the API server has,
+  with the UID and GPU request of the body, pending and not yet bound (PendingPods,
+  read through the API and remembered briefly), and each namespace holds at most
+  `max_provisional_per_namespace` of them (a newer one replaces its namespace's
+  oldest): a tenant's real pods that wait forever cannot hold every GPU either.
 - A bound pod's reservation (made at bind, or rebuilt by a new leader) lasts
   until the node's annotation lists the pod, or the pod is gone (deleted,
   finished, bound elsewhere: `gone_reason`, checked through the API by
@@ -17,7 +22,7 @@ The annotation names pods by namespace/name (the kubelet's pod-resources API
 gives no UIDs), so an annotation counts as listing the pod only when it is not
 the very annotation the reservation was made over: a name still listed for an
 earlier pod of that name does not end the new pod's reservation. Thread safe;
-no I/O.
+no I/O but PendingPods' reads through the function it is given.
 """
 
 from __future__ import annotations
@@ -25,16 +30,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from gpunode.cluster.extender.nodes import NodeView
-from gpunode.errors import InvalidState
+from gpunode.errors import InvalidState, KubeError
 from gpunode.placement import NodeState, Request, apply_request
 
 log = logging.getLogger(__name__)
 DEFAULT_BOUND_TTL_S = 900.0
+DEFAULT_PROVISIONAL_PER_NAMESPACE = 8  # kube-scheduler has a few pods between prioritize and bind at once
+PENDING_CACHE_S = 5.0  # how long a pod read for a provisional reservation is taken as read
+PENDING_CACHE_PODS = 8192
 _FINISHED = ("Succeeded", "Failed")
 
 
@@ -67,14 +76,17 @@ class Reservations:
         *,
         ttl_s: float = 60.0,
         bound_ttl_s: float = DEFAULT_BOUND_TTL_S,
+        max_provisional_per_namespace: int = DEFAULT_PROVISIONAL_PER_NAMESPACE,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.ttl_s = ttl_s
         self.bound_ttl_s = bound_ttl_s
+        self.max_provisional_per_namespace = max_provisional_per_namespace
         self._clock = clock
         self._lock = threading.Lock()
         self._by_pod: dict[str, Reservation] = {}
         self._by_node: dict[str, dict[str, Reservation]] = {}
+        self._provisional: dict[str, OrderedDict[str, None]] = {}  # namespace -> pod UIDs, oldest first
 
     def reserve(
         self,
@@ -89,7 +101,8 @@ class Reservations:
     ) -> Reservation:
         """Record (or move) the pod's reservation; a provisional one never replaces a final one.
 
-        `annotation` is the fingerprint of the node annotation the decision was made over.
+        `annotation` is the fingerprint of the node annotation the decision was made over. A provisional
+        reservation beyond its namespace's max_provisional_per_namespace ends the namespace's oldest.
         """
         with self._lock:
             now = self._clock()
@@ -101,6 +114,11 @@ class Reservations:
             r = Reservation(pod_uid, pod_key, node, gpu_uuids, request, now + ttl, final, annotation, now)
             self._by_pod[pod_uid] = r
             self._by_node.setdefault(node, {})[pod_uid] = r
+            if not final:
+                held = self._provisional.setdefault(_namespace(pod_key), OrderedDict())
+                held[pod_uid] = None
+                while len(held) > self.max_provisional_per_namespace:
+                    self._drop(next(iter(held)))
             return r
 
     def _drop(self, pod_uid: str) -> None:
@@ -110,6 +128,13 @@ class Reservations:
             per_node.pop(pod_uid, None)
             if not per_node:
                 self._by_node.pop(old.node, None)
+            if not old.final:
+                namespace = _namespace(old.pod_key)
+                held = self._provisional.get(namespace)
+                if held is not None:
+                    held.pop(pod_uid, None)
+                    if not held:
+                        del self._provisional[namespace]
 
     def release(self, pod_uid: str, *, only: Reservation | None = None) -> bool:
         """Forget the pod's reservation (with `only`: if it is still that one); returns whether one was."""
@@ -125,6 +150,7 @@ class Reservations:
         with self._lock:
             self._by_pod.clear()
             self._by_node.clear()
+            self._provisional.clear()
 
     def on_node(
         self, node: str, *, reflected: frozenset[str] = frozenset(), annotation: str | None = None
@@ -178,9 +204,103 @@ class Reservations:
         with self._lock:
             return frozenset(self._by_node)
 
+    def provisional_in(self, namespace: str) -> int:
+        """How many provisional reservations the namespace's pods hold (expired ones included)."""
+        with self._lock:
+            return len(self._provisional.get(namespace, ()))
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._by_pod)
+
+
+def _namespace(pod_key: str) -> str:
+    return pod_key.partition("/")[0]
+
+
+PodRead = Callable[[str, str], Mapping[str, Any] | None]  # (namespace, name) -> v1 Pod, None: not found
+
+
+def pending_reason(pod: Mapping[str, Any] | None, key: str, uid: str) -> str | None:
+    """Why the pod (as the API server has it, None: not found) may not get a provisional reservation for
+    the request of UID `uid`, None when it may: it exists with that UID and waits to be scheduled."""
+    if pod is None:
+        return f"pod {key} does not exist"
+    meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
+    if not isinstance(meta, Mapping) or not isinstance(spec, Mapping) or not isinstance(status, Mapping):
+        return f"pod {key} has no readable metadata, spec or status"
+    if meta.get("uid") != uid:
+        return f"pod {key} has UID {meta.get('uid')!r}, not {uid!r}"
+    if meta.get("deletionTimestamp"):
+        return f"pod {key} is being deleted"
+    if spec.get("nodeName"):
+        return f"pod {key} is already bound to node {spec.get('nodeName')}"
+    if status.get("phase") not in (None, "", "Pending"):
+        return f"pod {key} is {status.get('phase')}, not Pending"
+    return None
+
+
+class PendingPods:
+    """Pods read through the API for provisional reservations, each remembered for `cache_s` seconds.
+
+    kube-scheduler calls filter and then prioritize for the same pod, and retries a pod that fits nowhere:
+    one read serves them all. At most `max_pods` pods are remembered (the oldest go first). After a failed
+    read no pod is read for `cache_s` seconds (no reservation meanwhile): an API server that is down costs
+    a request one timeout, not each request one. Thread safe.
+    """
+
+    def __init__(
+        self,
+        read: PodRead,
+        *,
+        cache_s: float = PENDING_CACHE_S,
+        max_pods: int = PENDING_CACHE_PODS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._read = read
+        self.cache_s, self._max_pods, self._clock = cache_s, max_pods, clock
+        self._lock = threading.Lock()
+        self._pods: OrderedDict[str, tuple[float, Mapping[str, Any] | None]] = OrderedDict()
+        self._down_until = 0.0
+        self._down_why = ""
+        self.reads = 0  # API reads made (for tests and the benchmark)
+
+    def get(self, key: str) -> Mapping[str, Any] | str | None:
+        """The pod namespace/name as recently read (None: not found), or why it cannot be read now."""
+        now = self._clock()
+        with self._lock:
+            cached = self._pods.get(key)
+            if cached is not None and now - cached[0] < self.cache_s:
+                return cached[1]
+            if now < self._down_until:
+                return self._down_why
+        namespace, _, name = key.partition("/")
+        try:
+            self.reads += 1
+            pod = self._read(namespace, name)
+        except KubeError as exc:
+            why = f"cannot read pods through the API: {exc}"
+            with self._lock:
+                self._down_until, self._down_why = self._clock() + self.cache_s, why
+            log.warning(
+                "provisional reservations paused for %.0f s: %s (hint: %s)", self.cache_s, why, exc.hint
+            )
+            return why
+        with self._lock:
+            self._pods[key] = (now, pod)
+            self._pods.move_to_end(key)
+            while len(self._pods) > self._max_pods:
+                self._pods.popitem(last=False)
+        return pod
+
+    def forget(self, key: str) -> None:
+        """Drop what was read of the pod (it was bound, or its reservation refused)."""
+        with self._lock:
+            self._pods.pop(key, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._pods)
 
 
 def reserved_state(state: NodeState, live: Iterable[Reservation]) -> NodeState:

@@ -36,7 +36,7 @@ from gpunode.cluster.extender.promfeed import (
 )
 from gpunode.cluster.extender.server import ExtenderServer
 from gpunode.errors import ConfigError, InvalidRequest, MetricsFeedError
-from tests.cluster.test_extender import Client, gpu_state, node_list, v1_node, v1_pod
+from tests.cluster.test_extender import Client, PodBook, gpu_state, node_list, v1_node, v1_pod
 from tests.ports import free_port
 
 Reply = Callable[[BaseHTTPRequestHandler], None]
@@ -426,7 +426,11 @@ def test_without_usable_figures_scores_are_the_policys_and_the_fallback_is_count
 
 
 def test_the_provisional_reservation_goes_to_the_node_the_terms_prefer() -> None:
-    extender = Extender(config=ExtenderConfig(energy_weight=1, load_weight=0), load_feed=FixedFeed(BUSY_A))
+    extender = Extender(
+        config=ExtenderConfig(energy_weight=1, load_weight=0),
+        load_feed=FixedFeed(BUSY_A),
+        pod_reader=PodBook(v1_pod()).read,
+    )
     scores(extender)
     assert extender.reservations.nodes() == frozenset({"gpu-a"})
 
