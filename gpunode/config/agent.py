@@ -82,6 +82,7 @@ class Config:
     mig_strategy: str = "none"
     fail_on_init_error: bool = True
     nvidia_driver_root: str = "/"
+    nvidia_dev_root: str | None = None  # where /dev/nvidia* are on the host; None: nvidia_driver_root
     plugin: PluginFlags = field(default_factory=PluginFlags)
     time_slicing: TimeSlicing = field(default_factory=TimeSlicing)
     # gpunode settings
@@ -105,6 +106,11 @@ class Config:
     idle: IdleConfig = field(default_factory=IdleConfig)  # flag pods whose GPUs stay idle (node.idle)
     # Setting -> the environment variable or flag that set it (settings from the file are absent).
     origins: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def device_root(self) -> str:
+        """The host root the device nodes (/dev/nvidia*) are under: flags.nvidiaDevRoot, else the driver root."""
+        return self.nvidia_dev_root or self.nvidia_driver_root
 
     @property
     def kubelet_socket(self) -> Path:
@@ -134,10 +140,21 @@ def parse_config(data: object, source: str) -> Config:
     _check_imex(top.section("imex"))
     if top.raw("resources", None) is not None:
         raise ConfigError(
-            f"{source}: resources: custom resource patterns are not supported",
-            hint="use sharing.timeSlicing.resources[].rename to name shared resources",
+            f"{source}: resources: custom resource patterns are not supported (NVIDIA's plugin ignores "
+            "them too); gpunode names GPUs nvidia.com/gpu and MIG devices nvidia.com/mig-<profile>",
+            hint="remove the section; use sharing.timeSlicing.resources[].rename to name shared resources",
         )
+    explicit_placement = "replicaPlacement" in (top.raw("gpunode", None) or {})
     cfg = _parse_gpunode(top.section("gpunode"), cfg)
+    policy = cfg.plugin.replica_placement
+    if policy is not None and not explicit_placement:
+        cfg = replace(cfg, replica_placement=policy)
+    elif policy is not None and policy != cfg.replica_placement:
+        raise ConfigError(
+            f"{source}: flags.plugin.sharedDevicesAllocationPolicy and gpunode.replicaPlacement disagree "
+            f"({cfg.plugin.replica_placement} vs {cfg.replica_placement})",
+            hint="keep one of them (packed is pack, distributed is spread)",
+        )
     top.finish()
     return cfg
 
@@ -148,7 +165,8 @@ def _parse_flags(flags: SectionReader, cfg: Config) -> Config:
         cfg,
         mig_strategy=flags.choice("migStrategy", MIG_STRATEGIES, "none"),
         fail_on_init_error=flags.get("failOnInitError", bool, True),
-        nvidia_driver_root=flags.get("nvidiaDriverRoot", str, "/"),
+        nvidia_driver_root=_text(flags, "nvidiaDriverRoot", "/", MAX_PATH_CHARS),
+        nvidia_dev_root=_text(flags, "nvidiaDevRoot", None, MAX_PATH_CHARS) or None,
         plugin=parse_plugin_flags(flags.section("plugin")),
     )
     for ignored in ("gfd", "useNodeFeatureAPI", "deviceDiscoveryStrategy"):
@@ -160,18 +178,26 @@ def _parse_flags(flags: SectionReader, cfg: Config) -> Config:
                 "GDRCopy support into containers",
                 hint=f"remove {unsupported} or set it to false",
             )
-    if flags.raw("mpsRoot", None) is not None:
-        raise ConfigError(f"{flags.key_path('mpsRoot')}: MPS is not supported; use gpunode.fractional")
+    flags.raw("mpsRoot", None)  # where NVIDIA's MPS daemons keep their files; no effect without sharing.mps
     flags.finish()
     return cfg
 
 
 def _check_imex(imex: SectionReader) -> None:
-    """The NVIDIA `imex` section: accepted only without channels."""
-    if imex.raw("channelIDs", []):
-        raise ConfigError(
-            f"{imex.key_path('channelIDs')}: IMEX channels are not supported by gpunode",
+    """The NVIDIA `imex` section: accepted only without channels (gpunode does not inject IMEX channel
+    device nodes); NVIDIA's own plugin accepts only [] and [0]."""
+    channels = imex.raw("channelIDs", [])
+    if channels != [] and channels != [0]:
+        raise imex.fail(
+            "channelIDs",
+            f"expected [] or [0] (the values NVIDIA's plugin accepts), got {channels!r:.40}",
             hint="remove imex.channelIDs (or leave the list empty)",
+        )
+    if channels:
+        raise ConfigError(
+            f"{imex.key_path('channelIDs')}: IMEX channels are not supported by gpunode (it does not "
+            "inject /dev/nvidia-caps-imex-channels into containers)",
+            hint="remove imex.channelIDs (or leave the list empty); multi-node NVLink needs NVIDIA's plugin",
         )
     imex.get("required", bool, False)
     imex.finish()
@@ -233,7 +259,9 @@ def _check_resource_names(cfg: Config) -> None:
         where = f"{cfg.source}: sharing.timeSlicing.resources[{i}]"
         if name == cfg.fractional.resource_name:
             raise ConfigError(f"{where}: {name} is also gpunode.fractional.resourceName")
-        if res.name != name and re.fullmatch(r"nvidia\.com/(gpu|mig-(\d+c\.)?\d+g\.\d+gb(\+\w+)?)", name):
+        if res.name != name and re.fullmatch(
+            r"nvidia\.com/(gpu|mig-(\d+c\.)?\d+g\.\d+gb(\.(me|gfx|all))*)", name
+        ):
             raise ConfigError(
                 f"{where}.rename: {name} is a name NVIDIA GPUs and MIG devices are advertised under",
                 hint="rename shared resources to a name of their own, such as nvidia.com/gpu.shared",

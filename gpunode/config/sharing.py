@@ -13,6 +13,8 @@ from gpunode.errors import ConfigError
 
 DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")
 DEVICE_ID_STRATEGIES = ("uuid", "index")
+# flags.plugin.sharedDevicesAllocationPolicy (NVIDIA v0.20) -> gpunode.replicaPlacement
+ALLOCATION_POLICIES = {"distributed": "spread", "packed": "pack"}
 
 # Bounds on what a configuration may ask for (README, configuration table). Every advertised device
 # is one entry in a kubelet ListAndWatch message and one ID in the kubelet's checkpoint, so counts are
@@ -96,7 +98,7 @@ def parse_device_selector(value: object, where: str) -> DeviceSelector:
         elif isinstance(item, str) and re.fullmatch(r"\d+:\d+", item):
             gpu, mig = item.split(":")
             mig_indexes.append((_index(int(gpu), where), _index(int(mig), where)))
-        elif isinstance(item, str) and re.fullmatch(r"(GPU|MIG)-[0-9A-Za-z][-0-9A-Za-z/]*", item):
+        elif isinstance(item, str) and _is_uuid(item):
             uuids.append(item)
         else:
             raise ConfigError(
@@ -110,6 +112,15 @@ def parse_device_selector(value: object, where: str) -> DeviceSelector:
         where=where,
         mig_indexes=tuple(dict.fromkeys(mig_indexes)),
     )
+
+
+_UUID = r"[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{12}"
+
+
+def _is_uuid(item: str) -> bool:
+    """A GPU UUID (GPU-<uuid>) or a MIG UUID (MIG-<uuid>, or the older MIG-GPU-<uuid>/<gi>/<ci>), as
+    NVML prints them and as NVIDIA's parser checks them."""
+    return bool(re.fullmatch(rf"(GPU|MIG)-{_UUID}|MIG-GPU-{_UUID}/\d+/\d+", item))
 
 
 def _index(value: int, where: str) -> int:
@@ -130,6 +141,8 @@ class PluginFlags:
     device_id_strategy: str = "uuid"
     container_driver_root: str = "/driver-root"
     cdi_annotation_prefix: str = "cdi.k8s.io/"
+    # sharedDevicesAllocationPolicy as gpunode's replicaPlacement (spread | pack); None when not given
+    replica_placement: str | None = None
 
 
 @dataclass(frozen=True)
@@ -186,10 +199,26 @@ def parse_plugin_flags(r: SectionReader) -> PluginFlags:
         device_id_strategy=r.choice("deviceIDStrategy", DEVICE_ID_STRATEGIES, "uuid"),
         container_driver_root=r.get("containerDriverRoot", str, "/driver-root"),
         cdi_annotation_prefix=r.get("cdiAnnotationPrefix", str, "cdi.k8s.io/"),
+        replica_placement=_allocation_policy(r),
     )
     r.raw("nvidiaCTKPath", None)  # accepted for compatibility; gpunode writes no CDI spec files
     r.finish()
     return flags
+
+
+def _allocation_policy(r: SectionReader) -> str | None:
+    """`sharedDevicesAllocationPolicy`: NVIDIA's `distributed` and `packed` are gpunode's replica placements
+    `spread` (fewest sharers first) and `pack` (the busiest GPU first)."""
+    policy = r.get("sharedDevicesAllocationPolicy", str, None)
+    if policy is None:
+        return None
+    if policy not in ALLOCATION_POLICIES:
+        raise r.fail(
+            "sharedDevicesAllocationPolicy",
+            f"expected distributed or packed, got {policy!r:.40}",
+            hint="distributed spreads replicas over the GPUs, packed fills one GPU first",
+        )
+    return ALLOCATION_POLICIES[policy]
 
 
 def parse_time_slicing(r: SectionReader) -> TimeSlicing:
@@ -211,8 +240,10 @@ def parse_time_slicing(r: SectionReader) -> TimeSlicing:
         name = parse_resource_name(ir.get("name", str), ir.key_path("name"))
         if name != GPU_RESOURCE and mig_profile_of(name) is None:
             raise ConfigError(
-                f"{ir.key_path('name')}: only nvidia.com/gpu and nvidia.com/mig-<profile> can be "
-                f"time-sliced, got {name!r}"
+                f"{ir.key_path('name')}: {name} is not a resource gpunode advertises, so there is nothing "
+                "to time-slice under it",
+                hint="name nvidia.com/gpu or a MIG profile (nvidia.com/mig-1g.10gb); give the shared "
+                "resource another name with `rename`",
             )
         replicas = ir.get("replicas", int)
         if replicas < MIN_REPLICAS:
@@ -231,12 +262,25 @@ def parse_time_slicing(r: SectionReader) -> TimeSlicing:
         rename = ir.get("rename", str, None)
         if rename is not None:
             rename = parse_resource_name(rename, ir.key_path("rename"))
+        if (
+            isinstance(item, dict) and "devices" in item and item["devices"] is None
+        ):  # `devices:` left empty, e.g. by a Helm template
+            raise ConfigError(
+                f"{ir.key_path('devices')}: the key is present but empty; it would otherwise select every GPU",
+                hint="write `devices: all`, list GPU indexes or UUIDs, or remove the key",
+            )
         devices = ir.parse("devices", parse_device_selector, DeviceSelector(where=ir.key_path("devices")))
         ir.finish()
         if any(res.name == name for res in resources):
             raise ConfigError(f"{ir.key_path('name')}: {name} is listed twice under timeSlicing.resources")
         resources.append(SharedResource(name=name, replicas=replicas, rename=rename, devices=devices))
     r.finish()
+    if not items:  # as NVIDIA's parser: a timeSlicing section shares something
+        raise ConfigError(
+            f"{r.key_path('resources')}: no resources listed, so nothing would be time-sliced",
+            hint="list the resources to share (e.g. - {name: nvidia.com/gpu, replicas: 4}), or remove "
+            "the timeSlicing section",
+        )
     return TimeSlicing(rename_by_default, fail_gt_one, tuple(resources))
 
 
@@ -327,12 +371,20 @@ def _refuse_decimal_unit(r: SectionReader) -> None:
 
 
 def parse_sharing(sharing: SectionReader) -> TimeSlicing:
-    """Validate the `sharing` section: time-slicing only (MPS is refused)."""
+    """Validate the `sharing` section: time-slicing only (MPS is refused: gpunode runs no MPS daemon)."""
     if sharing.raw("mps", None) is not None:
         raise ConfigError(
-            f"{sharing.key_path('mps')}: MPS sharing is not supported by gpunode",
+            f"{sharing.key_path('mps')}: MPS sharing is not supported by gpunode (it runs no MPS control "
+            "daemon, so MPS replicas would have no enforced limits)",
             hint="use gpunode.fractional for memory-capped sharing, or sharing.timeSlicing",
         )
-    time_slicing = parse_time_slicing(sharing.section("timeSlicing"))
+    given = sharing.has("timeSlicing")
+    if given and sharing.raw("timeSlicing", None) is None:  # (raw also marks the key known, for typos)
+        raise ConfigError(
+            f"{sharing.key_path('timeSlicing')}: the key is present but empty, so nothing would be time-sliced",
+            hint="list its resources (resources: [{name: nvidia.com/gpu, replicas: 4}]) or remove the key",
+        )
+    section = sharing.section("timeSlicing")
+    time_slicing = parse_time_slicing(section) if given else TimeSlicing()
     sharing.finish()
     return time_slicing

@@ -61,13 +61,21 @@ NODE_SERIES_LABEL = "Hostname"  # the node's name on every series ("hostname" wi
 MIG_INSTANCE_LABEL = "GPU_I_ID"  # set only on a MIG instance's series
 
 
+def mig_resource_profile(profile: str) -> str:
+    """A MIG profile as resource names spell it: NVML's `+` suffixes (1g.10gb+me, 1g.24gb+gfx) are not
+    allowed in a resource name, so `+` becomes `.` as in NVIDIA's plugin (1g.10gb.me)."""
+    return profile.replace("+", ".")
+
+
 def mig_resource_name(profile: str) -> str:
-    """The resource of one MIG profile: nvidia.com/mig-1g.10gb for 1g.10gb."""
-    return f"{MIG_RESOURCE_PREFIX}{profile}"
+    """The resource of one MIG profile: nvidia.com/mig-1g.10gb for 1g.10gb, nvidia.com/mig-1g.10gb.me for
+    1g.10gb+me."""
+    return f"{MIG_RESOURCE_PREFIX}{mig_resource_profile(profile)}"
 
 
 def mig_profile_of(resource: str) -> str | None:
-    """The MIG profile a resource names (1g.10gb for nvidia.com/mig-1g.10gb), or None for any other."""
+    """The MIG profile a resource names (1g.10gb for nvidia.com/mig-1g.10gb), or None for any other; a
+    suffix comes back as resource names spell it (1g.10gb.me, see mig_resource_profile)."""
     if resource.startswith(MIG_RESOURCE_PREFIX) and len(resource) > len(MIG_RESOURCE_PREFIX):
         return resource[len(MIG_RESOURCE_PREFIX) :]
     return None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 
-from gpunode.contract.names import MILLI_PER_GPU
+from gpunode.contract.names import MILLI_PER_GPU, mig_resource_profile
 from gpunode.contract.nodestate import GpuRecord, MigInstance, NodeGpuState
 from gpunode.errors import NodeStateError, PlacementError
 from gpunode.placement.model import GpuState, NodeState
@@ -23,9 +23,10 @@ from gpunode.placement.model import GpuState, NodeState
 
 def gpu_state(record: GpuRecord) -> GpuState:
     """What is free on one published GPU."""
-    mig_free: dict[str, int] = {}
+    mig_free: dict[str, int] = {}  # by profile as a pod's resource spells it (1g.10gb.me for 1g.10gb+me)
     for m in record.mig:
-        mig_free[m.profile] = mig_free.get(m.profile, 0) + (0 if m.assigned else 1)
+        profile = mig_resource_profile(m.profile)
+        mig_free[profile] = mig_free.get(profile, 0) + (0 if m.assigned else 1)
     return GpuState(
         uuid=record.uuid,
         index=record.index,

@@ -479,8 +479,10 @@ def test_fractional_resource_name_is_configurable() -> None:
         ),
         pytest.param(
             [G0],
-            "sharing: {timeSlicing: {resources: [{name: nvidia.com/gpu, replicas: 2, devices: [GPU-0bad0bad]}]}}",
-            ["sharing.timeSlicing.resources[0].devices: there is no GPU or MIG device GPU-0bad0bad"],
+            "sharing: {timeSlicing: {resources: [{name: nvidia.com/gpu, replicas: 2, devices: [GPU-0bad0bad-0000-4000-8000-000000000000]}]}}",
+            [
+                "sharing.timeSlicing.resources[0].devices: there is no GPU or MIG device GPU-0bad0bad-0000-4000-8000-000000000000"
+            ],
             id="selector-missing-uuid",
         ),
         pytest.param(

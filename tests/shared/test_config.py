@@ -328,7 +328,11 @@ def test_broken_yaml_points_at_the_line_and_column(tmp_path: Path) -> None:
         pytest.param(
             lambda d: d / "missing.yaml", "configuration file not found (named by --config)", id="missing"
         ),
-        pytest.param(lambda d: d, "cannot read the configuration file: Is a directory", id="directory"),
+        pytest.param(
+            lambda d: d,
+            "cannot read the configuration file: not a regular file (a directory)",
+            id="directory",
+        ),
         pytest.param(
             lambda d: (d / "binary.yaml", (d / "binary.yaml").write_bytes(b"\x89PNG\r\n\x1a\n\xff"))[0],
             "not a text file (byte 0 is not UTF-8)",

@@ -242,7 +242,7 @@ class Allocator:
         return out
 
     def _device_nodes(self, snapshot: Snapshot, devices: Sequence[AdvertisedDevice]) -> list[DeviceNode]:
-        root = self.config.nvidia_driver_root.rstrip("/")
+        root = self.config.device_root.rstrip("/")
         nodes = [
             DeviceNode(p, f"{root}{p}")
             for p in ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
