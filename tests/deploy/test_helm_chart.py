@@ -577,8 +577,9 @@ def extender_parser() -> argparse.ArgumentParser:
 @pytest.mark.parametrize(
     ("values", "api_rules"),
     [
-        pytest.param(VALUE_SETS["extender-on"], None, id="no-api-access"),
-        pytest.param(VALUE_SETS["extender-defaults"], {"nodes": {"list"}}, id="defaults-list-nodes"),
+        pytest.param(VALUE_SETS["extender-plain-http"], {"nodes": {"list"}}, id="plain-http-list-nodes"),
+        pytest.param(VALUE_SETS["extender-on"], {"pods": {"get"}}, id="read-pods"),
+        pytest.param(VALUE_SETS["extender-defaults"], {"nodes": {"list"}, "pods": {"get"}}, id="defaults"),
         pytest.param(VALUE_SETS["extender-bind-node-cache"],
                      {"pods": {"get", "patch"}, "pods/binding": {"create"}, "nodes": {"list"}}, id="bind-and-node-cache"),
         pytest.param(VALUE_SETS["extender-cert-manager"],
@@ -660,11 +661,12 @@ def test_extender_deployment_service_and_scheduler_configuration(
 @pytest.mark.parametrize(
     "values",
     [
+        VALUE_SETS["extender-plain-http"],
         VALUE_SETS["extender-defaults"],
         VALUE_SETS["extender-bind-node-cache"],
         VALUE_SETS["extender-cert-manager"],
     ],
-    ids=["plain-http", "tls-own-secret", "tls-cert-manager"],
+    ids=["plain-http", "tls-generated", "tls-own-secret", "tls-cert-manager"],
 )
 def test_extender_network_policy_and_tls_certificates(values: dict[str, Any]) -> None:
     ext = merged(DEFAULTS, values)["extender"]
@@ -703,6 +705,9 @@ def test_extender_network_policy_and_tls_certificates(values: dict[str, Any]) ->
     ):
         assert args[args.index(flag) + 1] == f"{mount['mountPath']}/{key}"
     assert args[args.index("--allowed-client-names") + 1] == ",".join(ext["tls"]["clientNames"])
+    generated = {s["metadata"]["name"]: s for s in out.kinds("Secret") if "tls.crt" in s.get("data", {})}
+    if ext["tls"]["existingSecret"] or ext["tls"]["certManager"]["enabled"]:
+        assert not generated
     if not ext["tls"]["certManager"]["enabled"]:
         assert not certificates
         return
@@ -718,9 +723,73 @@ def test_extender_network_policy_and_tls_certificates(values: dict[str, Any]) ->
 
 
 @needs_helm
+def test_the_default_extender_tls_certificates_are_made_at_install_and_pass_a_real_handshake(
+    tmp_path: Path,
+) -> None:
+    import base64
+    import http.client
+    import ssl
+
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    from gpunode.cluster.extender.core import Extender
+    from gpunode.cluster.extender.server import ExtenderServer
+    from gpunode.infra.http import server_tls_context
+
+    out = render({"extender": {"enabled": True}})
+    secrets = {s["metadata"]["name"]: s for s in out.kinds("Secret")}
+    server = secrets[f"{FULLNAME}-extender-tls"]
+    client = secrets[f"{FULLNAME}-scheduler-client-tls"]
+    assert server["type"] == client["type"] == "kubernetes.io/tls"
+    files = {}
+    for who, secret in (("server", server), ("client", client)):
+        for key in ("tls.crt", "tls.key", "ca.crt"):
+            files[who, key] = tmp_path / f"{who}-{key}"
+            files[who, key].write_bytes(base64.b64decode(secret["data"][key]))
+    assert files["server", "ca.crt"].read_bytes() == files["client", "ca.crt"].read_bytes()  # one CA
+    ca = x509.load_pem_x509_certificate(files["server", "ca.crt"].read_bytes())
+    cert = x509.load_pem_x509_certificate(files["server", "tls.crt"].read_bytes())
+    sched = x509.load_pem_x509_certificate(files["client", "tls.crt"].read_bytes())
+    cert.verify_directly_issued_by(ca)
+    sched.verify_directly_issued_by(ca)
+    name = f"{FULLNAME}-extender"
+    assert f"{name}.{NAMESPACE}.svc" in cert.extensions.get_extension_for_class(
+        x509.SubjectAlternativeName
+    ).value.get_values_for_type(x509.DNSName)
+    cns = sched.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    assert [c.value for c in cns] == ["kube-scheduler"]  # one CN, the extender's allowed name
+    # The extender as the chart starts it (its TLS flags) takes the scheduler's certificate.
+    deployment = out.named("Deployment", name)["spec"]["template"]["spec"]
+    args = deployment["containers"][0]["args"]
+    assert args[args.index("--allowed-client-names") + 1] == "kube-scheduler"
+    tls = server_tls_context(
+        str(files["server", "tls.crt"]), str(files["server", "tls.key"]), str(files["server", "ca.crt"])
+    )
+    ext = ExtenderServer(Extender(), port=0, ssl_context=tls, allowed_client_names=["kube-scheduler"])
+    ext.start()
+    try:
+        ctx = ssl.create_default_context(cafile=str(files["client", "ca.crt"]))
+        ctx.check_hostname = False  # the certificate names the Service; the test dials 127.0.0.1
+        ctx.load_cert_chain(str(files["client", "tls.crt"]), str(files["client", "tls.key"]))
+        conn = http.client.HTTPSConnection("127.0.0.1", ext.port, timeout=20, context=ctx)
+        conn.request("GET", "/healthz")
+        assert conn.getresponse().status == 200
+        conn.close()
+    finally:
+        ext.stop()
+    # kube-scheduler's configuration uses https with that client certificate
+    sched_config = yaml.safe_load(
+        out.named("ConfigMap", f"{FULLNAME}-scheduler-config")["data"]["scheduler-config.yaml"]
+    )
+    assert sched_config["extenders"][0]["enableHTTPS"] is True
+    assert sched_config["extenders"][0]["urlPrefix"].startswith("https://")
+
+
+@needs_helm
 def test_extender_without_network_policy_and_with_an_insecure_bind() -> None:
     values = {"extender": {"enabled": True, "bind": True, "insecureBindWithoutTLS": True,
-                           "networkPolicy": {"enabled": False}}}  # fmt: skip
+                           "tls": {"enabled": False}, "networkPolicy": {"enabled": False}}}  # fmt: skip
     out = render(values)
     assert out.kinds("NetworkPolicy") == []
     args = out.named("Deployment", f"{FULLNAME}-extender")["spec"]["template"]["spec"]["containers"][0][
@@ -871,9 +940,8 @@ REFUSED_BY_TEMPLATE = {
     "baremetal-without-hostpid": ({"config": {"gpunode": {"remediation": {"mode": "baremetal"}}}}, "agent.hostPID is false"),
     "extender-with-renamed-fraction": ({"extender": {"enabled": True}, "config": {"gpunode": {"fractional": {
         "resourceName": "example.com/vram"}}}}, "places fractional requests of gpunode.io/gpu-memory only"),
-    "extender-bind-without-tls": ({"extender": {"enabled": True, "bind": True}}, "extender.tls.enabled is false"),
-    "extender-tls-without-certificate": ({"extender": {"enabled": True, "tls": {"enabled": True}}},
-                                         "extender.tls.enabled needs a certificate"),
+    "extender-bind-without-tls": ({"extender": {"enabled": True, "bind": True, "tls": {"enabled": False}}},
+                                  "extender.tls.enabled is false"),
     "extender-two-certificate-sources": ({"extender": {"enabled": True, "tls": {
         "enabled": True, "existingSecret": "s", "certManager": {"enabled": True}}}}, "not both"),
     "extender-replicas-without-ha": ({"extender": {"enabled": True, "replicas": 2}},

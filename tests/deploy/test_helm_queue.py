@@ -594,8 +594,10 @@ def test_the_extender_reads_the_queue_file_to_hold_the_namespaces_it_maps(tmp_pa
     # Without the queue controller the extender is started as before.
     alone = render({"extender": {"enabled": True}})
     (plain,) = alone.named("Deployment", f"{FULLNAME}-extender")["spec"]["template"]["spec"]["containers"]
-    assert "--queue-config" not in plain["args"] and "volumeMounts" not in plain
-    assert "--admission-key-file" not in plain["args"] and not alone.kinds("Secret")
+    mounts = [m["name"] for m in plain.get("volumeMounts", [])]
+    assert "--queue-config" not in plain["args"] and mounts == ["tls"]  # the extender's own TLS only
+    assert "--admission-key-file" not in plain["args"]
+    assert not [s for s in alone.kinds("Secret") if "admission" in s["metadata"]["name"]]
     assert "--queue-hold" not in plain["args"]
 
 

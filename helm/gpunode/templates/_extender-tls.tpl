@@ -27,9 +27,6 @@ served to anyone who reaches the port.
 {{- if and $tls.existingSecret $tls.certManager.enabled }}
 {{- fail "extender.tls.existingSecret and extender.tls.certManager.enabled are both set. HINT: take the certificate from your own Secret or from cert-manager, not both" }}
 {{- end }}
-{{- if not (or $tls.existingSecret $tls.certManager.enabled) }}
-{{- fail "extender.tls.enabled needs a certificate. HINT: name a Secret with tls.crt, tls.key and ca.crt in extender.tls.existingSecret, or set extender.tls.certManager.enabled (docs/helm.md)" }}
-{{- end }}
 {{- else if and $ext.bind (not $ext.insecureBindWithoutTLS) }}
 {{- fail "extender.bind is true but extender.tls.enabled is false: anyone who reaches the extender could bind any pod. HINT: enable extender.tls (kube-scheduler then presents a client certificate), or set extender.insecureBindWithoutTLS to accept the risk" }}
 {{- end }}

@@ -202,5 +202,5 @@ configuration turns on: see docs/health.md (RBAC) and gpunode/publish.py.
 
 {{/* Whether the extender talks to the API server (binding, node lists, leader election). */}}
 {{- define "gpunode.extenderNeedsApi" -}}
-{{- if or .Values.extender.bind .Values.extender.nodeCacheCapable .Values.extender.ha.enabled }}true{{ end }}
+{{- if or .Values.extender.bind .Values.extender.nodeCacheCapable .Values.extender.ha.enabled .Values.extender.provisionalReservations }}true{{ end }}
 {{- end }}
