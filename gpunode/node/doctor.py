@@ -64,13 +64,22 @@ def _check_backend(cfg: Config, node: _Node) -> Check:
         where = cfg.origin("sim_profile", "gpunode.simProfile")
         return Check("gpu backend", FAIL, f"{where}: {exc}", exc.hint)
     except GpunodeError as exc:
+        if cfg.backend == "auto":  # an agent running here may use a backend auto does not pick (sim)
+            running = _agent_backend(cfg)
+            if running is not None:
+                return _check_agent_backend(running, node, exc)
         return Check("gpu backend", FAIL, str(exc), exc.hint)
+    return _describe_backend(backend, node)
+
+
+def _describe_backend(backend: Any, node: _Node, *, source: str = "") -> Check:
+    """The backend's GPUs and driver as the check's detail (`source` says whose backend it is)."""
     try:
         gpus = backend.gpus()
         driver = backend.driver_version() or "unknown"
         models = sorted({g.model for g in gpus})
         mig = sum(1 for g in gpus if g.mig_enabled)
-        detail = f"{backend.name}: {len(gpus)} GPU(s) {', '.join(models)}; driver {driver}"
+        detail = f"{backend.name}{source}: {len(gpus)} GPU(s) {', '.join(models)}; driver {driver}"
         if mig:
             detail += f"; {mig} with MIG enabled"
         node.gpus = list(gpus)
@@ -79,6 +88,33 @@ def _check_backend(cfg: Config, node: _Node) -> Check:
         return Check("gpu backend", FAIL, str(exc), exc.hint)
     finally:
         backend.close()
+
+
+def _check_agent_backend(running: tuple[str, str], node: _Node, auto_failed: GpunodeError) -> Check:
+    """The backend of the agent answering here, when `--backend auto` finds none (the agent runs on the
+    simulated node): doctor opens the same one, so the other checks look at the GPUs the agent serves."""
+    from gpunode.node.devices.select import detect_backend
+
+    name, url = running
+    source = f" (the backend of the agent at {url})"
+    if name.startswith("sim:"):
+        profile = name.removeprefix("sim:")
+        try:
+            backend = detect_backend("sim", profile)
+        except GpunodeError as exc:
+            return Check(
+                "gpu backend",
+                WARN,
+                f"the agent at {url} runs on {name}, which doctor cannot open: {exc}",
+                "run doctor with the agent's settings: gpunode doctor --backend sim --sim-profile FILE",
+            )
+        return _describe_backend(backend, node, source=source)
+    return Check(
+        "gpu backend",
+        FAIL,
+        f"the agent at {url} uses {name}, but here {auto_failed}",
+        auto_failed.hint or "run doctor where the agent runs, with its settings",
+    )
 
 
 SKIPPED = "not checked: the gpu backend failed (above)"
@@ -180,6 +216,39 @@ def _check_plugins(cfg: Config, node: _Node) -> Check:
 AGENT_TIMEOUT_S = 3.0
 
 
+def _agent_host(cfg: Config) -> str:
+    """Where doctor reaches the agent's metrics endpoint: its listen address, loopback for a wildcard."""
+    host = cfg.metrics.listen_address.host
+    return host if host not in ("", "0.0.0.0", "::") else "127.0.0.1"
+
+
+def _agent_url(cfg: Config, path: str) -> str:
+    host = _agent_host(cfg)
+    return f"http://{f'[{host}]' if ':' in host else host}:{cfg.metrics.listen_address.port}{path}"
+
+
+def _agent_backend(cfg: Config) -> tuple[str, str] | None:
+    """(the backend the agent running here reads, its endpoint URL) from its /agent, or None when no
+    agent answers there (metrics off, random port, credentials needed, nothing listening, not gpunode)."""
+    metrics = cfg.metrics
+    if not metrics.enabled or metrics.listen_address.port == 0 or metrics.web_config_file:
+        return None
+    conn = http.client.HTTPConnection(_agent_host(cfg), metrics.listen_address.port, timeout=AGENT_TIMEOUT_S)
+    try:
+        conn.request("GET", "/agent")
+        response = conn.getresponse()
+        body = response.read(4096)
+        said = json.loads(body) if response.status == 200 else None
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+    finally:
+        conn.close()
+    backend = said.get("backend") if isinstance(said, dict) else None
+    if not isinstance(backend, str) or not backend:
+        return None
+    return backend[:200], _agent_url(cfg, "")
+
+
 def _check_agent(cfg: Config) -> Check:
     """Whether an agent runs here: its metrics endpoint (from the configuration) answers /health."""
     name = "agent"
@@ -193,8 +262,7 @@ def _check_agent(cfg: Config) -> Check:
         return Check(
             name, WARN, f"not checked: the metrics endpoint listens on a random port ({metrics.listen})"
         )
-    host = address.host if address.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
-    url = f"http://{f'[{host}]' if ':' in host else host}:{address.port}/health"
+    host, url = _agent_host(cfg), _agent_url(cfg, "/health")
     if metrics.web_config_file:
         return Check(
             name,

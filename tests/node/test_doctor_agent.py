@@ -145,3 +145,72 @@ def test_a_backend_failure_is_printed_once(sockdir: Path, capsys: pytest.Capture
     assert results["gpu backend"].detail.startswith("test-config.yaml: gpunode.simProfile: ")
     assert sum("dgx-h10" in c.detail for c in results.values()) == 1
     assert "dgx-h10" in render(list(results.values()))
+
+
+def _no_gpu_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--backend auto` finds no GPU on this machine (as on one without NVIDIA's driver); sim still opens."""
+    from gpunode.errors import BackendUnavailable
+    from gpunode.node.devices import select
+
+    real = select.detect_backend
+
+    def detect(kind: str = "auto", sim_profile: object = None, **kw: object) -> object:
+        if kind == "auto":
+            raise BackendUnavailable("--backend auto found no GPU backend: libnvidia-ml.so.1 not found")
+        return real(kind, sim_profile, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(select, "detect_backend", detect)
+
+
+def test_doctor_with_backend_auto_checks_the_backend_of_the_agent_running_beside_it(
+    sockdir: Path, kubelet: KubeletStandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As after scripts/run-agent.sh on a machine without a GPU: the agent runs on the simulated node,
+    doctor is run with its defaults (--backend auto) and reports the agent's backend, not a failure."""
+    _no_gpu_here(monkeypatch)
+    port = free_port()
+    dirs = (sockdir / "device-plugins", sockdir / "state")
+    listen = {"listen": f"127.0.0.1:{port}"}
+    agent_cfg = make_config(*dirs, backend="sim", simProfile="t4", metrics=listen)
+    doctor_cfg = make_config(*dirs, metrics=listen)  # backend auto, no profile
+    assert doctor_cfg.backend == "auto"
+    before = by_name(checks(doctor_cfg))["gpu backend"]
+    assert before.status == FAIL and "--backend auto found no GPU backend" in before.detail, before
+    with RunningAgent(Agent(agent_cfg)):
+        kubelet.wait_for_resources(["nvidia.com/gpu"], timeout=60)
+        results = by_name(checks(doctor_cfg))
+        backend = results["gpu backend"]
+        assert backend.status == OK, backend
+        assert backend.detail.startswith(f"sim:t4 (the backend of the agent at http://127.0.0.1:{port}): "), (
+            backend
+        )
+        assert "GPU(s) " in backend.detail
+        # The checks that need the GPUs run against the agent's: its plugin sockets are the expected ones.
+        assert results["advertised devices"].status == OK, results["advertised devices"]
+        assert "nvidia.com/gpu" in results["advertised devices"].detail
+        assert results["device plugins"].status == OK, results["device plugins"]
+        assert not [c for c in results.values() if c.status == FAIL], render(list(results.values()))
+
+
+def test_doctor_names_an_agent_backend_it_cannot_use_here(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An agent on NVML answering while doctor's own NVML finds nothing: still a failure, saying both."""
+    _no_gpu_here(monkeypatch)
+    with http_answering(200, '{"backend": "nvml"}') as port:
+        cfg = make_config(tmp_path / "dp", tmp_path / "state", metrics={"listen": f"127.0.0.1:{port}"})
+        backend = by_name(checks(cfg))["gpu backend"]
+    assert backend.status == FAIL
+    assert backend.detail.startswith(
+        f"the agent at http://127.0.0.1:{port} uses nvml, but here --backend auto"
+    )
+
+
+def test_something_else_on_the_metrics_port_leaves_the_auto_failure(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _no_gpu_here(monkeypatch)
+    with http_answering(200, "<html>not an agent</html>") as port:
+        cfg = make_config(tmp_path / "dp", tmp_path / "state", metrics={"listen": f"127.0.0.1:{port}"})
+        backend = by_name(checks(cfg))["gpu backend"]
+    assert backend.status == FAIL and "--backend auto found no GPU backend" in backend.detail

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import json
 import logging
 import re
 import socket
@@ -102,6 +103,17 @@ def test_health(collect: bool, status: int, starts: bytes) -> None:
         assert ready == status  # ready once a collection succeeded
 
     with_server(collect, body)
+
+
+def test_agent_says_which_backend_it_reads() -> None:
+    """/agent, for `gpunode doctor` run beside the agent: the backend, before any collection too."""
+
+    async def body(server: MetricsServer, collector: MetricsCollector) -> None:
+        got, headers, payload = await asyncio.to_thread(request, server.port, "GET", "/agent")
+        assert got == 200 and headers["content-type"].startswith("application/json")
+        assert json.loads(payload) == {"backend": "sim:t4"}
+
+    with_server(False, body)
 
 
 @pytest.mark.parametrize(

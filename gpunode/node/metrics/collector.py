@@ -160,6 +160,11 @@ class MetricsCollector:
         """The last successful collection, however old; None before the first one."""
         return self._snapshot
 
+    @property
+    def backend_name(self) -> str:
+        """The backend the agent reads its GPUs from: `nvml`, or `sim:<profile>` (for /agent)."""
+        return str(getattr(self._backend, "name", "unknown"))
+
     # -- what a scrape gets -----------------------------------------------------------------
 
     def render(self) -> bytes:

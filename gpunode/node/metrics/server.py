@@ -1,10 +1,12 @@
-"""The metrics endpoint: /metrics, /health, /ready and an index page over HTTP/1.1 (gpunode.infra.http).
+"""The metrics endpoint: /metrics, /health, /ready, /agent and an index page over HTTP/1.1 (gpunode.infra.http).
 
 /health (the liveness probe) answers 200 while the background collector keeps
 succeeding, 503 once its last success is older than its staleness bound (the
 agent is stuck: a restart may help); /ready (readiness and startup) answers 200
 once a first collection has succeeded, so a fresh agent is not scraped before
-it has anything to say. Both are cheap: neither renders the metrics.
+it has anything to say. Both are cheap: neither renders the metrics. /agent says,
+as JSON, which GPU backend the agent reads (`{"backend": "sim:dgx-h100"}`), so
+`gpunode doctor` run beside it checks the same GPUs.
 
 The endpoint cannot be starved by idle clients: at most MAX_CONNECTIONS are
 open, and a new connection at that limit closes the oldest idle one (a request
@@ -27,6 +29,7 @@ This module must not collect anything and must not block the event loop.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Protocol
 
@@ -49,7 +52,7 @@ HEADER_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 64  # scrapers and probes are few; at the limit the oldest idle connection makes room
 _INDEX = (
     "<html><head><title>gpunode metrics</title></head><body><h1>gpunode</h1>"
-    '<p><a href="/metrics">/metrics</a> (DCGM-compatible) and <a href="/health">/health</a>, <a href="/ready">/ready</a></p></body></html>\n'
+    '<p><a href="/metrics">/metrics</a> (DCGM-compatible) and <a href="/health">/health</a>, <a href="/ready">/ready</a>, <a href="/agent">/agent</a></p></body></html>\n'
 )
 
 
@@ -130,6 +133,9 @@ class MetricsServer:
                 status=200 if ready else 503,
                 text="OK: collecting\n" if ready else "KO: no successful collection yet\n",
             )
+        if request.path == "/agent":
+            backend = getattr(self._source, "backend_name", None)
+            return web.Response(text=json.dumps({"backend": backend}) + "\n", content_type="application/json")
         if request.path == "/":
             return web.Response(text=_INDEX, content_type="text/html")
         return web.Response(status=404, text="not found\n")
