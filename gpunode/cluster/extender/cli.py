@@ -19,11 +19,15 @@ from gpunode.cluster.extender.kubeapi import (
     refresh_nodes_once,
     refresh_nodes_periodically,
 )
-from gpunode.cluster.extender.nodes import NodeCache
+from gpunode.cluster.extender.nodes import DEFAULT_MAX_NODES, NodeCache
 from gpunode.cluster.extender.promfeed import PromFeed
 from gpunode.cluster.extender.queued import HOLD_ERROR, HOLD_MODES, QueueNamespaces, warn_unsigned_once
 from gpunode.cluster.extender.reservations import DEFAULT_PROVISIONAL_PER_NAMESPACE
-from gpunode.cluster.extender.server import DEFAULT_MAX_BODY_BYTES, serve_extender
+from gpunode.cluster.extender.server import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_REQUEST_MEMORY_BYTES,
+    serve_extender,
+)
 from gpunode.cluster.extender.workload import WorkloadTracker
 from gpunode.cluster.queuemark import load_mark_key
 from gpunode.contract.names import EXTENDER_ROLE_LABEL, GIB, NODE_SERIES_LABEL
@@ -34,6 +38,8 @@ from gpunode.placement import POLICIES
 
 log = logging.getLogger(__name__)
 DEFAULT_NODE_STATE_MAX_AGE = "3m"
+DEFAULT_NODE_STATE_MAX_SKEW = "65s"
+DEFAULT_NODE_CACHE_TTL = "1h"
 PENDING_READ_S = 2.0  # the pod read before a provisional reservation: filter and prioritize wait for it
 
 
@@ -76,6 +82,24 @@ def register_extender_cli(
         help="a node whose gpunode.io/gpu-state annotation was published longer ago is failed as stale "
         "(default: 3 x the agent's default republish interval of 60s; 0 = never)",
     )
+    p.add_argument(
+        "--node-state-max-skew",
+        default=DEFAULT_NODE_STATE_MAX_SKEW,
+        help="a node whose gpunode.io/gpu-state annotation says it was published further in the future is "
+        "failed (default: the agent's default republish interval of 60s and 5s; 0 = never)",
+    )
+    p.add_argument(
+        "--node-cache-ttl",
+        default=DEFAULT_NODE_CACHE_TTL,
+        help="forget a node not seen in a request or a refresh for this long (0 = never)",
+    )
+    p.add_argument(
+        "--node-cache-max-nodes",
+        type=int,
+        default=DEFAULT_MAX_NODES,
+        help="most nodes whose GPU state the extender keeps (the least recently seen go first); keep it "
+        "above the cluster's node count",
+    )
     p.add_argument("--workload-csv", type=Path, help="openb-format pod list to seed the target workload")
     p.add_argument(
         "--kube-api",
@@ -115,6 +139,12 @@ def register_extender_cli(
         "--max-request-bytes",
         default=f"{DEFAULT_MAX_BODY_BYTES // 2**20}Mi",
         help="largest request body accepted (413 beyond); full NodeLists need ~4 KB per node",
+    )
+    p.add_argument(
+        "--request-memory",
+        default=f"{DEFAULT_REQUEST_MEMORY_BYTES // 2**20}Mi",
+        help="memory request bodies may take at once, received and decoded (413 for a body that never fits, "
+        "503 after a short wait for one that does not fit now); keep it under half the memory limit",
     )
     p.add_argument(
         "--health-listen", help="host:port of a plain-HTTP server for /healthz and /readyz only (probes)"
@@ -244,6 +274,19 @@ def check_security_flags(args: argparse.Namespace) -> None:
         )
 
 
+def request_memory(args: argparse.Namespace) -> int:
+    """--request-memory in bytes; ConfigError below 1Mi or below --max-request-bytes."""
+    size = parse_bytes(args.request_memory, where="--request-memory")
+    largest = parse_bytes(args.max_request_bytes, where="--max-request-bytes") or DEFAULT_MAX_BODY_BYTES
+    if size < max(2**20, largest):
+        raise ConfigError(
+            f"--request-memory {args.request_memory} is less than one body of --max-request-bytes "
+            f"{args.max_request_bytes} (and 1Mi)",
+            hint="raise --request-memory or lower --max-request-bytes",
+        )
+    return size
+
+
 def server_options(args: argparse.Namespace) -> dict[str, Any]:
     """ExtenderServer's options from the flags: TLS context (files read here), client names, limits."""
     from gpunode.infra.http import server_tls_context
@@ -251,6 +294,7 @@ def server_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {
         "max_body_bytes": parse_bytes(args.max_request_bytes, where="--max-request-bytes")
         or DEFAULT_MAX_BODY_BYTES,
+        "request_memory_bytes": request_memory(args),
         "allowed_client_names": [n.strip() for n in args.allowed_client_names.split(",") if n.strip()],
     }
     if args.tls_cert_file is not None:
@@ -260,6 +304,23 @@ def server_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.health_listen:
         options["health_host"], options["health_port"] = _listen(args.health_listen, "--health-listen")
     return options
+
+
+def node_cache(args: argparse.Namespace, max_age_s: float) -> NodeCache:
+    """The node cache the --node-state-* and --node-cache-* flags describe; ConfigError for a bad one."""
+    skew_s = parse_duration(args.node_state_max_skew, where="--node-state-max-skew")
+    ttl_s = parse_duration(args.node_cache_ttl, where="--node-cache-ttl")
+    if args.node_cache_max_nodes < 1:
+        raise ConfigError(
+            f"--node-cache-max-nodes must be 1 or more, got {args.node_cache_max_nodes}",
+            hint=f"keep it above the cluster's node count (default {DEFAULT_MAX_NODES})",
+        )
+    return NodeCache(
+        max_age_s=max_age_s or None,
+        max_skew_s=skew_s or None,
+        ttl_s=ttl_s or None,
+        max_nodes=args.node_cache_max_nodes,
+    )
 
 
 def build_extender(args: argparse.Namespace) -> tuple[Extender, KubeApi | None]:
@@ -312,7 +373,7 @@ def build_extender(args: argparse.Namespace) -> tuple[Extender, KubeApi | None]:
     refreshing = api is not None and parse_duration(args.node_refresh, where="--node-refresh") > 0
     extender = Extender(
         config=config,
-        nodes=NodeCache(max_age_s=max_age_s or None),
+        nodes=node_cache(args, max_age_s),
         workload=WorkloadTracker(seed=seed),
         binder=binder,
         # names-only mode: a node created since the last refresh is listed at once, not failed

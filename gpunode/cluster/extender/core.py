@@ -204,6 +204,7 @@ class Extender:
         self.metrics = load_feed.metrics if load_feed is not None else FeedMetrics()
         # `is None`, not `or`: an empty cache or reservation book has len() 0 and is falsy.
         self.nodes = NodeCache() if nodes is None else nodes
+        self.nodes.register_metrics(self.metrics.registry)
         self.reservations = (
             Reservations(
                 ttl_s=self.config.reservation_ttl_s,

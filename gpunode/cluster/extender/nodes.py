@@ -36,13 +36,18 @@ lists the nodes at once (the I/O is the lister's), at most once per
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from gpunode.cluster.extender.pods import _ceil, parse_quantity
 from gpunode.contract.nodestate import (
@@ -300,6 +305,30 @@ class NodeCache:
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        """Export the cache's size and the nodes it forgot on `registry` (once per registry)."""
+        with contextlib.suppress(ValueError):  # already there (a cache shared by two extenders)
+            registry.register(_CacheCollector(self))
+
+
+class _CacheCollector(Collector):
+    """gpunode_extender_nodes_cached and gpunode_extender_nodes_forgotten_total, read at scrape time."""
+
+    def __init__(self, cache: NodeCache) -> None:
+        self._cache = cache
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "gpunode_extender_nodes_cached",
+            "Nodes whose GPU state the extender holds (bounded by --node-cache-max-nodes)",
+            value=len(self._cache),
+        )
+        yield CounterMetricFamily(
+            "gpunode_extender_nodes_forgotten",
+            "Nodes the extender forgot, not seen for --node-cache-ttl or beyond --node-cache-max-nodes",
+            value=self._cache.forgotten,
+        )
 
 
 class OnDemandRefresh:

@@ -17,9 +17,18 @@ Anyone who can reach the port is treated as an adversary:
   full Node objects (~20 MB at 5,000 nodes) and a pod plus node names otherwise
   (well under 1 MiB: `--max-request-bytes 4Mi` suits that mode);
 - the work queue is bounded: at most `max_pending` requests (MAX_PENDING) wait for
-  or run in the worker threads, holding at most 2 x max_body_bytes of bodies;
-  beyond that a request is answered 503 with Retry-After, and kube-scheduler
-  retries the pod later.
+  or run in the worker threads; beyond that a request is answered 503 with
+  Retry-After, and kube-scheduler retries the pod later;
+- the memory of request bodies is bounded by `request_memory_bytes`
+  (--request-memory, DEFAULT_REQUEST_MEMORY_BYTES, half of the chart's 512Mi
+  memory limit): a quarter of it (at least one body of max_body_bytes) for the
+  bodies being received (the HTTP layer's body budget), the rest for the bodies
+  being decoded and answered. Decoded JSON takes 10-40 times its text (a 32 MiB
+  NodeList of real Nodes ~460 MiB), so a body takes its decoded_size() (an upper
+  bound, counted from its text) before it is decoded: one that could never fit is
+  answered 413, one that does not fit now waits up to BUDGET_WAIT_S for the
+  bodies ahead of it, then 503 with Retry-After. Large clusters send node names
+  (nodeCacheCapable), well under 1 MiB a request.
 
 The Extender's methods are synchronous and CPU-bound (a filter over 5,000 nodes
 takes ~20 ms): they run, with the JSON decoding and encoding around them, in a
@@ -68,6 +77,10 @@ DEFAULT_MAX_BODY_BYTES = 32 * 2**20
 WORKERS = 8  # the Extender serialises on its lock; more threads only let binds wait on the API together
 MAX_PENDING = 256  # requests read, queued or running at once (kube-scheduler opens dozens at a time)
 MAX_CONNECTIONS = 1024
+DEFAULT_REQUEST_MEMORY_BYTES = (
+    256 * 2**20
+)  # half of the chart's 512Mi: the rest for the process and its caches
+BUDGET_WAIT_S = 2.0  # how long a body waits for room in the budget before 503
 VERBS = ("filter", "prioritize", "bind", "preempt")
 _HINT = "choose another --listen address, or stop the process that already listens there"
 
@@ -98,6 +111,7 @@ class ExtenderServer:
         allowed_client_names: Iterable[str] = (),
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         max_pending: int = MAX_PENDING,
+        request_memory_bytes: int = DEFAULT_REQUEST_MEMORY_BYTES,
         health_host: str = "0.0.0.0",
         health_port: int | None = None,
         gate: Gate | None = None,
@@ -108,7 +122,9 @@ class ExtenderServer:
         self.allowed_client_names = frozenset(allowed_client_names)
         self.max_body_bytes = max_body_bytes
         self.max_pending = max_pending
-        self.max_pending_bytes = 2 * max_body_bytes
+        self.request_memory_bytes = request_memory_bytes
+        receiving = min(max(max_body_bytes, request_memory_bytes // 4), request_memory_bytes)
+        self.decode_budget = DecodeBudget(request_memory_bytes - receiving)
         self.http = HttpServer(
             self._handle,
             name="extender",
@@ -116,6 +132,7 @@ class ExtenderServer:
             port=port,
             max_body_bytes=max_body_bytes,
             max_connections=MAX_CONNECTIONS,
+            max_inflight_body_bytes=receiving,
             ssl_context=ssl_context,
             error_response=lambda status, message: _json(status, {"Error": message}),  # the layer's 413...
             log=log,
@@ -136,7 +153,6 @@ class ExtenderServer:
                 hint="choose another --health-listen address",
             )
         self._pending = 0  # requests admitted and not yet answered (counted on the loop only)
-        self._pending_bytes = 0
         self._executor: ThreadPoolExecutor | None = None
         self._thread: ServerThread | None = None
 
@@ -251,12 +267,42 @@ class ExtenderServer:
         raw = (
             await request.read()
         )  # the HTTP layer has read it already, within max_body_bytes and its timeout
-        if self._pending >= self.max_pending or self._pending_bytes + len(raw) > self.max_pending_bytes:
-            busy = f"the extender is busy ({self._pending} requests, {self._pending_bytes} bytes waiting)"
+        if self._pending >= self.max_pending:
+            busy = f"the extender is busy ({self._pending} requests waiting)"
             log.warning("extender: %s: answering %s with 503", busy, verb)
             return closing(_json(503, {"Error": f"{busy}; retry"}, retry_after="1"))
         self._pending += 1
-        self._pending_bytes += len(raw)
+        try:
+            return await self._decode_and_answer(verb, raw)
+        finally:
+            self._pending -= 1
+
+    async def _decode_and_answer(self, verb: str, raw: bytes) -> web.Response:
+        """Take the body's decoded size from the budget (413/503 when it does not fit), then answer."""
+        loop = asyncio.get_running_loop()
+        budget = self.decode_budget
+        # a small body is counted on the loop (microseconds), a large one in a worker
+        size = (
+            await loop.run_in_executor(self._executor, decoded_size, raw)
+            if len(raw) > 65536
+            else decoded_size(raw)
+        )
+        if size > budget.limit:
+            message = (
+                f"a {len(raw)}-byte {verb} body would take about {size >> 20} MiB decoded, more than the "
+                f"{budget.limit >> 20} MiB of --request-memory {self.request_memory_bytes >> 20}Mi left for "
+                "decoding: configure kube-scheduler to send node names (nodeCacheCapable: true), or raise "
+                "--request-memory with the memory limit"
+            )
+            log.warning("extender: %s", message)
+            return closing(_json(413, {"Error": message}))
+        if not await budget.take(size, BUDGET_WAIT_S):
+            message = (
+                f"the extender is decoding other requests ({budget.used >> 20} of {budget.limit >> 20} MiB "
+                f"of request memory in use, --request-memory); retry"
+            )
+            log.warning("extender: %s: answering %s with 503", message, verb)
+            return closing(_json(503, {"Error": message}, retry_after="1"))
         call = {
             "filter": self.extender.filter,
             "prioritize": self.extender.prioritize,
@@ -264,12 +310,9 @@ class ExtenderServer:
             "preempt": self.extender.preempt,
         }
         try:
-            status, body = await asyncio.get_running_loop().run_in_executor(
-                self._executor, _answer, verb, call[verb], raw
-            )
+            status, body = await loop.run_in_executor(self._executor, _answer, verb, call[verb], raw)
         finally:
-            self._pending -= 1
-            self._pending_bytes -= len(raw)
+            budget.give(size)
         return web.Response(status=status, body=body, content_type="application/json")
 
     def _client_refusal(self, request: web.Request) -> str | None:
@@ -298,6 +341,58 @@ def client_name_refusal(cert: Any, allowed: frozenset[str]) -> str | None:
     if names[0] not in allowed:
         return f"client certificate CN {names[0]!r} is not an allowed name (--allowed-client-names)"
     return None
+
+
+class DecodeBudget:
+    """Bytes of decoded request bodies in flight, against `limit`: take() waits for room (on the loop)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._room: asyncio.Condition | None = None
+        self._waking: set[asyncio.Task[None]] = set()
+
+    async def take(self, size: int, wait_s: float) -> bool:
+        """Take `size` bytes once they fit, waiting at most `wait_s`; False (nothing taken) if they never do."""
+        if self._room is None:
+            self._room = asyncio.Condition()
+        async with self._room:
+            try:
+                async with asyncio.timeout(wait_s):
+                    await self._room.wait_for(lambda: self.used + size <= self.limit)
+            except TimeoutError:
+                return False
+            self.used += size
+            return True
+
+    def give(self, size: int) -> None:
+        """Give back what take() took, waking the bodies that wait for room (on the loop)."""
+        self.used -= size
+        if self._room is not None and size:
+            task = asyncio.get_running_loop().create_task(self._wake())
+            self._waking.add(task)
+            task.add_done_callback(self._waking.discard)
+
+    async def _wake(self) -> None:
+        assert self._room is not None
+        async with self._room:
+            self._room.notify_all()
+
+
+def decoded_size(raw: bytes) -> int:
+    """An upper bound on the memory orjson.loads(raw) peaks at, counted from the text (~70 ms for 32 MiB).
+
+    Per byte of text and per object, array, value and string it opens, the most CPython takes for it
+    (measured with tracemalloc over real NodeLists and the densest shapes: `[{},{},...]`, `[0,0,...]`,
+    `["a",...]`, `[{"a":{}},...]`): the estimate is 1.0-1.8 times the measured peak.
+    """
+    return (
+        16 * len(raw)
+        + 96 * raw.count(b"{")
+        + 64 * raw.count(b"[")
+        + 24 * raw.count(b",")
+        + 32 * raw.count(b'"')
+    )
 
 
 def _answer(verb: str, method: Callable[[Any], object], raw: bytes) -> tuple[int, bytes]:
