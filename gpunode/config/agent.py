@@ -344,6 +344,7 @@ _ENV: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any]]] = {
     "fail_on_init_error": (("GPUNODE_FAIL_ON_INIT_ERROR", "FAIL_ON_INIT_ERROR"), _env_bool),
     "replica_placement": (("GPUNODE_REPLICA_PLACEMENT",), lambda v, w: _choice(v, ("spread", "pack"), w)),
     "nvidia_driver_root": (("GPUNODE_NVIDIA_DRIVER_ROOT", "NVIDIA_DRIVER_ROOT"), lambda v, w: v),
+    "nvidia_dev_root": (("GPUNODE_NVIDIA_DEV_ROOT", "NVIDIA_DEV_ROOT"), lambda v, w: v),
     "plugin.pass_device_specs": (("GPUNODE_PASS_DEVICE_SPECS", "PASS_DEVICE_SPECS"), _env_bool),
     "plugin.device_list_strategy": (
         ("GPUNODE_DEVICE_LIST_STRATEGY", "DEVICE_LIST_STRATEGY"),
@@ -378,6 +379,7 @@ _TEXT_BOUNDS = {
     "pod_resources_socket": MAX_PATH_CHARS,
     "node_name": MAX_NODE_NAME_CHARS,
     "nvidia_driver_root": MAX_PATH_CHARS,
+    "nvidia_dev_root": MAX_PATH_CHARS,
 }
 
 

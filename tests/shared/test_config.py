@@ -630,6 +630,7 @@ SAMPLE_VALUES = {
     "fail_on_init_error": "false",
     "replica_placement": "pack",
     "nvidia_driver_root": "/run/nvidia/driver",
+    "nvidia_dev_root": "/run/nvidia/driver",
     "plugin.pass_device_specs": "true",
     "plugin.device_list_strategy": "cdi-cri",
     "plugin.device_id_strategy": "index",
