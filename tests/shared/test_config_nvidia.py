@@ -290,3 +290,28 @@ def test_the_extender_finds_a_suffixed_profile_under_the_name_pods_ask_for() -> 
     free = gpu_state(record).mig_free
     assert free == {"1g.10gb.me": 1, "1g.10gb": 1}
     assert mig_profile_of(mig_resource_name("1g.10gb+me")) in free
+
+
+@pytest.mark.parametrize(
+    ("flags", "root"),
+    [
+        ({}, ""),
+        ({"nvidiaDriverRoot": "/run/nvidia/driver"}, "/run/nvidia/driver"),
+        ({"nvidiaDriverRoot": "/run/nvidia/driver", "nvidiaDevRoot": "/"}, ""),
+        ({"nvidiaDevRoot": "/host"}, "/host"),
+    ],
+    ids=["defaults", "driver-root", "dev-root-beside-driver-root", "dev-root"],
+)
+def test_device_specs_take_their_host_paths_from_the_dev_root(flags: dict[str, Any], root: str) -> None:
+    from gpunode.node.allocation.allocator import Allocator
+    from gpunode.node.devices.simnode.backend import SimBackend
+    from gpunode.node.inventory import build_inventory
+    from gpunode.node.state import DeviceState
+
+    cfg = parse_config({"flags": {**flags, "plugin": {"passDeviceSpecs": True}}}, "c")
+    inventory = build_inventory(SimBackend.from_profile("t4").gpus(), cfg)
+    device = inventory.by_resource("nvidia.com/gpu")[0]
+    got = Allocator(config=cfg).allocate(DeviceState(inventory).snapshot(), "nvidia.com/gpu", [device.id])
+    paths = {n.container_path: n.host_path for n in got.devices}
+    assert paths["/dev/nvidiactl"] == f"{root}/dev/nvidiactl"
+    assert all(host == f"{root}{container}" for container, host in paths.items()), paths
