@@ -9,6 +9,16 @@ and write a mark afterwards. With a shared secret key (--admission-key-file on `
 key can write a mark that verifies, and the UID inside the signed text keeps a valid mark from being
 copied onto another pod.
 
+A signed mark also carries "gen", its generation (nanoseconds since the epoch when the controller wrote
+it, and above any generation it wrote for that pod before; signed with the rest): the pod's owner can read
+a mark and put it back after the controller replaced it (re-planned the pod onto another node), and that
+old mark still verifies. Each MarkKey remembers the newest generation it has seen verify for each pod UID
+(the last NEWEST_PODS pods) and refuses an older one: the controller from the marks it writes, the extender
+from the marks it reads at filter and bind. A mark without "gen" (written before generations) counts as
+generation 0. What a process has not seen it cannot refuse: an extender that never read the newer mark
+(the owner put the old one back before kube-scheduler sent the pod again, or a new extender leader)
+takes the old one, until the controller's next reconcile finds the pod marked against its plan.
+
 The key file holds at least MIN_KEY_BYTES bytes (a trailing newline is not part of the key); its mode is
 not checked, as a Kubernetes Secret is mounted readable by the group and others by default.
 """
@@ -21,6 +31,7 @@ import hmac
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
@@ -38,6 +49,8 @@ SIG_CHARS = 43  # base64url of 32 bytes without padding
 REPORTED_PODS = 4096  # pods whose refused mark was logged, remembered so that each is logged once
 CACHED_MARKS = 32768  # mark texts whose check is remembered (every pod's mark is read at every reconcile)
 CACHED_TEXT = 2048  # characters: longer mark texts are checked each time, not remembered
+NEWEST_PODS = 65536  # pod UIDs whose newest mark generation is remembered
+MAX_GENERATION = 2**63 - 1
 UNSIGNED_WARNING = (
     "queue admissions are NOT signed (no --admission-key-file): any tenant able to patch its own pods can "
     "write an admission mark and skip the queue; give the controller and the extender the same key file"
@@ -47,6 +60,8 @@ UNSIGNED_WARNING = (
 def canonical(fields: Mapping[str, Any]) -> bytes:
     """The bytes a mark's signature covers: the domain, then the JSON of its FIELDS (absent ones as null)."""
     doc = {k: fields.get(k) for k in FIELDS}
+    if fields.get("gen") is not None:  # marks written before generations are signed without it
+        doc["gen"] = fields["gen"]
     return DOMAIN + json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 
@@ -63,6 +78,7 @@ class MarkKey:
         self.source = source
         self._reported: OrderedDict[str, None] = OrderedDict()
         self._checked: dict[str, bool] = {}  # mark text -> whether its signature verifies
+        self._newest: OrderedDict[str, int] = OrderedDict()  # pod UID -> newest generation seen
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -94,6 +110,34 @@ class MarkKey:
             self._checked[text] = known
         return known
 
+    def next_generation(self, uid: str) -> int:
+        """The generation of a mark about to be written for the pod: now in nanoseconds, and above any
+        generation seen for it (a clock that stepped back does not make a new mark older); remembered."""
+        with self._lock:
+            gen = max(time.time_ns(), self._newest.get(uid, -1) + 1)
+            self._remember(uid, gen)
+            return gen
+
+    def accept_generation(self, uid: str, gen: int) -> bool:
+        """False when a newer mark of the pod has been seen (this one was replaced); else remember `gen`."""
+        with self._lock:
+            newest = self._newest.get(uid)
+            if newest is not None and gen < newest:
+                return False
+            self._remember(uid, gen)
+            return True
+
+    def newest(self, uid: str) -> int | None:
+        """The newest generation seen for the pod, if any."""
+        with self._lock:
+            return self._newest.get(uid)
+
+    def _remember(self, uid: str, gen: int) -> None:
+        self._newest[uid] = gen
+        self._newest.move_to_end(uid)
+        while len(self._newest) > NEWEST_PODS:
+            self._newest.popitem(last=False)
+
     def report(self, uid: str, message: str, *args: object) -> None:
         """Log `message` once per pod UID (the last REPORTED_PODS remembered): marks are read at every filter
         and every reconcile, and a forged one must not flood the log."""
@@ -110,6 +154,8 @@ class MarkKey:
 def signed_mark(fields: Mapping[str, Any], key: MarkKey | None) -> str:
     """The JSON text of a mark with these fields, signed with `key` (unsigned without one)."""
     doc = {k: fields[k] for k in FIELDS}
+    if fields.get("gen") is not None:
+        doc["gen"] = fields["gen"]
     if key is not None:
         doc["sig"] = key.sign(doc)
     return json.dumps(doc)
@@ -119,7 +165,9 @@ def mark_accepted(
     mark: Mapping[str, Any], uid: str, key: MarkKey | None, *, where: str, text: str = ""
 ) -> bool:
     """Whether a parsed mark admits the pod with this UID: the mark names that UID and, with a key, carries
-    its valid signature. A refused mark is logged once per pod (`where`: the pod, for the log line).
+    its valid signature and a generation no older than the newest the key has seen for the pod (a mark the
+    controller replaced, put back by the pod's owner, is refused). A refused mark is logged once per pod
+    (`where`: the pod, for the log line).
     `text`: the JSON the mark was parsed from, when there is one (its check is then remembered)."""
     if not uid or mark.get("uid") != uid:
         if key is not None and uid:
@@ -131,6 +179,20 @@ def mark_accepted(
         why = "it is not signed" if "sig" not in mark else "its signature does not verify"
         key.report(
             uid, "admission mark on pod %s refused: %s (not written by the queue controller)", where, why
+        )
+        return False
+    gen = mark.get("gen", 0)
+    if isinstance(gen, bool) or not isinstance(gen, int) or not 0 <= gen <= MAX_GENERATION:
+        key.report(uid, "admission mark on pod %s refused: its generation %r is not a number", where, gen)
+        return False
+    if not key.accept_generation(uid, gen):
+        key.report(
+            uid,
+            "admission mark on pod %s refused: the queue controller has replaced it (generation %d, a newer "
+            "one, %s, was seen)",
+            where,
+            gen,
+            key.newest(uid),
         )
         return False
     return True

@@ -9,7 +9,7 @@ priority is the highest spec.priority of its members (absent: its queue's defaul
 its runtime estimate the annotation gpunode.io/runtime-estimate (30m, 2h).
 
 The controller marks a pod with two annotations (JSON): gpunode.io/queue-admitted
-({"job", "uid", "node", "gpus", "at", "sig"}: where the admission's plan puts this member, signed with the
+({"job", "uid", "node", "gpus", "at", "gen", "sig"}: where the admission's plan puts this member, signed with the
 admission key when the controller has one: gpunode.cluster.queuemark) and
 gpunode.io/preemption-notice ({"deadline" (RFC 3339), "preemptor", "reason"}).
 It reads the node agent's gpunode.io/gpu-idle-since (RFC 3339) into JobPods.idle_since.
@@ -94,8 +94,17 @@ def rfc3339(t: float) -> str:
 def admitted_text(job: str, placement: PodPlacement, at: float, uid: str, *, key: MarkKey | None) -> str:
     """The gpunode.io/queue-admitted value for one member (its UID: a pod created with the annotation already
     on it, to skip the queue, cannot know the UID it will get, so its mark is not taken), signed with `key`
-    (a tenant who patches its own pod's mark cannot sign it; None: unsigned)."""
-    doc = {"job": job, "uid": uid, "node": placement.node, "gpus": list(placement.gpus), "at": rfc3339(at)}
+    (a tenant who patches its own pod's mark cannot sign it; None: unsigned). A signed mark carries a new
+    generation (queuemark: a mark this one replaces is refused once the reader has seen this one)."""
+    doc: dict[str, Any] = {
+        "job": job,
+        "uid": uid,
+        "node": placement.node,
+        "gpus": list(placement.gpus),
+        "at": rfc3339(at),
+    }
+    if key is not None:
+        doc["gen"] = key.next_generation(uid)
     return signed_mark(doc, key)
 
 

@@ -38,7 +38,7 @@ from gpunode.cluster.extender.queued import (
 )
 from gpunode.cluster.queuectl.jobs import admitted_text, queued_pod
 from gpunode.cluster.queueing.model import PodPlacement
-from gpunode.cluster.queuemark import SIG_CHARS, MarkKey, canonical, load_mark_key
+from gpunode.cluster.queuemark import SIG_CHARS, MarkKey, canonical, load_mark_key, mark_accepted
 from gpunode.contract.names import QUEUE_ADMITTED_ANNOTATION, QUEUE_LABEL, QUEUE_REASON_ANNOTATION
 from gpunode.errors import AdmissionKeyError, InvalidRequest, KubeError, QueueConfigError
 from tests.cluster.queuectl.helpers import config
@@ -314,6 +314,56 @@ def test_a_valid_signed_mark_copied_onto_another_pod_does_not_admit_it(
     assert [r for r in caplog.records if "default/sneaky " in r.getMessage()] == []  # already reported
 
 
+@pytest.mark.parametrize("mode", HOLD_MODES)
+def test_an_old_mark_put_back_after_the_controller_replaced_it_no_longer_passes(mode: str) -> None:
+    controller = MarkKey(SECRET)  # the controller's key; the extender has its own (the same secret)
+    binder = Binder()
+    extender = Extender(
+        config=ExtenderConfig(policy="bestfit", queue_hold=mode), binder=binder, mark_key=MarkKey(SECRET)
+    )
+    extender.refresh_nodes(NODES["items"])
+    pod = queued("train-0", "uid-0")
+    binder.add(pod)
+    notes = pod["metadata"]["annotations"]
+    old = admitted_text("team-a/train-0", PodPlacement("n1", ("GPU-n1-0",)), 1.0, "uid-0", key=controller)
+    notes[QUEUE_ADMITTED_ANNOTATION] = old
+    assert passing(extender.filter({"Pod": pod, "Nodes": NODES})) == ["n1"]
+    # The controller re-plans the pod onto n2: a new mark replaces the old one.
+    new = admitted_text("team-a/train-0", PodPlacement("n2", ("GPU-n2-1",)), 2.0, "uid-0", key=controller)
+    notes[QUEUE_ADMITTED_ANNOTATION] = new
+    assert passing(extender.filter({"Pod": pod, "Nodes": NODES})) == ["n2"]
+    # The pod's owner puts the old mark back (it verifies: the controller's own signature, the pod's UID).
+    notes[QUEUE_ADMITTED_ANNOTATION] = old
+    assert passing(extender.filter({"Pod": pod, "Nodes": NODES})) == []
+    assert "n1" not in {r.node for r in [extender.reservations.get("uid-0")] if r is not None}
+    assert extender.bind(bind_args(pod, "n1"))["Error"] and binder.binds == []
+    # The controller refuses it alike once it wrote the newer one: the pod is not admitted on n1.
+    pod["metadata"]["annotations"][QUEUE_ADMITTED_ANNOTATION] = old
+    read_back = queued_pod(pod, config(), mark_key=controller)
+    assert read_back is not None and read_back.admitted is None and read_back.foreign_mark
+    # The newer mark still admits it.
+    hold = queue_hold({**pod, "metadata": {**pod["metadata"], "annotations": {
+        QUEUE_ADMITTED_ANNOTATION: new}}}, {}, controller)  # fmt: skip
+    assert hold is not None and hold.admitted is not None and hold.admitted.node == "n2"
+    notes[QUEUE_ADMITTED_ANNOTATION] = new
+    assert passing(extender.filter({"Pod": pod, "Nodes": NODES})) == ["n2"]
+
+
+def test_generations_grow_and_a_mark_without_one_counts_as_the_oldest() -> None:
+    key = MarkKey(SECRET)
+    gens = [key.next_generation("u") for _ in range(100)]
+    assert gens == sorted(gens) and len(set(gens)) == 100
+    legacy = {"job": "j", "uid": "v", "node": "n1", "gpus": [], "at": "2026-01-01T00:00:00Z"}
+    legacy["sig"] = key.sign(legacy)  # a mark written before generations
+    assert mark_accepted(legacy, "v", key, where="ns/v")
+    newer = json.loads(admitted_text("j", PodPlacement("n2", ()), 0.0, "v", key=key))
+    assert mark_accepted(newer, "v", key, where="ns/v") and not mark_accepted(legacy, "v", key, where="ns/v")
+    for bad in ("7", True, -1, 2**63, 1.5):
+        forged = {**newer, "gen": bad}
+        forged["sig"] = key.sign(forged)
+        assert not mark_accepted(forged, "v", key, where="ns/v"), bad
+
+
 def test_sign_and_verify() -> None:
     fields = {
         "job": "team-a/x",
@@ -323,7 +373,8 @@ def test_sign_and_verify() -> None:
         "at": "2026-01-01T00:00Z",
     }
     mark = json.loads(admitted_text("team-a/x", PodPlacement("n1", ("GPU-1", "GPU-2")), 0.0, "u-1", key=KEY))
-    assert set(mark) == {"job", "uid", "node", "gpus", "at", "sig"} and KEY.verify(mark)
+    assert set(mark) == {"job", "uid", "node", "gpus", "at", "gen", "sig"} and KEY.verify(mark)
+    assert not KEY.verify({**mark, "gen": mark["gen"] + 1})  # the generation is signed too
     assert len(mark["sig"]) == SIG_CHARS and "=" not in mark["sig"]  # base64url, no padding
     signed = {**fields, "sig": KEY.sign(fields)}
     assert KEY.verify(signed)
