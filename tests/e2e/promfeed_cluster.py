@@ -13,9 +13,10 @@ build_feed_cluster starts, on the session's real control plane:
 - two SimNodes (four simulated T4s each, a real `gpunode agent --backend sim` publishing
   gpunode.io/gpu-state and serving DCGM-style metrics labelled with the Node's name, and its control
   socket, through which the test pins a GPU's activity: power and utilisation follow);
-- kube-scheduler with the chart's scheduler configuration: its extenders entry and its profile (the
-  scheduler name e2e-promfeed, so that no pod of another test is placed here and no other scheduler
-  places these pods).
+- kube-scheduler with the chart's scheduler configuration (kubescheduler.config.k8s.io/v1, the chart's
+  default) as it is but for the extender's address and certificate paths: its extenders entry and its
+  profile (the scheduler name e2e-promfeed, so that no pod of another test is placed here and no other
+  scheduler places these pods).
 
 FeedCluster reads the extender's own metrics from its health port, the figures Prometheus holds (asked
 with the extender's own queries, by a PromFeed of the test's), and the extender's log.
@@ -69,7 +70,6 @@ def chart_values(prometheus_url: str) -> dict[str, Any]:
             "nodeRefreshInterval": "1s",
             "schedulerNames": [SCHEDULER_NAME],
             "tls": {"enabled": True, "existingSecret": "gpunode-extender-tls"},
-            "schedulerConfig": {"apiVersion": "v1beta2"},  # 1.20 reads the same entries as v1beta1
             "prometheus": {
                 "url": prometheus_url,
                 "refreshInterval": "1s",
@@ -250,6 +250,7 @@ def build_feed_cluster(cp: ControlPlane, tmp: Path) -> FeedCluster:
             d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("scheduler-config")
         )
         config = yaml.safe_load(config_map["data"]["scheduler-config.yaml"])
+        assert config["apiVersion"] == "kubescheduler.config.k8s.io/v1", config["apiVersion"]
         entries, profiles = config["extenders"], config["profiles"]
         assert profiles == [{"schedulerName": SCHEDULER_NAME}], profiles
         entries[0]["urlPrefix"] = f"https://127.0.0.1:{port}"
@@ -258,7 +259,8 @@ def build_feed_cluster(cp: ControlPlane, tmp: Path) -> FeedCluster:
             "keyFile": str(client.key),
             "caFile": str(cp.ca_file),
         }
-        cluster.scheduler = cp.start_scheduler(entries, name="kube-scheduler-promfeed", profiles=profiles)
+        # the chart's configuration as it is, but for the extender's address and certificate paths
+        cluster.scheduler = cp.start_scheduler(name="kube-scheduler-promfeed", config=config)
     except BaseException:
         if cluster is not None:
             stop_feed_cluster(cluster)

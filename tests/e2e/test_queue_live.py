@@ -1,6 +1,6 @@
 """The queue controller on the real control plane: admission, holding, reclaim with notice, failover, reload.
 
-Real here: etcd, kube-apiserver (RBAC, audit log), kube-scheduler 1.20 with the extender's entry,
+Real here: etcd, kube-apiserver (RBAC, audit log), kube-scheduler 1.36 with the extender's entry,
 `gpunode extender --queue-config`, two `gpunode queue` replicas electing a leader on the chart's Lease
 with the chart's RBAC, and two nodes whose GPUs a real `gpunode agent --backend sim` publishes
 (tests.e2e.queue). Every check reads the API server: the controller's marks, kube-scheduler's bindings
@@ -343,10 +343,11 @@ def test_borrowed_gpus_are_reclaimed_with_notice_then_eviction(cluster: QueueClu
     # The eviction: through the Eviction API, by the controller's service account, after the deadline.
     queue_user = E2E_USERS["queue"].name
     evicted = _evictions(cp, name)
-    accepted = [e for e in evicted if e["responseStatus"]["code"] == 201]
-    assert len(accepted) == 1 and accepted[0]["user"]["username"] == queue_user, json.dumps(evicted)
-    # 1.20 has no policy/v1 Eviction: refused (400) once per controller process, then policy/v1beta1.
-    assert {e["responseStatus"]["code"] for e in evicted} <= {201, 400}, json.dumps(evicted)
+    # One request, accepted (201), policy/v1: no refused request, no fallback.
+    assert len(evicted) == 1 and evicted[0]["responseStatus"]["code"] == 201, json.dumps(evicted)
+    accepted = evicted
+    assert accepted[0]["user"]["username"] == queue_user, json.dumps(evicted)
+    assert accepted[0]["requestObject"]["apiVersion"] == "policy/v1", json.dumps(evicted)
     assert _time(accepted[0]["requestReceivedTimestamp"]) >= _time(notice["deadline"]), (notice, accepted)
 
     # The job that was not chosen keeps running, without a notice and never evicted.
