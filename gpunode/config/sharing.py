@@ -7,7 +7,15 @@ import re
 from dataclasses import dataclass
 
 from gpunode.config.reader import parse_resource_name
-from gpunode.contract.names import GIB, GPU_MEMORY_RESOURCE, GPU_RESOURCE, MIB, TIB, mig_profile_of
+from gpunode.contract.names import (
+    GIB,
+    GPU_MEMORY_RESOURCE,
+    GPU_RESOURCE,
+    MIB,
+    TIB,
+    mig_profile_of,
+    mig_resource_name,
+)
 from gpunode.contract.reader import SectionReader, format_bytes, parse_bytes
 from gpunode.errors import ConfigError
 
@@ -237,7 +245,15 @@ def parse_time_slicing(r: SectionReader) -> TimeSlicing:
     resources: list[SharedResource] = []
     for i, item in enumerate(items):
         ir = SectionReader(item, f"{r.key_path('resources')}[{i}]")
-        name = parse_resource_name(ir.get("name", str), ir.key_path("name"))
+        raw_name = ir.get("name", str)
+        if "+" in raw_name and mig_profile_of(raw_name) is not None:
+            raise ir.fail(
+                "name",
+                f"{raw_name[:80]} is not a valid resource name; MIG profiles with a suffix are advertised "
+                f"with '.' for '+': {mig_resource_name(mig_profile_of(raw_name) or '')}",
+                hint="write the MIG resource as `gpunode devices` lists it",
+            )
+        name = parse_resource_name(raw_name, ir.key_path("name"))
         if name != GPU_RESOURCE and mig_profile_of(name) is None:
             raise ConfigError(
                 f"{ir.key_path('name')}: {name} is not a resource gpunode advertises, so there is nothing "

@@ -128,6 +128,17 @@ def shared(cfg: Config) -> list[tuple[str, int, str | None, str]]:
             },
             id="gpunode-section-every-key",
         ),
+        pytest.param(
+            "nvidia-v020-flags.yaml",
+            {
+                "mig_strategy": "mixed",
+                "nvidia_driver_root": "/run/nvidia/driver",
+                "device_root": "/",
+                "replica_placement": "pack",
+                shared: [("nvidia.com/mig-1g.10gb.me", 2, None, "all GPUs")],
+            },
+            id="nvidia-v0.20-flags",
+        ),
     ],
 )
 def test_valid_file(filename: str, expected: dict[Any, Any]) -> None:
