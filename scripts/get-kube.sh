@@ -36,13 +36,27 @@ set -Eeuo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 MODS="$ROOT/scripts/kube/mod"
+# GPUNODE_KUBE_VERSION=1.34 (or 1.37, ...) builds that minor's Kubernetes from scripts/kube/mod/kubernetes-1.34/
+# instead of the default (scripts/kube/mod/kubernetes/, 1.36) and links it at .tools/kube-1.34; etcd,
+# containerd, runc and CNI stay as pinned. The e2e tests read the same variable (tests/e2e/controlplane.py).
+KUBE_MOD=kubernetes
+if [ -n "${GPUNODE_KUBE_VERSION:-}" ] &&
+  ! grep -qF "k8s.io/kubernetes v$GPUNODE_KUBE_VERSION." "$MODS/kubernetes/go.mod"; then
+  KUBE_MOD="kubernetes-$GPUNODE_KUBE_VERSION"
+fi
+[ -f "$MODS/$KUBE_MOD/go.mod" ] || {
+  echo "get-kube.sh: no wrapper module for Kubernetes $GPUNODE_KUBE_VERSION ($MODS/$KUBE_MOD)" >&2
+  echo "HINT: write one with scripts/kube/update-mods.sh (GPUNODE_KUBE_VERSION=$GPUNODE_KUBE_VERSION ... kubernetes=v$GPUNODE_KUBE_VERSION.N) or unset GPUNODE_KUBE_VERSION" >&2
+  exit 1
+}
+moddir() { if [ "$1" = kubernetes ]; then echo "$MODS/$KUBE_MOD"; else echo "$MODS/$1"; fi; }
 RECIPE_REV=1          # bump when the build steps change in a way that changes the binaries
 GO_TOOLCHAIN=1.26.8   # the toolchain fetched from the module proxy when the machine's go is too old
 IMAGE_REF="gpunode.local/pause-busybox:1"
 BUSYBOX_DEB="busybox-static=1:1.35.0-4+deb12u1+b1"
 BUSYBOX_SHA="3d3fdbe91d4660c873e14b092c213fe81c1da6362daa236eb25d0171eb108744"
 CACHE_ROOT="${GPUNODE_KUBE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpunode}"
-LINK="${GPUNODE_KUBE_LINK:-$ROOT/.tools/kube}"
+LINK="${GPUNODE_KUBE_LINK:-$ROOT/.tools/kube${KUBE_MOD#kubernetes}}"
 STEP="starting"
 LOG=""
 
@@ -60,7 +74,7 @@ trap on_error ERR
 # The version a wrapper module requires of its main module ("require <path> <version>").
 mod_version() {
   awk -v p="$2" '($1 == p || ($1 == "require" && $2 == p)) { v = ($1 == "require") ? $3 : $2; print v; exit }' \
-    "$MODS/$1/go.mod"
+    "$(moddir "$1")/go.mod"
 }
 KUBE_VERSION="$(mod_version kubernetes k8s.io/kubernetes)"
 ETCD_VERSION="$(mod_version etcd go.etcd.io/etcd/server/v3)"
@@ -75,7 +89,7 @@ version_ge() { [ "$(printf '%s\n%s\n' "$1" "$2" | sort -V | head -n1)" = "$2" ];
 # Sets GO (the go command to run) and GOENV_ARGS (env assignments: GOTOOLCHAIN, GOFLAGS, ...).
 go_env() {
   local need have="" sys_go
-  need="$(awk '$1 == "go" { print $2 }' "$MODS"/*/go.mod | sort -V | tail -n1)"
+  need="$(awk '$1 == "go" { print $2 }' "$MODS"/{etcd,containerd,runc,cni,$KUBE_MOD}/go.mod | sort -V | tail -n1)"
   sys_go="$(command -v go || true)"
   [ -z "$sys_go" ] && [ -x /usr/local/go/bin/go ] && sys_go=/usr/local/go/bin/go
   if [ -n "$sys_go" ]; then
@@ -210,7 +224,7 @@ component_recipe() {
 # The module's publication time on the proxy (the binaries' buildDate: the same on every rebuild).
 module_time() {
   local info
-  info="$(cd "$MODS/kubernetes" && env "${GOENV_ARGS[@]}" "$GO" list -m -json "$1" 2>/dev/null)" || true
+  info="$(cd "$(moddir kubernetes)" && env "${GOENV_ARGS[@]}" "$GO" list -m -json "$1" 2>/dev/null)" || true
   python3 -c 'import json,sys; print(json.loads(sys.argv[1] or "{}").get("Time", "1970-01-01T00:00:00Z"))' "$info"
 }
 
@@ -226,7 +240,7 @@ component_dir() {
   component_recipe "$c"
   key="$(
     {
-      cat "$MODS/$c/go.mod" "$MODS/$c/go.sum" "$MODS/$c/tools.go"
+      cat "$(moddir "$c")/go.mod" "$(moddir "$c")/go.sum" "$(moddir "$c")/tools.go"
       printf '%s\n' "$RECIPE_REV" "$GOVERSION" "${RECIPE[@]}"
     } | sha256sum | cut -c1-12
   )"
@@ -256,7 +270,7 @@ build_component() {
     local target="$out/$o"
     [ "$o" = ./ ] && target="$out/"
     # shellcheck disable=SC2086  # pkgs is a list
-    (cd "$MODS/$c" && env "${GOENV_ARGS[@]}" "$cgo" nice -n 10 "$GO" build -p 2 -trimpath \
+    (cd "$(moddir "$c")" && env "${GOENV_ARGS[@]}" "$cgo" nice -n 10 "$GO" build -p 2 -trimpath \
       ${tags:+-tags "${tags// /,}"} -ldflags "$ldflags" -o "$target" $pkgs) >>"$LOG" 2>&1 ||
       fail "building $c failed: $(grep -v '^go: downloading' "$LOG" | grep -m1 . || echo "see the log")" \
         "see $LOG; 'module lookup disabled' or a network error: let this machine reach the Go module proxy (GOPROXY); 'missing go.sum entry' or 'verifying': run scripts/kube/update-mods.sh"

@@ -4,6 +4,10 @@
 # cluster to other versions, then commit scripts/kube/mod/; scripts/get-kube.sh builds what is pinned.
 #
 #   scripts/kube/update-mods.sh [kubernetes=v1.36.3] [etcd=v3.6.16] [containerd=v2.2.9] [runc=v1.4.4] [cni=v1.10.0]
+#   GPUNODE_KUBE_VERSION=1.34 scripts/kube/update-mods.sh kubernetes=v1.34.4
+#
+# The second form writes the wrapper module of another minor (mod/kubernetes-1.34/, copied from
+# mod/kubernetes/ the first time) that `GPUNODE_KUBE_VERSION=1.34 scripts/get-kube.sh` builds.
 #
 # Components not named keep their version. The Kubernetes module requires k8s.io/kubernetes and replaces
 # every staging module (those its own go.mod replaces with ./staging/src/...) by the same-numbered v0.X.Y.
@@ -21,17 +25,31 @@ declare -A PATHS=(
 
 current() {  # the version the module pins now
   awk -v p="${PATHS[$1]}" '($1 == p || ($1 == "require" && $2 == p)) { print ($1 == "require") ? $3 : $2; exit }' \
-    "$MODS/$1/go.mod"
+    "$(moddir "$1")/go.mod"
+}
+
+moddir() {
+  if [ "$1" = kubernetes ] && [ -n "${GPUNODE_KUBE_VERSION:-}" ] &&
+    ! grep -qF "k8s.io/kubernetes v$GPUNODE_KUBE_VERSION." "$MODS/kubernetes/go.mod"; then
+    [ -d "$MODS/kubernetes-$GPUNODE_KUBE_VERSION" ] || {
+      mkdir -p "$MODS/kubernetes-$GPUNODE_KUBE_VERSION"
+      cp "$MODS/kubernetes/go.mod" "$MODS/kubernetes/tools.go" "$MODS/kubernetes-$GPUNODE_KUBE_VERSION/"
+    }
+    echo "$MODS/kubernetes-$GPUNODE_KUBE_VERSION"
+  else
+    echo "$MODS/$1"
+  fi
 }
 
 write_mod() {
-  local c="$1" v="$2" gover gomod=""
+  local c="$1" v="$2" gover gomod="" dir
+  dir="$(moddir "$c")"
   if [ "$c" = kubernetes ]; then
     gomod="$(cd / && GOFLAGS=-mod=mod "$GO" mod download -json "k8s.io/kubernetes@$v" |
       python3 -c 'import json,sys; print(json.load(sys.stdin)["GoMod"])')"
   fi
   # The newest go directive among the main module and what the wrapper needs: go mod tidy raises it.
-  gover="$(awk '$1 == "go" { print $2 }' "$MODS/$c/go.mod")"
+  gover="$(awk '$1 == "go" { print $2 }' "$dir/go.mod")"
   {
     echo "module gpunode/kube/$c"
     echo
@@ -48,10 +66,10 @@ write_mod() {
       awk -v s="$staging" '$2 == "=>" && $3 ~ /^\.\/staging\/src\// { print "\t" $1 " => " $1 " " s }' "$gomod" | sort -u
       echo ")"
     fi
-  } >"$MODS/$c/go.mod"
-  : >"$MODS/$c/go.sum"
-  (cd "$MODS/$c" && GOFLAGS=-mod=mod GOWORK=off "$GO" mod tidy)
-  echo "$c: ${PATHS[$c]} $v ($(grep -c . "$MODS/$c/go.sum") go.sum lines)"
+  } >"$dir/go.mod"
+  : >"$dir/go.sum"
+  (cd "$dir" && GOFLAGS=-mod=mod GOWORK=off "$GO" mod tidy)
+  echo "$c: ${PATHS[$c]} $v ($(grep -c . "$dir/go.sum") go.sum lines)"
 }
 
 for arg in "$@"; do

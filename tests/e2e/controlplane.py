@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import ssl
 import urllib.request
@@ -42,7 +43,12 @@ from tests.e2e.procs import Proc, StartError
 from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-KUBE_MINOR = 36  # the Kubernetes minor version this harness is written for (scripts/get-kube.sh builds it)
+# The Kubernetes minor version the tests run against: 36, which scripts/get-kube.sh builds by default, or
+# the one GPUNODE_KUBE_VERSION names (1.34, 1.37: `GPUNODE_KUBE_VERSION=1.34 scripts/get-kube.sh` builds it
+# and links it at .tools/kube-1.34).
+DEFAULT_KUBE_MINOR = 36
+_KUBE_VERSION_ENV = re.fullmatch(r"1\.(\d+)", os.environ.get("GPUNODE_KUBE_VERSION", "").strip())
+KUBE_MINOR = int(_KUBE_VERSION_ENV.group(1)) if _KUBE_VERSION_ENV else DEFAULT_KUBE_MINOR
 CONTROL_PLANE_BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
 START_TIMEOUT_S = 120.0  # generous: two shared cores, and the API server's first start builds its caches
 SCHEDULER_API = "kubescheduler.config.k8s.io/v1"
@@ -80,7 +86,9 @@ def feature_gates_flag() -> str:
 def kube_dir() -> Path:
     """Where scripts/get-kube.sh left the binaries and the image ($GPUNODE_KUBE_DIR overrides)."""
     named = os.environ.get("GPUNODE_KUBE_DIR")
-    return Path(named).resolve() if named else ROOT / ".tools" / "kube"
+    if named:
+        return Path(named).resolve()
+    return ROOT / ".tools" / ("kube" if KUBE_MINOR == DEFAULT_KUBE_MINOR else f"kube-1.{KUBE_MINOR}")
 
 
 def kube_version() -> str:
@@ -100,15 +108,21 @@ def missing_reason(binaries: Sequence[str] = CONTROL_PLANE_BINARIES) -> str | No
     if missing:
         return (
             f"no Kubernetes 1.{KUBE_MINOR} binaries ({', '.join(missing)}) in {bindir}: "
-            "run scripts/get-kube.sh (it builds them from Go modules) or set GPUNODE_KUBE_DIR"
+            f"run {_get_kube_command()} (it builds them from Go modules) or set GPUNODE_KUBE_DIR"
         )
     version = kube_version()
     if not version.startswith(f"v1.{KUBE_MINOR}."):
         return (
             f"{kube_dir()} holds Kubernetes {version or '(no VERSIONS file)'}, not 1.{KUBE_MINOR}: "
-            "run scripts/get-kube.sh again (it links .tools/kube to what it builds)"
+            f"run {_get_kube_command()} again (it links {kube_dir()} to what it builds)"
         )
     return None
+
+
+def _get_kube_command() -> str:
+    if KUBE_MINOR == DEFAULT_KUBE_MINOR:
+        return "scripts/get-kube.sh"
+    return f"GPUNODE_KUBE_VERSION=1.{KUBE_MINOR} scripts/get-kube.sh"
 
 
 @dataclass(frozen=True)
