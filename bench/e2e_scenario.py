@@ -2,9 +2,10 @@
 
     .venv/bin/python bench/e2e_scenario.py [--workdir DIR]
 
-Starts etcd, kube-apiserver and kube-scheduler v1.20.2 (scripts/get-kube.sh builds them), the
-extender and four simulated-agent nodes, runs tests.e2e.scenario and prints its figures: agreement
-rate, over-commit samples, wall time, max concurrent binds, and filter/prioritize/bind p99 as the
+Starts the test cluster (etcd, kube-apiserver, kube-controller-manager, kube-scheduler: Kubernetes 1.36
+as scripts/get-kube.sh builds it, or the version GPUNODE_KUBE_VERSION names), the extender, four
+simulated-agent nodes and the real-kubelet node, runs tests.e2e.scenario and prints its figures:
+agreement rate (and each disagreeing pod), over-commit samples, the error lines' count, wall time, max concurrent binds, and filter/prioritize/bind p99 as the
 extender's access log measured them for kube-scheduler's requests. Needs helm (scripts/get-helm.sh).
 """
 
@@ -39,7 +40,9 @@ def main() -> int:
         try:
             outcome = scenario.run_scenario(cluster)
             figures = scenario_figures.figures(cluster, outcome)
-            figures["errors_in_logs"] = len(scenario_figures.error_lines(cluster))
+            errors = scenario_figures.error_lines(cluster)
+            figures["errors_in_logs"] = len(errors)
+            figures["error_lines"] = errors[:20]
             figures["logs"] = str(cp.logs)
         finally:
             scenario.stop_cluster(cluster)

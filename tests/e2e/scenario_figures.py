@@ -109,7 +109,7 @@ def whole_offered(cluster: Cluster, outcome: Outcome) -> tuple[int, list[str]]:
 
 def figures(cluster: Cluster, outcome: Outcome) -> dict[str, Any]:
     """The scenario's figures, for the JSON report."""
-    agree, compared, _ = agreement(cluster, outcome)
+    agree, compared, differ = agreement(cluster, outcome)
     requests = access_log(cluster.extender.log)
     by_scheduler = [r for r in requests if r[1] != TEST_SOURCE]
     binds = sorted((end - ms / 1000, end) for end, client, verb, _, ms in by_scheduler if verb == "bind")
@@ -120,6 +120,7 @@ def figures(cluster: Cluster, outcome: Outcome) -> dict[str, Any]:
         "pods_fit": len(outcome.fit),
         "agreement_rate": round(agree / compared, 4) if compared else None,
         "agreement": f"{agree}/{compared}",
+        "disagreeing_pods": differ,
         "overcommit_samples": len(outcome.violations),
         "samples": outcome.samples,
         "whole_pods_on_mixed_nodes": whole_offered(cluster, outcome)[0],

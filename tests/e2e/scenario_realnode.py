@@ -53,6 +53,10 @@ _KUBELET_ERROR = re.compile(r"^E\d{4} ")
 _ABOUT_DEVICES = re.compile(
     r"device|plugin|alloc|gpunode|nvidia\.com|UnexpectedAdmission|topologymanager|podresources", re.I
 )
+# The CSI volume plugin (csi_plugin.go) retries CSINode's set-up until the kubelet has registered its Node
+# and logs each failed try ("Failed to initialize CSINode ... nodes "X" not found"): not about devices
+# (kubelet 1.36 names its source file in every line, so the file name alone matched "plugin").
+_NOT_ABOUT_DEVICES = re.compile(r"^E\d{4} [^\]]* csi_plugin\.go:\d+\]")
 
 
 @dataclass
@@ -158,5 +162,5 @@ def kubelet_error_lines(real: RealAgentNode) -> list[str]:
     return [
         f"kubelet {real.name}: {line}"
         for line in text.splitlines()
-        if _KUBELET_ERROR.match(line) and _ABOUT_DEVICES.search(line)
+        if _KUBELET_ERROR.match(line) and _ABOUT_DEVICES.search(line) and not _NOT_ABOUT_DEVICES.match(line)
     ]
