@@ -111,7 +111,7 @@ def test_the_node_cache_and_request_memory_flags() -> None:
         return root.parse_args(["extender", *flags])
 
     cache = build_extender(args())[0].nodes
-    assert (cache.max_skew_s, cache.ttl_s, cache.max_nodes) == (65, 3600, 10_000)
+    assert (cache.max_skew_s, cache.ttl_s, cache.max_nodes) == (65, 3600, 8_000)
     flags = ("--node-state-max-skew", "10s", "--node-cache-ttl", "0s", "--node-cache-max-nodes", "500")
     cache = build_extender(args(*flags))[0].nodes
     assert (cache.max_skew_s, cache.ttl_s, cache.max_nodes) == (10, None, 500)

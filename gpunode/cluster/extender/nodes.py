@@ -63,7 +63,7 @@ from gpunode.placement.published import node_state
 
 log = logging.getLogger(__name__)
 _UNKNOWN_NODE = "node unknown to the extender's cache (no refresh has seen it yet)"
-DEFAULT_MAX_NODES = 10_000  # the cache's bound on nodes (Kubernetes supports clusters of 5,000)
+DEFAULT_MAX_NODES = 8_000  # ~150 MiB of 8-GPU nodes; Kubernetes supports clusters of 5,000
 DEFAULT_TTL_S = 3600.0  # a node not seen for this long is forgotten
 DEFAULT_MAX_SKEW_S = 65.0  # the agent's default republish interval (60 s) and a few seconds
 
