@@ -242,6 +242,28 @@ class Outcome:
     violations: list[str] = field(default_factory=list)
 
 
+def _filter_once_seen(
+    conn: http.client.HTTPSConnection, pod: dict[str, Any], nodes: list[str]
+) -> tuple[int, dict[str, Any]]:
+    """The extender's filter answer for pod once it has seen every node's published state.
+
+    The extender lists nodes every 10 s (--node-refresh); a list that came between a node's creation and
+    its agent's first publication leaves the node cached without state ("no gpunode.io/gpu-state
+    annotation") until the next list. build_cluster waits for the annotation in the API server only, so
+    this asks again while that is the answer (any other reason is the answer)."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        status, answer = _post(conn, "filter", {"Pod": pod, "NodeNames": nodes})
+        unseen = [
+            n
+            for n, why in (answer.get("FailedNodes") or {}).items()
+            if str(why).startswith(f"no {NODE_STATE_ANNOTATION} annotation")
+        ]
+        if status != 200 or not unseen or time.monotonic() > deadline:
+            return status, answer
+        time.sleep(0.5)
+
+
 def _race(cluster: Cluster, admin: Api, outcome: Outcome) -> None:
     """16 binds at once for one node with room for 12 (see the module docstring)."""
     names = [f"race-{i:02d}" for i in range(RACE_PODS)]
@@ -253,7 +275,7 @@ def _race(cluster: Cluster, admin: Api, outcome: Outcome) -> None:
     ]
     conns = [_connection(cluster) for _ in pods]
     for conn, pod in zip(conns, pods, strict=True):
-        status, answer = _post(conn, "filter", {"Pod": pod, "NodeNames": [RACE_NODE, RACE_OTHER]})
+        status, answer = _filter_once_seen(conn, pod, [RACE_NODE, RACE_OTHER])
         assert status == 200 and RACE_NODE in (answer.get("NodeNames") or []), answer
     barrier = threading.Barrier(len(pods))
 
