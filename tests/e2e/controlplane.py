@@ -65,9 +65,8 @@ FEATURE_GATES = {
     "ResourceHealthStatus": True,
 }
 RUNTIME_CONFIG = "resource.k8s.io/v1beta2/devicetaintrules=true"
-if (
-    KUBE_MINOR == 34
-):  # GPUNODE_KUBE_VERSION=1.34: those gates are alpha there; DeviceTaintRule is v1alpha3 only
+# GPUNODE_KUBE_VERSION=1.34: these gates are alpha there, and DeviceTaintRule is served from v1alpha3 only.
+if KUBE_MINOR == 34:
     del FEATURE_GATES["DRADeviceTaintRules"]  # 1.35 split it from DRADeviceTaints
     RUNTIME_CONFIG = "resource.k8s.io/v1alpha3=true"
 # The API server's audit log keeps pod evictions (who, which pod, the answer's code, the Eviction sent),
