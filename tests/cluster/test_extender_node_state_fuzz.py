@@ -220,3 +220,14 @@ def test_decode_refuses_or_accepts_any_value_with_a_node_state_error(
         except NodeStateError:
             continue
         assert all(0 <= g.memory_total_bytes <= MAX_GPU_MEMORY_BYTES for g in state.gpus)
+
+
+def test_a_node_status_beyond_real_hardware_fails_its_node_only() -> None:
+    """The Node's own allocatable CPU and memory (used when the annotation carries none) are bounded too."""
+    extender = Extender()
+    bad = v1_node("bad", gpu_state("bad", [1000] * 8))
+    bad["status"]["allocatable"]["memory"] = "1e30"
+    bad["status"]["allocatable"]["cpu"] = "9223372036854775807"
+    result = ask(extender, "filter", PODS[1], [bad, *good_nodes()])
+    assert "status.allocatable." in result["FailedNodes"]["bad"]
+    assert_good_placed(extender, PODS[1], [bad, *good_nodes()])
