@@ -38,7 +38,9 @@ be assigned to whole-GPU pods that the node then places elsewhere.
 `updated` is the publication time: the agent sets it on every publish, on a
 change and on its periodic refresh (nodeState.interval, 60 s by default) even
 when nothing changed, so readers can tell a node whose agent stopped publishing
-(the extender's --node-state-max-age). It is written with the agent's clock.
+(the extender's --node-state-max-age). It is written with the agent's clock; a
+reader refuses one further in the future than the clocks may differ (the
+extender's --node-state-max-skew).
 
 decode() checks every field (types, ranges within the MAX_* bounds below, which
 are what real hardware has with room to spare, that assigned never exceeds
