@@ -218,8 +218,9 @@ def _free_gpu(api: Api) -> tuple[str, str]:
 
 
 def _patch_and_stay_held(cluster: QueueCluster, tenant: Api, name: str, mark: dict[str, Any]) -> None:
-    """The tenant patches `mark` onto its pod; kube-scheduler tries the pod again (a pod update requeues it
-    at once), and it is not bound and the controller does not admit it."""
+    """The tenant patches `mark` onto its pod; kube-scheduler tries the pod again (when the backoff of its
+    last failed try ends: the update does not requeue it sooner), and it is not bound and the controller
+    does not admit it."""
     admin = cluster.cp.api()
     start = _attempts(cluster, name)
     path = f"/api/v1/namespaces/{NAMESPACE}/pods/{name}"
@@ -269,7 +270,7 @@ def test_a_tenant_patching_an_admission_mark_onto_its_own_held_pod_stays_held(cl
         uid = get_pod(tenant, NAMESPACE, "c-2")["metadata"]["uid"]  # the tenant reads its own pod
         node, gpu = _free_gpu(admin)
         forged = {"job": f"{NAMESPACE}/c-2", "uid": uid, "node": node, "gpus": [gpu], "at": valid["at"]}
-        # several tries each (every patch makes kube-scheduler try the pod again): made-up signatures, the
+        # a try of kube-scheduler's after each patch (up to its 10 s backoff): made-up signatures, the
         # valid signature of c-1's mark, malformed ones
         for sig in ("A" * 43, "B" * 43, valid["sig"], "forged", 42, "C" * 100000, None):
             _patch_and_stay_held(cluster, tenant, "c-2", {**forged, "sig": sig})
