@@ -26,10 +26,10 @@ from gpunode.placement.model import Request
 
 if TYPE_CHECKING:
     from gpunode.cluster.queueing.capacity import ClusterCapacity
+    from gpunode.cluster.queueing.pending import Nomination, Pending
     from gpunode.cluster.queueing.presets import Preset
     from gpunode.cluster.queueing.quotas import QuotaBook
     from gpunode.cluster.queueing.reasons import Reasons
-    from gpunode.cluster.queueing.rooms import Nomination, Pending
 
 
 class Admit:

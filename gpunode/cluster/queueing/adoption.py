@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from gpunode.cluster.queueing.fairshare import UsageLedger
 from gpunode.cluster.queueing.model import Amounts, Decisions, Job, Plan, RunningJob, add, sub
-from gpunode.cluster.queueing.rooms import Nomination, Pending
+from gpunode.cluster.queueing.pending import Nomination, Pending
 
 if TYPE_CHECKING:
     from gpunode.cluster.queueing.capacity import ClusterCapacity

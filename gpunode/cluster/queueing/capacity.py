@@ -80,6 +80,9 @@ class _Shared:
 class ClusterCapacity(NodeView):
     """The cluster's GPUs as admission sees them (see the module docstring for the API)."""
 
+    _jobs: dict[str, _Held]
+    _shared: _Shared
+
     def __init__(
         self,
         nodes: Sequence[NodeState],
@@ -105,7 +108,7 @@ class ClusterCapacity(NodeView):
         self._arrays = VersionedArrays(nodes, workload=workload, stamps=self._shared.stamps)
         self._base: tuple[NodeState, ...] = tuple(nodes)
         self._alloc: dict[int, tuple[Allocation, ...]] = {}
-        self._jobs: dict[str, _Held] = {}
+        self._jobs = {}
         self._epoch = 0
         self._rng = np.random.default_rng(seed)
         self._journal: dict[int, NodeState] | None = None

@@ -73,11 +73,12 @@ from gpunode.cluster.queueing.model import (
     sub,
 )
 from gpunode.cluster.queueing.ordering import Ordering
+from gpunode.cluster.queueing.pending import Nomination, Pending
 from gpunode.cluster.queueing.preempt import Unit
 from gpunode.cluster.queueing.presets import Preset
 from gpunode.cluster.queueing.quotas import QuotaBook, job_demand
 from gpunode.cluster.queueing.reasons import Reasons
-from gpunode.cluster.queueing.rooms import ALL, ANY, Nomination, Pending, Rooms
+from gpunode.cluster.queueing.rooms import ALL, ANY, Rooms
 from gpunode.cluster.queueing.waitlist import DeadShapes, WaitList
 from gpunode.contract.names import MILLI_PER_GPU
 from gpunode.placement.model import Request

@@ -8,8 +8,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -17,8 +17,19 @@ from gpunode.cluster.queueing.nodetable import Allocation, VersionedArrays, rebu
 from gpunode.placement.arrays import BoolArray, IntArray
 from gpunode.placement.model import NodeState
 
-if TYPE_CHECKING:
-    from gpunode.cluster.queueing.capacity import _Held, _Shared
+
+class _Committed(Protocol):
+    """What NodeView reads of a committed job (capacity._Held)."""
+
+    @property
+    def footprint(self) -> tuple[tuple[int, int, int, int], ...]: ...
+
+
+class _SharedStates(Protocol):
+    """What NodeView reads of the state an original shares with its forks (capacity._Shared)."""
+
+    @property
+    def shown(self) -> ShownStates: ...
 
 
 class NodeView:
@@ -28,9 +39,9 @@ class NodeView:
         _arrays: VersionedArrays
         _alloc: dict[int, tuple[Allocation, ...]]
         _base: tuple[NodeState, ...]
-        _jobs: dict[str, _Held]
+        _jobs: Mapping[str, _Committed]
         _usable: BoolArray
-        _shared: _Shared
+        _shared: _SharedStates
 
         def _mark_use(self, rows: IntArray) -> None: ...
 

@@ -26,7 +26,7 @@ Nothing here changes the cluster: every what-if runs inside ClusterCapacity.tria
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -35,7 +35,10 @@ from gpunode.cluster.queueing.model import GPU, Amounts, Job, Plan, RunningJob
 from gpunode.cluster.queueing.quotas import QuotaBook
 
 if TYPE_CHECKING:
-    from gpunode.cluster.queueing.engine import Pending, Scheduler
+    from gpunode.cluster.queueing.capacity import ClusterCapacity
+    from gpunode.cluster.queueing.config import QueueConfig
+    from gpunode.cluster.queueing.pending import Pending
+    from gpunode.cluster.queueing.presets import Preset
 
 # The most candidates one preemption attempt considers (those losing the least work): bounds the
 # placement trials a single decision may make on a large cluster.
@@ -77,6 +80,39 @@ class Victims:
 
     jobs: tuple[RunningJob, ...]
     plan: Plan
+
+
+class PreemptionHost(Protocol):
+    """What preemption_for reads of its scheduler (engine.Scheduler, through rooms.Rooms)."""
+
+    config: QueueConfig
+    cap: ClusterCapacity
+    preset: Preset
+    book: QuotaBook
+    running: dict[str, RunningJob]
+    shares: dict[str, Amounts]
+    reclaim: bool
+    share_reclaim: tuple[float, float] | None
+    priority_preemption: bool
+    idle_first: bool
+    idle_minimum_s: float
+    min_runtime_s: float
+
+    @property
+    def excluded_for_preemptors(self) -> frozenset[str]:
+        """Nodes already promised to preemptors."""
+
+    def lowest_priority(self, queue: str) -> int | None:
+        """The lowest priority among the leaf's running jobs (None: it runs none)."""
+
+    def running_in(self, queue: str) -> Iterable[RunningJob]:
+        """The running jobs of one leaf queue."""
+
+    def by_lost_work(self, queues: Iterable[str], now: float) -> Iterator[tuple[float, int, str]]:
+        """(lost work, pods, name) of the running jobs of these leaves, least lost work first."""
+
+    def units_of(self, r: RunningJob) -> list[Unit]:
+        """The capacity entries a running job holds."""
 
 
 def eligible(r: RunningJob, now: float, min_runtime_s: float) -> bool:
@@ -222,7 +258,7 @@ def _release_until_placed(
     return Victims(jobs=tuple(sorted(chosen, key=lambda v: victim_order(v, now, idle))), plan=plan)
 
 
-def preemption_for(sched: Scheduler, p: Pending, now: float) -> tuple[Victims, dict[str, str]] | None:
+def preemption_for(sched: PreemptionHost, p: Pending, now: float) -> tuple[Victims, dict[str, str]] | None:
     """The victims the engine's rules allow for pending job p, and each one's reason; None if none work.
 
     reclaim: candidates are the jobs of other leaves that p may reclaim from

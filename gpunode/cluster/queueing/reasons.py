@@ -10,14 +10,38 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from gpunode.cluster.queueing.model import GPU, Decisions, Waiting
 from gpunode.cluster.queueing.quotas import describe
 
 if TYPE_CHECKING:
     from gpunode.cluster.queueing.backfill import Reservation
-    from gpunode.cluster.queueing.engine import Nomination, Pending, Scheduler
+    from gpunode.cluster.queueing.capacity import ClusterCapacity
+    from gpunode.cluster.queueing.config import QueueConfig
+    from gpunode.cluster.queueing.model import Job
+    from gpunode.cluster.queueing.pending import Nomination, Pending
+    from gpunode.cluster.queueing.quotas import QuotaBook
+    from gpunode.cluster.queueing.waitlist import WaitList
+
+
+class ReasonsHost(Protocol):
+    """What Reasons reads of its scheduler (engine.Scheduler), and the one list it empties."""
+
+    config: QueueConfig
+    cap: ClusterCapacity
+    book: QuotaBook
+    report_waiting: bool
+    _timeouts: list[tuple[float, int, str]]
+    _pending: dict[str, Pending]
+    _touched: list[Pending]
+
+    @property
+    def reservation(self) -> tuple[str, Reservation] | None:
+        """The head of line's backfill reservation: (job name, reservation), or None."""
+
+    def _list_of(self, job: Job) -> WaitList:
+        """The wait list the job is in."""
 
 
 def _gpus(milli: int) -> str:
@@ -31,7 +55,7 @@ def _t(t: float) -> str:
 class Reasons:
     """Builds the waiting reasons for one scheduler."""
 
-    def __init__(self, sched: Scheduler) -> None:
+    def __init__(self, sched: ReasonsHost) -> None:
         self.sched = sched
 
     def waiting(self, p: Pending, position: int, *, timed_out: bool = False) -> Waiting:

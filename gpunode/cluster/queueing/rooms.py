@@ -1,4 +1,4 @@
-"""Room for the head of line: pending-job records, preemption notices and nominations, backfill reservations.
+"""Room for the head of line: preemption notices and nominations, backfill reservations.
 
 Rooms is the part of the Scheduler (engine.py) that makes room for a job that
 does not fit: it gives victims their notice and nominates the preemptor to the
@@ -23,17 +23,16 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 from gpunode.cluster.queueing.backfill import Reservation, reserve
-from gpunode.cluster.queueing.model import GPU, Amounts, Decisions, Job, Notice, Plan, RunningJob
-from gpunode.cluster.queueing.preempt import preemption_for
+from gpunode.cluster.queueing.model import GPU, Decisions, Job, Notice, RunningJob
+from gpunode.cluster.queueing.pending import Nomination, Pending
+from gpunode.cluster.queueing.preempt import PreemptionHost, preemption_for
 from gpunode.contract.names import MILLI_PER_GPU
 
 if TYPE_CHECKING:
     from gpunode.cluster.queueing.capacity import ClusterCapacity
-    from gpunode.cluster.queueing.engine import Scheduler
     from gpunode.cluster.queueing.presets import Preset
     from gpunode.cluster.queueing.reasons import Reasons
     from gpunode.cluster.queueing.waitlist import DeadShapes, WaitList
@@ -44,36 +43,6 @@ ALL = "*"  # the one list of the "global" order
 # the next cycle. Against a notice period of minutes it delays a preemption by well under one.
 PREEMPT_RETRY_S = 30.0
 ANY = -float("inf")  # a shape dead at level 0 in a cycle: every job of it is passed over (engine._walk)
-
-
-@dataclass
-class Pending:
-    """A job waiting for admission, with what the engine remembers about it."""
-
-    job: Job
-    demand: Amounts
-    seq: int
-    since: float
-    shape: int
-    runtime: float = 0.0  # what backfill expects it to run: its estimate, or the configured default
-    held: list[tuple[str, Job, Plan]] = field(default_factory=list)  # pods placed so far (no-gang mode)
-    why: str = ""
-    reported_why: str = ""
-
-    key: tuple[int, float, int] = field(init=False, repr=False)
-    # order within a queue: higher priority first, then earlier arrival, then submission order
-
-    def __post_init__(self) -> None:
-        self.key = (-self.job.priority, self.job.arrival, self.seq)
-
-
-@dataclass
-class Nomination:
-    """Room being freed for a preemptor: its victims and the nodes it will use."""
-
-    victims: tuple[str, ...]
-    nodes: frozenset[str]
-    deadline: float
 
 
 class Rooms:
@@ -135,7 +104,7 @@ class Rooms:
         if failed is not None and (now < failed[3] or (failed[:2] == stamp and now < failed[2])):
             return False
         self._searches_left -= 1
-        chosen = preemption_for(cast("Scheduler", self), p, now)
+        chosen = preemption_for(cast("PreemptionHost", self), p, now)
         if chosen is None:
             ripens = self._youngest_ripens(now)
             if self.share_reclaim is not None and (waited := p.since + self.share_reclaim[1]) > now:

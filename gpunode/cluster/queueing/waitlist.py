@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:
-    from gpunode.cluster.queueing.rooms import Pending
+    from gpunode.cluster.queueing.pending import Pending
 
 _FIRST_STEP = 32  # jobs looked at by the first lookup; each further lookup looks at 4 x more
 
