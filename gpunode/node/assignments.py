@@ -15,8 +15,10 @@ watch delivers it), then by arrival. No clock is involved, so equal requests bou
 within one second are still told apart. When no pod matches, the kubelet may have
 seen the pod before this watch did: the book waits up to CATCH_UP_S for newer
 events before it leaves the decision to the node, but only where pods on this
-node carried assignments within the last EXTENDER_IN_USE_S (a cluster without
-the extender never waits).
+node carried assignments within the last EXTENDER_IN_USE_S, or for the first
+allocation after the agent started while none has been seen yet (the first pod
+bound to a fresh node: its assignment is the first the book could see); a
+cluster without the extender waits that once and never again.
 
 GetPreferredAllocation then chooses among the devices of the assigned GPUs only
 (gpunode.node.allocation.preferred, `within`); Allocate checks the device IDs the
@@ -145,6 +147,7 @@ class AssignmentBook:
         self._arrivals = 0  # pods taken into the book so far: the tie-break of equal resourceVersions
         self._changed = asyncio.Event()  # set by every step of the watch, for allocations waiting on it
         self._assignment_seen_at: float | None = None  # monotonic time a pod here last carried one
+        self._caught_up_once = False  # an allocation waited CATCH_UP_S before any assignment was seen
 
     # -- the pods, from the watch --------------------------------------------------------------
 
@@ -228,8 +231,12 @@ class AssignmentBook:
             self._waited = True  # waited once: an API server that does not answer delays no other pod
             return None
         pod = self._first_bound(resource, count)
-        if pod is not None or self.failed or not self._extender_in_use():
+        if pod is not None or self.failed:
             return pod
+        if not self._extender_in_use():
+            if self._assignment_seen_at is not None or self._caught_up_once:
+                return pod
+            self._caught_up_once = True  # the first pod on a fresh node: its watch event may be on its way
         loop = asyncio.get_running_loop()
         deadline = loop.time() + CATCH_UP_S
         while pod is None and self.synced.is_set() and (left := deadline - loop.time()) > 0:

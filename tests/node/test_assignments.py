@@ -207,12 +207,13 @@ def test_a_pod_the_watch_delivers_after_the_kubelet_asked_is_still_followed(tmp_
     assert book.outcomes["followed"] == 1 and book.carried_out == {"uid-late": [gpu]}
 
 
-def test_without_the_extender_an_allocation_never_waits_for_the_watch(
+def test_without_the_extender_only_the_first_allocation_waits_for_the_watch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # No pod on this node ever carried an assignment: the node decides at once, however long the
-    # catch-up wait is set to (an hour here: waiting at all would hang the test at its timeout).
-    monkeypatch.setattr("gpunode.node.assignments.CATCH_UP_S", 3600.0)
+    # No pod on this node ever carried an assignment: the first allocation after start waits the
+    # catch-up once (the first pod bound to a fresh node may be on its way), every later one decides
+    # at once, however long the catch-up wait is set to (an hour then: waiting would hang the test).
+    monkeypatch.setattr("gpunode.node.assignments.CATCH_UP_S", 0.2)
     snap = snapshot()
     units = [d.id for d in snap.inventory.by_resource(MEM)]
     book = book_with(tmp_path, pod("plain", 1, {}))
@@ -221,7 +222,32 @@ def test_without_the_extender_an_allocation_never_waits_for_the_watch(
         async with asyncio.timeout(60):
             return await book.prefer(snap, MEM, units, [], 3, replica_placement="spread")
 
+    assert asyncio.run(admit()) is None  # waited 0.2 s, then the node's own policy decides
+    monkeypatch.setattr("gpunode.node.assignments.CATCH_UP_S", 3600.0)
     assert asyncio.run(admit()) is None  # no assignment: the node's own policy decides, at once
+
+
+def test_the_first_pod_on_a_fresh_node_gets_its_assignment_when_the_kubelet_asks_first(
+    tmp_path: Path,
+) -> None:
+    # The e2e scenario's whole-1 (1.36 series, run 11): the first pod bound to a node, allocated
+    # before the agent's watch delivered its binding; no pod there had carried an assignment yet.
+    snap = snapshot()
+    units = [d.id for d in snap.inventory.by_resource(MEM)]
+    gpu = snap.inventory.by_resource(MEM)[-1].gpu_uuid
+    book = book_with(tmp_path)
+
+    async def admit() -> tuple[list[str] | None, str]:
+        asking = asyncio.create_task(book.prefer(snap, MEM, units, [], 3, replica_placement="spread"))
+        await asyncio.sleep(0.2)
+        assert not asking.done()
+        book.apply(WatchEvent(ADDED, object=pod("first", 3, {ASSIGNMENT_ANNOTATION: gpu}, rv="7")))
+        preferred = await asking
+        assert preferred is not None
+        return preferred, await book.allocated(snap, MEM, preferred)
+
+    preferred, holder = asyncio.run(admit())
+    assert holder == "ns/first" and gpus_of(snap, preferred) == {gpu}
 
 
 def test_a_mig_device_on_the_assigned_gpu_is_the_assignment_followed(tmp_path: Path) -> None:
