@@ -87,10 +87,15 @@ class GangRules:
 
 @dataclass(frozen=True)
 class EstimateRules:
-    """What backfill is told: the true duration (exact: the ceiling), nothing (default), or a noisy one."""
+    """What backfill is told: the true duration (exact: the ceiling), nothing (default), or a noisy one.
+
+    bias scales the estimate of exact and noisy (systematically optimistic users: below 1; 1 leaves
+    it as it is).
+    """
 
     mode: str = "exact"
     sigma: float = 0.5  # noisy: duration x exp(N(0, sigma))
+    bias: float = 1.0  # exact and noisy: the estimate x bias
 
 
 @dataclass(frozen=True)
@@ -232,7 +237,9 @@ def _gangs(r: SectionReader) -> GangRules:
 def _estimates(r: SectionReader) -> EstimateRules:
     d = EstimateRules()
     out = EstimateRules(
-        mode=r.choice("mode", ESTIMATES, d.mode), sigma=r.number("sigma", d.sigma, minimum=0.0, maximum=5.0)
+        mode=r.choice("mode", ESTIMATES, d.mode),
+        sigma=r.number("sigma", d.sigma, minimum=0.0, maximum=5.0),
+        bias=r.number("bias", d.bias, minimum=0.01, maximum=100.0),
     )
     r.finish()
     return out

@@ -256,9 +256,11 @@ def _lap_jobs(laps: _Laps, k: int, lap_s: float, horizon: float, priorities: dic
         else:
             priority = priorities.get(queue, 0)
         if rules.estimates.mode == "exact":
-            estimate: float | None = duration
+            estimate: float | None = duration * rules.estimates.bias
         elif rules.estimates.mode == "noisy":
-            estimate = duration * math.exp(rules.estimates.sigma * float(draws["noise"][i]))
+            estimate = (
+                duration * math.exp(rules.estimates.sigma * float(draws["noise"][i])) * rules.estimates.bias
+            )
         else:
             estimate = None
         out.append(

@@ -50,6 +50,7 @@ def test_queue_and_priority_by_qos() -> None:
         ({"gangs": {"share": 1.5}}, "gangs.share: expected a 0..1 number, got 1.5"),
         ({"gangs": {"members": [1]}}, "gangs.members: expected pod counts within 2..64"),
         ({"estimates": {"mode": True}}, "estimates.mode: expected str, got bool"),
+        ({"estimates": {"bias": 0}}, "estimates.bias: expected a 0.01..100 number, got 0"),
         ({"checkpoint": {"cost": "soon"}}, "checkpoint.cost: expected a duration"),
         ({"metrics": {"window": "1s"}}, "metrics.window: expected 1m..7d, got 1s"),
         ({"extra": 1}, "r.yaml: unknown key extra"),
@@ -61,6 +62,14 @@ def test_each_mistake_has_its_message(data: object, message: str) -> None:
         parse_rules(data, "r.yaml")
     assert message in str(exc.value)
     assert "\n" not in str(exc.value) and exc.value.hint
+
+
+def test_an_estimate_bias_is_read() -> None:
+    assert (
+        parse_rules({"estimates": {"mode": "noisy", "sigma": 1.0, "bias": 0.5}}, "r.yaml").estimates.bias
+        == 0.5
+    )
+    assert parse_rules({}, "r.yaml").estimates.bias == 1.0
 
 
 def test_unreadable_and_invalid_files(tmp_path: Path) -> None:

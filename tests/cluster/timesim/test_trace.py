@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gpunode.cluster.timesim.rules import GangRules, ReplayRules, SimRules
+from gpunode.cluster.timesim.rules import EstimateRules, GangRules, ReplayRules, SimRules
 from gpunode.cluster.timesim.trace import build_replay, load_timed_pods
 from gpunode.errors import TraceError
 
@@ -40,6 +40,23 @@ def test_load_compression_by_hand(tmp_path: Path) -> None:
         ("B~1", 80.0, 4900.0),
     ]
     assert all(j.runtime_estimate == j.duration for j in replay.jobs)  # estimates: exact
+
+
+@pytest.mark.parametrize("mode", ["exact", "noisy"])
+def test_a_bias_scales_every_estimate_and_no_runtime(tmp_path: Path, mode: str) -> None:
+    # Systematically optimistic users: estimates at a quarter, the same arrivals and true runtimes.
+    path = _pods(tmp_path, [pod("A", 1, 0, 50, 0), pod("B", 1, 100, 5000, 100)])
+    pods = load_timed_pods(path)
+    plain = replace(RULES, estimates=EstimateRules(mode=mode, sigma=1.0))
+    biased = replace(RULES, estimates=EstimateRules(mode=mode, sigma=1.0, bias=0.25))
+    a = build_replay(pods, cluster_gpus=2, load=1.0, rules=plain, seed=3).jobs
+    b = build_replay(pods, cluster_gpus=2, load=1.0, rules=biased, seed=3).jobs
+    assert [(j.name, j.arrival, j.duration) for j in a] == [(j.name, j.arrival, j.duration) for j in b]
+    for x, y in zip(a, b, strict=True):
+        assert x.runtime_estimate is not None and y.runtime_estimate is not None
+        assert y.runtime_estimate == pytest.approx(0.25 * x.runtime_estimate, rel=1e-12)
+    if mode == "noisy":
+        assert any(x.runtime_estimate != x.duration for x in a)
 
 
 def test_lower_load_means_longer_laps_and_fewer_jobs(tmp_path: Path) -> None:
