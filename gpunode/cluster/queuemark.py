@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from gpunode.config.files import read_regular
 from gpunode.errors import AdmissionKeyError
 
 log = logging.getLogger(__name__)
@@ -202,8 +203,7 @@ def load_mark_key(path: str | Path) -> MarkKey:
     """The key in the file `path`; AdmissionKeyError when it cannot be read or is too short."""
     path = Path(path)
     try:
-        with path.open("rb") as f:
-            data = f.read(MAX_KEY_FILE_BYTES + 1)
+        data = read_regular(path, MAX_KEY_FILE_BYTES)
     except OSError as exc:
         raise AdmissionKeyError(
             f"--admission-key-file {path}: cannot read it: {exc.strerror or exc}"

@@ -38,8 +38,9 @@ from typing import Any
 
 from gpunode.cluster.extender.nodes import NodeView
 from gpunode.cluster.extender.reservations import Reservations, apply_reservations, gone_reason
-from gpunode.cluster.queueing.config import load_queue_config
+from gpunode.cluster.queueing.config import MAX_FILE_BYTES, load_queue_config
 from gpunode.cluster.queuemark import UNSIGNED_WARNING, MarkKey, mark_accepted
+from gpunode.config.files import read_regular
 from gpunode.contract.names import QUEUE_ADMITTED_ANNOTATION, QUEUE_LABEL, QUEUE_REASON_ANNOTATION
 from gpunode.errors import InvalidState, QueueConfigError
 from gpunode.placement import NodeState, Request, apply_request
@@ -223,7 +224,7 @@ class QueueNamespaces:
 
     def _read_digest(self) -> bytes:
         try:
-            return hashlib.sha256(self.path.read_bytes()).digest()
+            return hashlib.sha256(read_regular(self.path, MAX_FILE_BYTES)).digest()
         except OSError:
             return b""
 

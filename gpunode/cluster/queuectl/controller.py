@@ -40,7 +40,8 @@ from lightkube.resources.core_v1 import Node, Pod
 from gpunode.cluster.queuectl.core import Actions, Annotate, PodRef, QueueCore
 from gpunode.cluster.queuectl.metrics import QueueMetrics
 from gpunode.cluster.queuectl.usagestore import UsageKeeper, UsageStore
-from gpunode.cluster.queueing.config import load_queue_config
+from gpunode.cluster.queueing.config import MAX_FILE_BYTES, load_queue_config
+from gpunode.config.files import read_regular
 from gpunode.errors import EvictionBlocked, GpunodeError, KubeError, KubeNotFound
 from gpunode.infra.kube import DELETED, SYNC, KubeClient, LeaderElector, ObjectRef
 
@@ -269,7 +270,7 @@ class QueueController:
     def _digest(self) -> bytes:
         assert self.config_path is not None
         try:
-            return hashlib.sha256(self.config_path.read_bytes()).digest()
+            return hashlib.sha256(read_regular(self.config_path, MAX_FILE_BYTES)).digest()
         except OSError:
             return b""
 

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from gpunode.cluster.queueing.model import GPU, GPU_MEMORY, MODEL_PREFIX, Amounts, add
 from gpunode.cluster.queueing.namespaces import read_namespaces
+from gpunode.config.files import read_regular
 from gpunode.config.reader import load_yaml
 from gpunode.contract.names import MILLI_PER_GPU
 from gpunode.contract.reader import MAX_DURATION_S, SectionReader, excerpt, format_bytes
@@ -168,8 +169,7 @@ def load_queue_config(path: str | Path) -> QueueConfig:
     """Read and validate a queue configuration file; every problem is one QueueConfigError."""
     where = str(path)
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_FILE_BYTES + 1)
+        raw = read_regular(path, MAX_FILE_BYTES)
     except OSError as exc:
         raise QueueConfigError(
             f"{where}: cannot read the queue configuration: {exc.strerror or exc}",
