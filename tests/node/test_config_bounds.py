@@ -311,6 +311,17 @@ def test_sighup_to_absurd_replicas_keeps_the_running_agent(sockdir: Path, kubele
             assert len(kubelet.healthy(SHARED)) == 2 and len(kubelet.healthy(GPU)) == 3
             # Nothing was built: the agent's memory stays where it was (the bug took it to 5.6 GB).
             assert rss_bytes(proc.pid) < before + 64 * 1024 * 1024
+        # A FIFO in the file's place is refused at once (open() of a FIFO would wait for a writer for
+        # ever, freezing the agent's loop: ListAndWatch and Allocate with it).
+        config.unlink()
+        os.mkfifo(config)
+        proc.send_signal(signal.SIGHUP)
+        n = len(ISSUE_REPLICAS) + 1
+        text = wait_for_text(log, "reload refused", n)
+        refused = [line for line in text.splitlines() if "reload refused" in line]
+        assert "not a regular file (a FIFO)" in refused[-1], refused[-1]
+        assert proc.poll() is None and len(kubelet.healthy(SHARED)) == 2
+        config.unlink()
         # A good configuration still reloads afterwards.
         config.write_text(sliced(4, "[0]"))
         proc.send_signal(signal.SIGHUP)
