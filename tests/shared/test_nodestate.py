@@ -149,7 +149,11 @@ _DELETE = object()
         pytest.param(mutate("version", _DELETE), "version: required", id="no-version"),
         pytest.param(mutate("node", _DELETE), "node: required", id="no-node"),
         pytest.param(mutate("gpus", _DELETE), "gpus: required", id="no-gpus"),
-        pytest.param(mutate("generation", -1), "generation: expected 0..9007199254740992, got -1", id="negative-generation"),
+        pytest.param(
+            mutate("generation", -1),
+            "generation: expected 0..9007199254740992, got -1",
+            id="negative-generation",
+        ),
         pytest.param(
             mutate("updated", "yesterday"), "updated: expected a 0..4.10244e+09 number", id="bad-updated"
         ),
