@@ -283,4 +283,5 @@ def test_a_restart_with_a_new_configuration_waits_for_holders_too(
             kubelet.wait_for(
                 lambda: len(served(kubelet, GPU)) == 3, timeout=20, what="GPU 1 sold whole once free"
             )
-            assert len(served(kubelet, MEM)) == 15
+            # Each resource has its own ListAndWatch stream: the units' update may arrive just after.
+            kubelet.wait_for(lambda: len(served(kubelet, MEM)) == 15, what="GPU 1's units withdrawn")
