@@ -97,26 +97,22 @@ def test_bodies_beyond_the_budget_wait_for_room_then_get_503(monkeypatch: pytest
     server.start()
     try:
         assert decoded_size(body) > server.decode_budget.limit // 2
-        results: list[int] = []
-        threads = [
-            threading.Thread(target=lambda: results.append(post(server.port, "filter", body)[0]))
-            for _ in range(4)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert sorted(results) == [200, 200, 200, 200] and most[0] == 1
+
+        def four_at_once() -> list[int]:
+            results: list[int] = []
+            threads = [
+                threading.Thread(target=lambda: results.append(post(server.port, "filter", body)[0]))
+                for _ in range(4)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            return results
+
+        assert sorted(four_at_once()) == [200, 200, 200, 200] and most[0] == 1
         monkeypatch.setattr("gpunode.cluster.extender.server.BUDGET_WAIT_S", 0.05)
-        results.clear()
-        threads = [
-            threading.Thread(target=lambda: results.append(post(server.port, "filter", body)[0]))
-            for _ in range(4)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        results = four_at_once()
         assert 200 in results and 503 in results and most[0] == 1
         assert server.decode_budget.used == 0
     finally:
