@@ -129,9 +129,12 @@ def test_reload_keeps_held_gpus_until_their_holders_are_gone(
         assert len(json.loads(capsys.readouterr().out)["pending"]) == 7
 
         pr.set_pods(holders[3:])  # the jobs on GPUs 1-3 end
-        kubelet.wait_for(lambda: len(served(kubelet, GPU)) == 3, what="GPUs 1-3 sold whole")
+        # Each resource has its own ListAndWatch stream: wait for both updates, not the first.
+        kubelet.wait_for(
+            lambda: len(served(kubelet, GPU)) == 3 and len(served(kubelet, MEM)) == 5 * 79,
+            what="GPUs 1-3 sold whole and their units withdrawn",
+        )
         assert sorted(served(kubelet, GPU)) == sorted(g.uuid for g in gpus[1:4])
-        assert len(served(kubelet, MEM)) == 5 * 79
         pr.set_pods([])  # and the rest
         kubelet.wait_for(
             lambda: len(served(kubelet, GPU)) == 7 and len(served(kubelet, MEM)) == 79,
@@ -162,8 +165,11 @@ def test_without_the_kubelets_list_the_checkpoint_holds_a_gpu(sockdir: Path, kub
         wanted["doc"] = doc([0])
         ra.agent.request_reload()
         poll(lambda: len(ra.agent.gate.pending) == 1, "GPU 1 held back")
-        kubelet.wait_for(lambda: len(served(kubelet, GPU)) == 2, what="GPU 2 sold whole")
-        assert g1 not in served(kubelet, GPU) and len(served(kubelet, MEM)) == 2 * 15
+        kubelet.wait_for(
+            lambda: len(served(kubelet, GPU)) == 2 and len(served(kubelet, MEM)) == 2 * 15,
+            what="GPU 2 sold whole and its units withdrawn",
+        )
+        assert g1 not in served(kubelet, GPU) and on_gpu(served(kubelet, MEM), g1)
         assert "memory-cap region" in " ".join(ra.agent.gate.pending[g1].holders)
 
 
