@@ -209,6 +209,47 @@ class KubeClient:
             retry_max_s=retry_max_s,
         )
 
+    # -- any object, as JSON (ResourceSlices and other objects the client has no typed call for) ------
+
+    async def create_json(
+        self, resource: type[Any], body: Mapping[str, Any], *, namespace: str | None = None
+    ) -> dict[str, Any]:
+        """Create an object (POST to its collection); the object as the API server stored it."""
+        name = str(body.get("metadata", {}).get("name", ""))
+        what = f"create {resource.__name__.lower()} {name}"
+        raw = await self.transport.request(
+            "POST", resource_path(resource, namespace), body=dict(body), what=what
+        )
+        return decode(raw, dict[str, Any], what)
+
+    async def replace_json(
+        self, resource: type[Any], body: Mapping[str, Any], *, namespace: str | None = None
+    ) -> dict[str, Any]:
+        """Replace an object (PUT; KubeConflict when metadata.resourceVersion is not the stored one)."""
+        name = str(body["metadata"]["name"])
+        what = f"replace {resource.__name__.lower()} {name}"
+        raw = await self.transport.request(
+            "PUT",
+            f"{resource_path(resource, namespace)}/{quote(name, safe='')}",
+            body=dict(body),
+            what=what,
+        )
+        return decode(raw, dict[str, Any], what)
+
+    async def delete_json(
+        self, resource: type[Any], name: str, *, namespace: str | None = None, resource_version: str = ""
+    ) -> None:
+        """Delete an object (only at this resourceVersion when one is given); KubeNotFound when gone."""
+        body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions"}
+        if resource_version:
+            body["preconditions"] = {"resourceVersion": resource_version}
+        await self.transport.request(
+            "DELETE",
+            f"{resource_path(resource, namespace)}/{quote(name, safe='')}",
+            body=body,
+            what=f"delete {resource.__name__.lower()} {name}",
+        )
+
     # -- pods ------------------------------------------------------------------------------
 
     async def get_pod(self, namespace: str, name: str) -> PodInfo:
@@ -279,6 +320,17 @@ class KubeClient:
             body={"metadata": {"annotations": dict(annotations)}},
             content_type=MERGE_PATCH,
             what=f"annotate pod {namespace}/{name}",
+        )
+
+    async def patch_pod_spec(self, namespace: str, name: str, spec: Mapping[str, Any], *, what: str) -> None:
+        """Change fields of a pod's spec with a JSON merge patch (lists are replaced whole; None removes a
+        field). The API server allows few such changes: those of a pod that still has scheduling gates."""
+        await self.transport.request(
+            "PATCH",
+            _pod_path(namespace, name),
+            body={"spec": dict(spec)},
+            content_type=MERGE_PATCH,
+            what=f"{what} of pod {namespace}/{name}",
         )
 
     async def bind_pod(self, namespace: str, name: str, node: str, *, uid: str | None = None) -> None:
