@@ -1,4 +1,5 @@
-"""Names-only mode (nodeCacheCapable): a node the extender's cache has not seen yet is listed at once.
+"""Names-only mode (nodeCacheCapable): a node the extender's cache has not seen yet, or first saw before
+its agent published, is listed at once.
 
 kube-scheduler 1.20 parks a pod that every node failed for a minute or more, so a node created since
 the last periodic refresh must not fail as unknown: the extender lists the nodes when a filter names an
@@ -77,6 +78,30 @@ def test_a_filter_naming_an_unknown_node_lists_the_nodes_once_a_second_at_most()
     assert lister.calls == 1
     now[0] += 1.0
     assert extender.filter(args("newer"))["NodeNames"] == ["newer"]
+    assert lister.calls == 2
+
+
+def test_a_new_node_whose_agent_publishes_late_is_listed_again_but_a_cpu_node_only_while_young() -> None:
+    lister, now = Lister(), [time.time()]  # the cache's clock is wall time (annotations carry `updated`)
+    extender = Extender(node_lister=lister)
+    assert extender.on_demand is not None
+    extender.on_demand._clock = lambda: now[0]
+    extender.nodes._clock = lambda: now[0]
+    # The node joined before its agent published: the periodic refresh saw it without an annotation.
+    extender.refresh_nodes([{"metadata": {"name": "gpu"}}, {"metadata": {"name": "cpu"}}])
+    lister.nodes = [node("gpu"), {"metadata": {"name": "cpu"}}]  # the agent has published since
+    assert extender.filter(args("gpu"))["NodeNames"] == ["gpu"]  # listed again, not failed for 10 s
+    assert lister.calls == 1
+
+    now[0] += 0.5  # the CPU node: at most one list a second while it is young ...
+    assert "no " in extender.filter(args("cpu"))["FailedNodes"]["cpu"]
+    assert lister.calls == 1
+    now[0] += 1.0
+    extender.filter(args("cpu"))
+    assert lister.calls == 2
+    now[0] += 200.0  # ... and none once it has been without an agent for longer than young_s
+    answer = extender.filter(args("cpu"))
+    assert answer["NodeNames"] == [] and "annotation" in answer["FailedNodes"]["cpu"]
     assert lister.calls == 2
 
 

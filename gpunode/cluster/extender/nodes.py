@@ -28,10 +28,15 @@ The cache is bounded: a node not seen (in a request or a refresh) for
 (--node-cache-max-nodes) the node seen least recently is; its annotation is
 decoded again when it comes back. Thread safe; no I/O.
 
-OnDemandRefresh covers the names-only mode's blind spot: a node created after the
-last periodic refresh. When a request names nodes the cache does not know, it
-lists the nodes at once (the I/O is the lister's), at most once per
-`min_interval_s`; requests arriving meanwhile wait for that list and use it.
+OnDemandRefresh covers the names-only mode's blind spots: a node created after the
+last periodic refresh, and a node the cache first saw before its agent published
+(a new node whose agent starts a few seconds after the kubelet: without this it
+would fail as "no annotation" until the next periodic refresh). When a request
+names nodes the cache does not know, or nodes without an annotation that the
+cache first saw less than `young_s` ago, it lists the nodes at once (the I/O is
+the lister's), at most once per `min_interval_s`; requests arriving meanwhile
+wait for that list and use it. A node that never runs an agent (a CPU node)
+costs at most one list a second for its first `young_s`, then nothing.
 """
 
 from __future__ import annotations
@@ -63,8 +68,10 @@ from gpunode.placement.published import node_state
 
 log = logging.getLogger(__name__)
 _UNKNOWN_NODE = "node unknown to the extender's cache (no refresh has seen it yet)"
+_NO_ANNOTATION = f"no {ANNOTATION_KEY} annotation (is the gpunode agent running there?)"
 DEFAULT_MAX_NODES = 8_000  # ~150 MiB of 8-GPU nodes; Kubernetes supports clusters of 5,000
 DEFAULT_TTL_S = 3600.0  # a node not seen for this long is forgotten
+YOUNG_NODE_S = 120.0  # a node without an annotation this new is listed again on demand (its agent starting)
 DEFAULT_MAX_SKEW_S = 65.0  # the agent's default republish interval (60 s) and a few seconds
 
 
@@ -105,6 +112,7 @@ class _Entry:
     view: NodeView
     changed: float
     seen: float
+    first: float = 0.0  # when the cache first saw this node (kept while it stays cached)
 
 
 class NodeCache:
@@ -163,7 +171,8 @@ class NodeCache:
             if view.state is not None:
                 self._supply.update(g.model for g in view.state.gpus)
             self._set_capacity(name, view.state)
-            entry = _Entry(text if isinstance(text, str) else "", view, now, now)
+            first = old.first if old is not None else now
+            entry = _Entry(text if isinstance(text, str) else "", view, now, now, first)
             self._entries[name] = entry
             self._evict(now)
         return self._judged(entry, now)
@@ -243,9 +252,7 @@ class NodeCache:
 
     def _decode(self, name: str, node: Mapping[str, Any], text: object) -> NodeView:
         if text is None:
-            return NodeView(
-                name, None, f"no {ANNOTATION_KEY} annotation (is the gpunode agent running there?)"
-            )
+            return NodeView(name, None, _NO_ANNOTATION)
         if not isinstance(text, str):
             return NodeView(name, None, f"{ANNOTATION_KEY} annotation is not a string")
         try:
@@ -290,6 +297,16 @@ class NodeCache:
             self._judged(c, now) if c is not None else NodeView(n, None, _UNKNOWN_NODE)
             for n, c in zip(names, found, strict=True)
         ]
+
+    def awaiting_agent(self, names: Iterable[str], young_s: float) -> bool:
+        """Whether one of these nodes has no annotation yet and was first seen less than `young_s` ago."""
+        now = self._clock()
+        with self._lock:
+            for n in names:
+                entry = self._entries.get(n)
+                if entry is not None and entry.view.reason == _NO_ANNOTATION and now - entry.first < young_s:
+                    return True
+        return False
 
     def views(self) -> list[NodeView]:
         """Every node view in the cache (stale ones with their state: the node table's rows)."""
@@ -340,12 +357,14 @@ class OnDemandRefresh:
         lister: Callable[[], Iterable[object]],
         *,
         min_interval_s: float = 1.0,
+        young_s: float = YOUNG_NODE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`lister` returns every Node (it may raise GpunodeError); called from worker threads."""
         self.cache = cache
         self.lister = lister
         self.min_interval_s = min_interval_s
+        self.young_s = young_s
         self._clock = clock
         self._lock = threading.Lock()
         self._last: float | None = None
@@ -355,13 +374,15 @@ class OnDemandRefresh:
         """NodeCache.get_many, after one list of the nodes when some names are unknown (rate-limited)."""
         names = list(names)
         views = self.cache.get_many(names)
-        if not any(v.state is None and v.reason == _UNKNOWN_NODE for v in views):
+        if not any(v.state is None and v.reason == _UNKNOWN_NODE for v in views) and not (
+            any(v.reason == _NO_ANNOTATION for v in views) and self.cache.awaiting_agent(names, self.young_s)
+        ):
             return views
         with self._lock:  # one list at a time; the requests waiting for it read its result
             now = self._clock()
             if self._last is not None and now - self._last < self.min_interval_s:
                 return self.cache.get_many(names)
-            self._list(now, "unknown nodes")
+            self._list(now, "unknown nodes or new nodes without an annotation yet")
         return self.cache.get_many(names)
 
     def get_many_fresh(self, names: Iterable[str]) -> list[NodeView]:
