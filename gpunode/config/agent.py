@@ -12,8 +12,9 @@ names the file and the key. Checks that need the node's GPUs (a MIG strategy the
 GPUs cannot satisfy, a device selector that matches nothing) are made by
 inventory.build_inventory, also before anything is advertised.
 
-The `gpunode.metrics`, `gpunode.health` and `gpunode.remediation` sections are
-parsed by their parsers in this package (config.metrics, config.health), and
+The `gpunode.metrics`, `gpunode.health`, `gpunode.remediation` and `gpunode.dra`
+sections are parsed by their parsers in this package (config.metrics,
+config.health, config.dra), and
 `flags.plugin`, `sharing` and `gpunode.fractional` by config.sharing, so one
 load validates the whole file.
 """
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from gpunode.config.dra import DraConfig, check_exclusive, parse_dra_config
 from gpunode.config.files import read_regular
 from gpunode.config.health import (
     HealthConfig,
@@ -104,6 +106,7 @@ class Config:
     health: HealthConfig = field(default_factory=HealthConfig)
     remediation: RemediationConfig = field(default_factory=RemediationConfig)
     idle: IdleConfig = field(default_factory=IdleConfig)  # flag pods whose GPUs stay idle (node.idle)
+    dra: DraConfig = field(default_factory=DraConfig)  # the DRA kubelet plugin (node.dra); off by default
     # Setting -> the environment variable or flag that set it (settings from the file are absent).
     origins: Mapping[str, str] = field(default_factory=dict)
 
@@ -237,7 +240,9 @@ def _parse_gpunode(own: SectionReader, cfg: Config) -> Config:
         health=parse_health_config(own.raw("health", {}), own.key_path("health")),
         remediation=parse_remediation_config(own.raw("remediation", {}), own.key_path("remediation")),
         idle=parse_idle_config(own.raw("idle", {}), own.key_path("idle")),
+        dra=parse_dra_config(own.raw("dra", {}), own.key_path("dra")),
     )
+    check_exclusive(cfg.dra, cfg.fractional.devices, [r.devices for r in cfg.time_slicing.resources])
     own.finish()
     return cfg
 
