@@ -218,6 +218,11 @@ class HealthMonitor:
         with self._lock:
             return {u: v.reason for u, v in self._unhealthy.items()}
 
+    def verdicts(self) -> dict[str, Verdict]:
+        """GPU/MIG UUID -> its Verdict (kind, XID, reason), as last published (for the DRA device taints)."""
+        with self._lock:
+            return dict(self._unhealthy)
+
     def counters(self) -> HealthCounters:
         """The cumulative event, probe and transition counts and the current verdict, for the metrics."""
         with self._lock:
