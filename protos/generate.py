@@ -18,7 +18,14 @@ from pathlib import Path
 
 PROTO_DIR = Path(__file__).resolve().parent
 DEFAULT_OUT = PROTO_DIR.parent / "gpunode" / "node" / "kubelet" / "_proto"
-PROTOS = ("deviceplugin_v1beta1.proto", "podresources_v1.proto")
+PROTOS = (
+    "deviceplugin_v1beta1.proto",
+    "podresources_v1.proto",
+    "dra_v1.proto",
+    "dra_v1beta1.proto",
+    "drahealth_v1alpha1.proto",
+    "pluginregistration_v1.proto",
+)
 
 
 def generate(out: Path) -> list[Path]:
