@@ -81,8 +81,10 @@ class CertificateAuthority:
         client: bool = False,
         organizations: tuple[str, ...] = (),
         hosts: tuple[str, ...] = (),
+        valid: tuple[datetime.datetime, datetime.datetime] | None = None,
     ) -> CertFiles:
-        """A certificate for `common_name` (SANs `hosts`: IPs or DNS names) as <name>.crt and <name>.key."""
+        """A certificate for `common_name` (SANs `hosts`: IPs or DNS names) as <name>.crt and <name>.key;
+        `valid`: (not before, not after), default from five minutes ago for two days."""
         key = ec.generate_private_key(ec.SECP256R1())
         attrs = [x509.NameAttribute(NameOID.ORGANIZATION_NAME, o) for o in organizations]
         attrs.append(x509.NameAttribute(NameOID.COMMON_NAME, common_name))
@@ -96,8 +98,8 @@ class CertificateAuthority:
             .issuer_name(self._cert.subject)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + _VALID)
+            .not_valid_before(valid[0] if valid else now - datetime.timedelta(minutes=5))
+            .not_valid_after(valid[1] if valid else now + _VALID)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         )
