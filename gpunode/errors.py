@@ -151,6 +151,13 @@ class AllocationError(GpunodeError):
     default_hint = "check the pod's resource request against `gpunode devices`"
 
 
+class ClaimRefused(AllocationError):
+    """A ResourceClaim the DRA kubelet plugin cannot prepare: its allocation, its device or its
+    configuration. Reported for that claim alone; the other claims of the call go on."""
+
+    default_hint = "check the claim's allocation and its opaque configuration for the gpunode driver"
+
+
 class MemcapError(GpunodeError):
     """The memory-cap region or the native library is unusable."""
 

@@ -236,6 +236,16 @@ class KubeClient:
         )
         return decode(raw, dict[str, Any], what)
 
+    async def get_json(
+        self, resource: type[Any], name: str, *, namespace: str | None = None
+    ) -> dict[str, Any]:
+        """One object as plain JSON (ResourceClaims: read field by field, as the version served gives them)."""
+        what = f"get {resource.__name__.lower()} {namespace + '/' if namespace else ''}{name}"
+        raw = await self.transport.request(
+            "GET", f"{resource_path(resource, namespace)}/{quote(name, safe='')}", what=what
+        )
+        return decode(raw, dict[str, Any], what)
+
     async def delete_json(
         self, resource: type[Any], name: str, *, namespace: str | None = None, resource_version: str = ""
     ) -> None:
