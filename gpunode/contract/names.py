@@ -43,6 +43,11 @@ RUNTIME_ANNOTATION = "gpunode.io/runtime-estimate"  # Pod: expected runtime (30m
 QUEUE_ADMITTED_ANNOTATION = "gpunode.io/queue-admitted"  # Pod: the admission (JSON: job, node, GPUs)
 PREEMPTION_NOTICE_ANNOTATION = "gpunode.io/preemption-notice"  # Pod: JSON: deadline, preemptor, reason
 QUEUE_REASON_ANNOTATION = "gpunode.io/queue-reason"  # Pod: why it waits (also an Event)
+# Pod: the scheduling gate that keeps a governed pod away from kube-scheduler until the controller admits it
+# (added at creation by the controller's mutating webhook, or by the user; docs/admission.md)
+ADMISSION_GATE = "gpunode.io/admission"
+# The webhook's path on `gpunode queue --webhook-listen` (the chart's MutatingWebhookConfiguration calls it)
+ADMISSION_WEBHOOK_PATH = "/mutate-pods"
 
 # -- labels -------------------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from typing import Any
 from gpunode.cluster.queuectl.controller import QueueController
 from gpunode.cluster.queuectl.core import QueueCore
 from gpunode.cluster.queuectl.usagestore import UsageStore
+from gpunode.cluster.queuectl.webhook import AdmissionWebhook
 from gpunode.cluster.queueing.config import load_queue_config
 from gpunode.cluster.queuemark import UNSIGNED_WARNING, load_mark_key
 from gpunode.contract.names import GIB
@@ -70,15 +71,44 @@ def register_queue_cli(sub: Any) -> argparse.ArgumentParser:
         help="file of the secret key (at least 32 bytes) that signs the admission marks; give the extender "
         "the same file: without it, marks are unsigned and a tenant able to patch its pods can admit itself",
     )
+    p.add_argument(
+        "--webhook-listen",
+        default="",
+        help="host:port of the mutating admission webhook that adds the scheduling gate gpunode.io/admission "
+        "to governed pods at creation (HTTPS; '' = off; docs/admission.md)",
+    )
+    p.add_argument("--webhook-tls-cert-file", type=Path, help="the webhook's certificate (PEM, with chain)")
+    p.add_argument("--webhook-tls-key-file", type=Path, help="the private key of --webhook-tls-cert-file")
     p.set_defaults(func=run_queue_cli)
     return p
 
 
-def _listen(text: str) -> tuple[str, int]:
+def _listen(text: str, flag: str = "--metrics-listen", example: str = ":9403") -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"--metrics-listen: expected host:port such as :9403, got {text!r}")
+        raise ConfigError(f"{flag}: expected host:port such as {example}, got {text!r}")
     return host.strip("[]"), int(port)
+
+
+def _webhook(args: argparse.Namespace, ctl: QueueController) -> AdmissionWebhook | None:
+    """The admission webhook the --webhook-* flags describe (certificate files read here), or None."""
+    cert, key = args.webhook_tls_cert_file, args.webhook_tls_key_file
+    if not args.webhook_listen:
+        if cert is not None or key is not None:
+            raise ConfigError(
+                "--webhook-tls-cert-file and --webhook-tls-key-file are given without --webhook-listen",
+                hint="give --webhook-listen host:port to serve the webhook, or drop the certificate flags",
+            )
+        return None
+    host, port = _listen(args.webhook_listen, "--webhook-listen", ":9443")
+    if cert is None or key is None:
+        raise ConfigError(
+            "--webhook-listen needs --webhook-tls-cert-file and --webhook-tls-key-file",
+            hint="the API server calls admission webhooks over HTTPS only: give the certificate and its key",
+        )
+    return AdmissionWebhook(
+        lambda: ctl.core.config.namespaces, host=host, port=port, cert_file=str(cert), key_file=str(key)
+    )
 
 
 def build_controller(args: argparse.Namespace) -> QueueController:
@@ -136,8 +166,11 @@ def run_queue_cli(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         server = ctl.metrics.server(*listen) if listen is not None else None
+        webhook = _webhook(args, ctl)
         if server is not None:
             await server.start()
+        if webhook is not None:
+            await webhook.start()
         run = asyncio.create_task(ctl.run())
         stopping = asyncio.create_task(stop.wait())
         try:
@@ -146,6 +179,8 @@ def run_queue_cli(args: argparse.Namespace) -> int:
             for t in (run, stopping):
                 t.cancel()
             await asyncio.gather(run, stopping, return_exceptions=True)
+            if webhook is not None:
+                await webhook.stop()
             if server is not None:
                 await server.stop()
             await ctl.client.close()

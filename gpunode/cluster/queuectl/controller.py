@@ -9,8 +9,9 @@ QueueController runs on one asyncio loop with one gpunode.infra.kube.KubeClient:
   losing the lead forgets the Scheduler, and the next leader rebuilds it from the
   pods (their admission and notice annotations), so nothing is admitted twice;
 - a reconcile runs after changes (batched for `settle_s`), when a notice runs out,
-  and every `resync_s`; its writes: annotations on pods, then their Events, then
-  evictions through the Eviction API (policy/v1: KubeClient.evict_pod), each stage
+  and every `resync_s`; its writes: annotations on pods, then the release of gated
+  pods whose whole job's marks were written (their node pinned and the scheduling gate
+  removed in one update: gates.py), then the Events, then evictions through the Eviction API (policy/v1: KubeClient.evict_pod), each stage
   with up to `max_in_flight` requests under way at once (one pod's writes stay in order). A failed admission write makes the core
   rebuild from what the pods say (a gang left marked part-way is completed there
   or undone, its bound members evicted: repair.py); a refused eviction (a PodDisruptionBudget) is tried again at the
@@ -40,6 +41,7 @@ from lightkube.resources.core_v1 import Node, Pod
 from gpunode.cluster.queuectl.core import Actions, Annotate, PodRef, QueueCore
 from gpunode.cluster.queuectl.metrics import QueueMetrics
 from gpunode.cluster.queuectl.usagestore import UsageKeeper, UsageStore
+from gpunode.cluster.queuectl.writes import Release
 from gpunode.cluster.queueing.config import MAX_FILE_BYTES, load_queue_config
 from gpunode.config.files import read_regular
 from gpunode.errors import EvictionBlocked, GpunodeError, KubeError, KubeNotFound
@@ -85,6 +87,7 @@ class QueueController:
         self._synced: set[str] = set()
         self._config_digest = self._digest() if config_path is not None else b""
         self._was_leading = False
+        self._failed_jobs: set[str] = set()  # jobs whose mark writes failed in the _apply under way
         self.usage = (  # the fair-share usage memory kept across processes (usagestore.py)
             UsageKeeper(
                 usage,
@@ -199,7 +202,9 @@ class QueueController:
         for a in actions.annotate:
             by_pod.setdefault(a.pod.key, []).append(a)
         told: dict[str, list[Annotate]] = {}  # the Events of the annotations written, by pod
+        self._failed_jobs = set()
         await self._bounded(self._annotate_pod(writes, told) for writes in by_pod.values())
+        await self._bounded(self._release(r) for r in actions.release)
         await self._bounded(self._tell_pod(events) for events in told.values())
         if not self.leading():
             return
@@ -223,6 +228,7 @@ class QueueController:
             if not self.leading():
                 for rest in writes[i:]:
                     if rest.job:
+                        self._failed_jobs.add(rest.job)
                         self.core.write_failed(rest.job)
                 return
             try:
@@ -232,10 +238,26 @@ class QueueController:
                 self.metrics.api_errors.labels("annotate").inc()
                 log.warning("queue controller: %s (hint: %s)", exc, exc.hint)
                 if a.job:
+                    self._failed_jobs.add(a.job)
                     self.core.write_failed(a.job)
                 continue
             if a.event is not None:
                 told.setdefault(a.pod.key, []).append(a)
+
+    async def _release(self, r: Release) -> None:
+        """Pin a gated pod to its planned node and remove the admission gate, unless a mark of its job
+        failed to be written in this reconcile (the core rebuilds then: repair.py) or the lead is lost."""
+        if r.job in self._failed_jobs or not self.leading():
+            self.core.release_failed(r.pod.uid)
+            return
+        try:
+            await self.client.patch_pod_spec(r.pod.namespace, r.pod.name, r.spec, what="release")
+        except KubeNotFound:
+            self.core.release_failed(r.pod.uid)
+        except KubeError as exc:  # sent again at the next reconcile that sees the pod still gated
+            self.core.release_failed(r.pod.uid)
+            self.metrics.api_errors.labels("release").inc()
+            log.warning("queue controller: %s (hint: %s)", exc, exc.hint)
 
     async def _tell_pod(self, events: list[Annotate]) -> None:
         """One pod's Events, in order, each preceded by a leadership check."""

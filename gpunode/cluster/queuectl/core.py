@@ -4,7 +4,11 @@ QueueCore keeps the pods and Nodes the watches report (v1 JSON) and, at each
 reconcile(now), turns them into jobs (jobs.py), keeps one Scheduler in step with
 them and runs its cycle. What to write comes back as Actions: the admission
 annotation for every member of an admitted job, preemption notices, evictions,
-why jobs still wait, and pods that cannot be queued (each reported once).
+why jobs still wait, and pods that cannot be queued (each reported once). A member
+that carries the scheduling gate gpunode.io/admission is released (pinned to its
+planned node, the gate removed: gates.py) once its whole job is marked: in the
+reconcile that admits it, or, when the marks were written by an earlier leader that
+stopped before releasing, in the first reconcile that sees them all.
 
 The Scheduler is rebuilt from the pods (sched.build) at the start, after a
 configuration change and when the nodes' capacity changes; otherwise it follows
@@ -23,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpunode.cluster.extender.workload import WorkloadTracker
+from gpunode.cluster.queuectl.gates import gated, release_spec
 from gpunode.cluster.queuectl.jobs import (
     JobPods,
     NoticeMark,
@@ -37,7 +42,7 @@ from gpunode.cluster.queuectl.nodes import ClusterView, cluster_view
 from gpunode.cluster.queuectl.repair import GangRepair, partly_marked
 from gpunode.cluster.queuectl.sched import Running, adopt, build, follow_idle, settle_heap
 from gpunode.cluster.queuectl.usage import Outcome, SavedUsage, seed, snapshot
-from gpunode.cluster.queuectl.writes import Actions, Annotate, PodRef, ref
+from gpunode.cluster.queuectl.writes import Actions, Annotate, PodRef, Release, ref
 from gpunode.cluster.queueing.config import QueueConfig
 from gpunode.cluster.queueing.engine import Scheduler
 from gpunode.cluster.queueing.model import Decisions, Job
@@ -93,6 +98,7 @@ class QueueCore(GangRepair):
         self._node_views: dict[str, tuple[object, NodeState]] = {}  # cluster_view's, kept between reconciles
         self._usage_seed: tuple[SavedUsage, str] | None = None  # saved usage for the next Scheduler
         self._usage_seeded: Outcome | None = None
+        self.released: set[str] = set()  # UIDs of gated pods whose release was sent (until it fails)
 
     # ----- inputs --------------------------------------------------------------------------------------
 
@@ -107,6 +113,17 @@ class QueueCore(GangRepair):
         self._undoing.pop(job, None)
         self._stale = True
 
+    def release_failed(self, uid: str) -> None:
+        """Releasing a gated pod failed: send it again at the next reconcile that sees it gated."""
+        self.released.discard(uid)
+
+    def _release(self, m: QueuedPod, node: str, job: str, out: Actions) -> None:
+        pod = self.pods.get(m.key)
+        if pod is None or not gated(pod) or m.uid in self.released:
+            return
+        self.released.add(m.uid)
+        out.release.append(Release(_ref(m), node, release_spec(pod, node), job=job))
+
     def reset(self) -> None:
         """Forget the Scheduler (on losing leadership): the next leader rebuilds from the API server."""
         self.sched, self._stale = None, True
@@ -114,6 +131,7 @@ class QueueCore(GangRepair):
         self.written.clear()
         self.noticed.clear()
         self._undoing.clear()
+        self.released.clear()
 
     def seed_usage(self, state: SavedUsage, where: str) -> None:
         """Saved fair-share usage (checked by usage.decode): into the Scheduler now, or the next one built."""
@@ -194,6 +212,7 @@ class QueueCore(GangRepair):
                 self._observed.add(q.uid)
                 self.workload.observe(q.request)
         self._observed &= {q.uid for q in queued}
+        self.released &= {q.uid for q in queued}
         jobs = group_jobs(queued)
         self.last_jobs = jobs
         stopping = {n for n, j in jobs.items() if (nt := j.notice) is not None and nt.deadline <= now}
@@ -225,6 +244,9 @@ class QueueCore(GangRepair):
             if j.notice is not None:
                 self.noticed.pop(name, None)
             if j.admitted:
+                for m in j.members:  # marked whole (else partly, above): release the members still gated
+                    if m.admitted is not None:
+                        self._release(m, m.admitted.node, name, out)
                 start = min((m.admitted.at for m in j.members if m.admitted is not None), default=now)
                 running[name] = Running(job=j.job(self.config), plan=j.plan(), start=start, notice=notice)
             elif j.complete:
@@ -338,6 +360,7 @@ class QueueCore(GangRepair):
                         job=a.job.name,
                     )
                 )
+                self._release(m, placement.node, a.job.name, out)
             out.admitted_jobs.append(a.job.name)
             self.written[a.job.name] = Running(job=a.job, plan=a.plan, start=now, notice=None)
         for n in d.notices:

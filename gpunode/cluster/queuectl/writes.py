@@ -1,4 +1,5 @@
-"""What a reconcile asks the API server for: annotations (with their Events) and evictions, by pod. No I/O."""
+"""What a reconcile asks the API server for: annotations (with their Events), releases of gated pods and
+evictions, by pod. No I/O."""
 
 from __future__ import annotations
 
@@ -33,11 +34,23 @@ class Annotate:
     job: str = ""
 
 
+@dataclass(frozen=True)
+class Release:
+    """Pin a gated pod to its planned node and remove the admission gate (gates.release_spec), once every
+    member of `job` carries its admission mark."""
+
+    pod: PodRef
+    node: str
+    spec: Mapping[str, object]
+    job: str = ""
+
+
 @dataclass
 class Actions:
     """What one reconcile asks the API server for, in this order."""
 
     annotate: list[Annotate] = field(default_factory=list)
+    release: list[Release] = field(default_factory=list)  # after every annotation of the same job is written
     evict: list[PodRef] = field(default_factory=list)
     admitted_jobs: list[str] = field(default_factory=list)
     preempted_jobs: list[tuple[str, str]] = field(default_factory=list)  # (victim, reason)
