@@ -4,12 +4,15 @@ Events recorded about them.
 A fake Node has no kubelet, so the test does what one does: it writes the Node's status once and renews
 the Node's Lease (kube-node-lease) every few seconds from a daemon thread, so that kube-controller-manager's
 node lifecycle controller keeps taking it for a live node (without a renewed Lease it marks the Node
-Unknown after its grace period, taints it unreachable and evicts its pods).
+Unknown after its grace period, taints it unreachable and evicts its pods). Should a renewal still come
+late (a loaded machine), the thread posts Ready again as a kubelet would on its next status update, and
+says so on stderr: the controller then lifts the taints (a Node left Unknown would stay unschedulable).
 """
 
 from __future__ import annotations
 
 import datetime
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -77,7 +80,16 @@ class _NodeHeartbeats:
                         {"spec": {"renewTime": _micro_now()}},
                         content_type=MERGE,
                     )
-                    api.get(f"/api/v1/nodes/{name}")
+                    node = api.get(f"/api/v1/nodes/{name}")
+                    if not _ready(node):
+                        # The node lifecycle controller marked it Unknown (a renewal came late on a loaded
+                        # machine) and tainted it unreachable: as a kubelet does, post Ready again, so the
+                        # controller lifts the taints instead of the node staying unschedulable for good.
+                        print(
+                            f"fake node {name}: Ready was {_ready_status(node)}; posting Ready again",
+                            file=sys.stderr,
+                        )
+                        _post_ready(api, name)
                 except ApiError as exc:
                     if exc.status == 404:  # the Node (or its Lease, collected with it) is gone
                         with self._lock:
@@ -118,9 +130,40 @@ def create_fake_node(
     return remove_not_ready_taint(api, name)
 
 
+def _ready_status(node: Mapping[str, Any]) -> str:
+    for cond in (node.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Ready":
+            return str(cond.get("status"))
+    return "absent"
+
+
+def _ready(node: Mapping[str, Any]) -> bool:
+    return _ready_status(node) == "True"
+
+
+def _ready_condition() -> dict[str, str]:
+    now = _now()
+    return {
+        "type": "Ready",
+        "status": "True",
+        "reason": "KubeletReady",
+        "message": "written by the e2e test",
+        "lastHeartbeatTime": now,
+        "lastTransitionTime": now,
+    }
+
+
+def _post_ready(api: Api, name: str) -> None:
+    """Set the Node's Ready condition to True again (conditions merge by type)."""
+    api.patch(
+        f"/api/v1/nodes/{name}/status",
+        {"status": {"conditions": [_ready_condition()]}},
+        content_type=STRATEGIC,
+    )
+
+
 def write_ready_status(api: Api, name: str, capacity: Mapping[str, str]) -> None:
     """Write a Node's status as a kubelet would: capacity = allocatable, Ready, an address."""
-    now = _now()
     api.patch(
         f"/api/v1/nodes/{name}/status",
         {
@@ -131,16 +174,7 @@ def write_ready_status(api: Api, name: str, capacity: Mapping[str, str]) -> None
                     {"type": "InternalIP", "address": "127.0.0.1"},
                     {"type": "Hostname", "address": name},
                 ],
-                "conditions": [
-                    {
-                        "type": "Ready",
-                        "status": "True",
-                        "reason": "KubeletReady",
-                        "message": "written by the e2e test",
-                        "lastHeartbeatTime": now,
-                        "lastTransitionTime": now,
-                    }
-                ],
+                "conditions": [_ready_condition()],
             }
         },
         content_type=STRATEGIC,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import ssl
 import urllib.request
 
-from tests.e2e.api import ApiError, eventually
+from tests.e2e.api import STRATEGIC, ApiError, eventually
 from tests.e2e.controlplane import FEATURE_GATES, KUBE_MINOR, ControlPlane, kube_version
-from tests.e2e.objects import ensure_namespace
+from tests.e2e.objects import create_fake_node, ensure_namespace
 
 NAMESPACE = "e2e-cluster"
 
@@ -73,3 +73,29 @@ def test_the_root_ca_is_published_in_every_namespace(control_plane: ControlPlane
         what=f"kube-root-ca.crt in {NAMESPACE}",
     )
     assert published["data"]["ca.crt"] == control_plane.ca_file.read_text()
+
+
+def test_a_fake_node_marked_unknown_is_ready_again_and_the_controller_lifts_its_taint(
+    control_plane: ControlPlane,
+) -> None:
+    # What a late Lease renewal on a loaded machine leads to: the node lifecycle controller sets Ready to
+    # Unknown and taints the Node unreachable. A fake node must come back as a kubelet's would, or every
+    # later pod that needs it stays Pending ("untolerated taint") for the rest of the tier.
+    admin = control_plane.api()
+    create_fake_node(admin, "e2e-cluster-unknown")
+    unreachable = "node.kubernetes.io/unreachable"
+    admin.patch(  # the controller's taints, as it writes them
+        "/api/v1/nodes/e2e-cluster-unknown",
+        {"spec": {"taints": [{"key": unreachable, "effect": e} for e in ("NoSchedule", "NoExecute")]}},
+    )
+    admin.patch(
+        "/api/v1/nodes/e2e-cluster-unknown/status",
+        {"status": {"conditions": [{"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown"}]}},
+        content_type=STRATEGIC,
+    )
+    eventually(
+        lambda: not admin.get("/api/v1/nodes/e2e-cluster-unknown").get("spec", {}).get("taints"),
+        timeout_s=60,
+        what="Ready posted again and the controller lifting the unreachable taint",
+    )
+    admin.delete("/api/v1/nodes/e2e-cluster-unknown")
