@@ -1,0 +1,52 @@
+"""The names gpunode uses as a DRA driver: device attributes, capacities, DeviceClasses and device taints.
+
+The agent publishes its GPUs in ResourceSlices under these names (gpunode.node.dra.slices); the
+chart's DeviceClasses select on them in CEL, users' claims select and tolerate them. The driver
+name itself is configurable (gpunode.dra.driverName, default DEFAULT_DRIVER); attribute and
+capacity names without a domain are qualified by the driver's name, as the API defines it, so a
+claim writes `device.attributes["gpu.gpunode.io"].productName`.
+"""
+
+from __future__ import annotations
+
+DEFAULT_DRIVER = "gpu.gpunode.io"
+
+# -- device attributes (qualified by the driver name) ---------------------------------------------
+
+ATTR_TYPE = "type"  # "gpu" or "mig"
+ATTR_SHARING = "sharing"  # SHARING_WHOLE, SHARING_SHARED or SHARING_MIG: which DeviceClass takes it
+ATTR_UUID = "uuid"  # GPU-... (for a MIG placement: its GPU's)
+ATTR_PRODUCT = "productName"  # NVML's name, "NVIDIA H100 80GB HBM3"
+ATTR_ARCHITECTURE = "architecture"  # "hopper", "ampere", "turing", ...
+ATTR_COMPUTE_CAPABILITY = "cudaComputeCapability"  # version, "9.0.0"
+ATTR_DRIVER_VERSION = "driverVersion"  # version, "550.90.7" (NVML's "550.90.07" as a semantic version)
+ATTR_INDEX = "index"  # NVML index of the GPU
+ATTR_PCI_BUS_ID = "pciBusID"  # "0000:18:00.0"
+ATTR_NUMA_NODE = "numaNode"  # int, absent where the GPU has none
+ATTR_NVLINK_DOMAIN = "nvlinkDomain"  # int: the lowest index of the GPUs joined by NVLink, absent without
+ATTR_MIG_PROFILE = "profile"  # MIG placements: "1g.10gb"
+ATTR_MIG_START = "memorySliceStart"  # MIG placements: the first of the GPU's 8 memory slices it takes
+
+TYPE_GPU, TYPE_MIG = "gpu", "mig"
+SHARING_WHOLE, SHARING_SHARED, SHARING_MIG = "whole", "shared", "mig"
+
+# -- capacities ------------------------------------------------------------------------------------
+
+CAPACITY_MEMORY = "memory"  # bytes: a GPU's framebuffer, or a MIG profile's
+
+# -- shared counters of one GPU (partitionable devices) --------------------------------------------
+
+COUNTER_MEMORY = "memory"  # bytes: taken whole by the whole-GPU device and by the shared one
+COUNTER_COMPUTE_SLICES = "compute-slices"  # MIG: 7 compute slices
+MIG_MEMORY_SLICE_COUNTER = "memory-slice-{}"  # MIG: one counter per memory slice, 0..7
+
+# -- DeviceClasses the chart ships (helm/gpunode/templates/dra-deviceclasses.yaml) -----------------
+
+CLASS_WHOLE = "gpu.gpunode.io"  # one GPU to one claim; extendedResourceName: nvidia.com/gpu
+CLASS_SHARED = "shared-gpu.gpunode.io"  # a share of a GPU's memory; several claims per GPU
+CLASS_MIG = "mig.gpunode.io"  # one MIG placement
+
+# -- device taints (health) ---------------------------------------------------------------------------
+
+TAINT_KEY = "gpunode.io/unhealthy"  # value: what is wrong ("xid-79", "gpu-lost"); NoExecute or NoSchedule
+NO_EXECUTE, NO_SCHEDULE = "NoExecute", "NoSchedule"
