@@ -1,0 +1,439 @@
+"""gpunode's ResourceSlices and DeviceClasses on a real Kubernetes 1.36 control plane, scheduled by the real
+kube-scheduler and evicted by the real device-taint eviction controller.
+
+What is real: kube-apiserver validates the slices (written by gpunode's SlicePublisher through gpunode's
+KubeClient, as the chart's agent service account with the chart's DRA RBAC) and the chart's DeviceClasses;
+kube-scheduler's DRA allocator picks devices for claims and binds the pods; kube-controller-manager's
+device-taint eviction controller evicts the pod of a device gpunode tainted NoExecute after a simulated XID
+went through gpunode's HealthMonitor. The Nodes are fake (tests/e2e/objects.py), so pods are scheduled
+and bound but never run: the kubelet plugin's part (preparing claims) is not exercised here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from gpunode.config.health import HealthConfig
+from gpunode.contract import dra as names
+from gpunode.contract.names import GIB
+from gpunode.infra.kube import KubeClient
+from gpunode.node.devices.base import DeviceEvent, EventKind, Gpu
+from gpunode.node.devices.simnode.backend import SimBackend
+from gpunode.node.dra.slices import Pool, SlicePublisher, build_pool, gpu_device_name, mig_device_name
+from gpunode.node.dra.taints import device_taints
+from gpunode.node.health import HealthMonitor
+from gpunode.node.inventory import Inventory
+from gpunode.node.state import DeviceState
+from tests.e2e import chart
+from tests.e2e.api import Api, ApiError, eventually
+from tests.e2e.conftest import E2E_USERS
+from tests.e2e.controlplane import ControlPlane
+from tests.e2e.objects import create_fake_node, ensure_namespace
+
+DRIVER = names.DEFAULT_DRIVER
+NAMESPACE = "e2e-dra"
+RESOURCE = "/apis/resource.k8s.io/v1"
+WAIT_S = 120.0  # generous: two shared cores
+NODES = {
+    "shared": "e2e-dra-t4-shared",
+    "whole": "e2e-dra-t4-whole",
+    "mig": "e2e-dra-a100",
+    "xid": "e2e-dra-t4-xid",
+}
+
+
+def claim_body(
+    name: str, device_class: str, *, memory: str | None = None, cel: str | None = None
+) -> dict[str, Any]:
+    """A ResourceClaim with one request of one device of `device_class`."""
+    exactly: dict[str, Any] = {"deviceClassName": device_class}
+    if memory is not None:
+        exactly["capacity"] = {"requests": {names.CAPACITY_MEMORY: memory}}
+    if cel is not None:
+        exactly["selectors"] = [{"cel": {"expression": cel}}]
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}},
+    }
+
+
+def pod_with_claim(
+    name: str, node: str, claim: str | None, *, limits: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """A pod for one node (by its hostname label) using one claim, or asking for extended resources."""
+    container: dict[str, Any] = {"name": "main", "image": "gpunode.local/none:1", "imagePullPolicy": "Never"}
+    spec: dict[str, Any] = {
+        "nodeSelector": {"kubernetes.io/hostname": node},
+        "containers": [container],
+        "terminationGracePeriodSeconds": 1,
+        "automountServiceAccountToken": False,
+    }
+    if claim is not None:
+        spec["resourceClaims"] = [{"name": "gpu", "resourceClaimName": claim}]
+        container["resources"] = {"claims": [{"name": "gpu"}]}
+    if limits:
+        container["resources"] = {"limits": limits, "requests": limits}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+
+class Agent:
+    """The DRA side of one node's agent: a SlicePublisher (as the chart's agent service account) running in a
+    thread of its own, publishing `pool()` on every change of `state` and on poke()."""
+
+    def __init__(
+        self, plane: ControlPlane, node: str, pool: Callable[[], Pool], state: DeviceState | None
+    ) -> None:
+        token = plane.token_file("agent")
+
+        def client() -> KubeClient:
+            return KubeClient.for_host(plane.server, token_file=token, ca_file=plane.ca_file)
+
+        async def changed(version: int) -> int:
+            assert state is not None
+            return (await state.wait_for_change(version)).version
+
+        self.publisher = SlicePublisher(
+            client_factory=client,
+            node_name=node,
+            driver=DRIVER,
+            pool=pool,
+            changed=changed if state is not None else None,
+            interval_s=3600.0,
+        )
+        self._ready = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._task: asyncio.Task[None] | None = None
+        self._thread = threading.Thread(target=self._run, name=f"slices-{node}", daemon=True)
+        self._thread.start()
+        assert self._ready.wait(WAIT_S), "the publisher did not start"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        ready = asyncio.Event()
+
+        async def main() -> None:
+            self._task = asyncio.ensure_future(self.publisher.run(ready=ready))
+            await ready.wait()
+            self._ready.set()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+        self._loop.run_until_complete(main())
+
+    def poke(self) -> None:
+        self.publisher.poke()
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._loop.call_soon_threadsafe(self._task.cancel)
+        self._thread.join(30)
+
+
+def slices_of(api: Api, node: str) -> list[dict[str, Any]]:
+    listed = api.get(f"{RESOURCE}/resourceslices?fieldSelector=spec.nodeName={node}")
+    return list(listed.get("items") or [])
+
+
+def wait_scheduled(api: Api, pod: str) -> dict[str, Any]:
+    def bound() -> dict[str, Any] | None:
+        p: dict[str, Any] = api.get(f"/api/v1/namespaces/{NAMESPACE}/pods/{pod}")
+        return p if p["spec"].get("nodeName") else None
+
+    return eventually(bound, timeout_s=WAIT_S, what=f"pod {pod} bound by kube-scheduler")
+
+
+def wait_unschedulable(api: Api, pod: str) -> str:
+    """The scheduler's message for a pod it cannot place."""
+
+    def message() -> str | None:
+        p = api.get(f"/api/v1/namespaces/{NAMESPACE}/pods/{pod}")
+        assert not p["spec"].get("nodeName"), f"pod {pod} was bound to {p['spec'].get('nodeName')}"
+        for cond in p.get("status", {}).get("conditions") or []:
+            if cond["type"] == "PodScheduled" and cond["status"] == "False" and cond.get("message"):
+                return str(cond["message"])
+        return None
+
+    return eventually(message, timeout_s=WAIT_S, what=f"pod {pod} found unschedulable")
+
+
+def allocation(api: Api, claim: str) -> dict[str, Any]:
+    def allocated() -> dict[str, Any] | None:
+        c = api.get(f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaims/{claim}")
+        result: dict[str, Any] | None = (c.get("status") or {}).get("allocation")
+        return result
+
+    return eventually(allocated, timeout_s=WAIT_S, what=f"claim {claim} allocated")
+
+
+def constant(pool: Pool) -> Callable[[], Pool]:
+    """A pool that never changes."""
+    return lambda: pool
+
+
+@pytest.fixture(scope="module")
+def dra(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The chart's DeviceClasses and DRA RBAC applied, four fake nodes with their slices, kube-scheduler."""
+    tmp = tmp_path_factory.mktemp("dra")
+    docs = chart.render({"config": {"gpunode": {"dra": {"enabled": True}}}}, tmp)
+    admin = control_plane.api()
+    ensure_namespace(admin, chart.NAMESPACE)
+    ensure_namespace(admin, NAMESPACE)
+    assert chart.apply_rbac(admin, docs, "agent-dra") == E2E_USERS["agent"].name
+    classes = [d for d in docs if d["kind"] == "DeviceClass"]
+    assert sorted(c["metadata"]["name"] for c in classes) == sorted(
+        [names.CLASS_WHOLE, names.CLASS_SHARED, names.CLASS_MIG]
+    )
+    for c in classes:
+        admin.apply(f"{RESOURCE}/deviceclasses", c)  # the API server validates them (CEL included)
+    t4 = SimBackend.from_profile("t4")
+    a100 = SimBackend.from_profile("a100-mig")
+    gpus = {
+        "shared": t4.gpus()[0],
+        "whole": t4.gpus()[1],
+        "mig": a100.gpus()[0],
+    }
+    agents: list[Agent] = []
+    for key, gpu in gpus.items():
+        create_fake_node(admin, NODES[key])
+        version = t4.driver_version() if key != "mig" else a100.driver_version()
+        pool = build_pool([gpu], unit_bytes=GIB, driver_version=version)
+        agents.append(Agent(control_plane, NODES[key], constant(pool), None))
+    scheduler = control_plane.start_scheduler(name="kube-scheduler-dra")
+    try:
+        yield {"admin": admin, "gpus": gpus, "t4": t4, "plane": control_plane, "agents": agents}
+    finally:
+        scheduler.stop()
+        for agent in agents:
+            agent.stop()
+
+
+def test_the_api_server_accepts_the_slices_and_classes(dra: dict[str, Any]) -> None:
+    """Every node's pool is on the API server, complete, with the devices build_pool made; the classes are
+    there with the whole-GPU class mapped from nvidia.com/gpu."""
+    api: Api = dra["admin"]
+    mig_slices = slices_of(api, NODES["mig"])
+    assert len(mig_slices) == 2  # one slice of counter sets, one of devices
+    counters = [s for s in mig_slices if s["spec"].get("sharedCounters")]
+    devices = [d for s in mig_slices for d in s["spec"].get("devices") or []]
+    assert len(counters) == 1 and len(devices) == 18  # every placement of the six A100 80GB profiles
+    for s in mig_slices:
+        assert s["spec"]["pool"] == {"name": NODES["mig"], "generation": 1, "resourceSliceCount": 2}
+        assert s["metadata"]["ownerReferences"][0]["kind"] == "Node"
+    shared = [d for s in slices_of(api, NODES["shared"]) for d in s["spec"].get("devices") or []]
+    assert [d["name"] for d in shared] == [
+        gpu_device_name(dra["gpus"]["shared"].uuid),
+        gpu_device_name(dra["gpus"]["shared"].uuid) + "-shared",
+    ]
+    assert shared[1]["allowMultipleAllocations"] is True
+    whole = api.get(f"{RESOURCE}/deviceclasses/{names.CLASS_WHOLE}")
+    assert whole["spec"]["extendedResourceName"] == "nvidia.com/gpu"
+
+
+def test_the_api_server_refuses_a_slice_over_its_limits(dra: dict[str, Any]) -> None:
+    """The limits build_pool keeps to are the API server's: 65 devices with counters in one slice fail."""
+    api: Api = dra["admin"]
+    pool = build_pool([SimBackend.from_profile("a100-mig").gpus()[i] for i in range(4)], unit_bytes=GIB)
+    body = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": "e2e-dra-too-many"},
+        "spec": {
+            "driver": DRIVER,
+            "nodeName": NODES["mig"],
+            "pool": {"name": "e2e-dra-too-many", "generation": 1, "resourceSliceCount": 1},
+            "devices": list(pool.devices[:65]),
+        },
+    }
+    with pytest.raises(ApiError) as refused:
+        api.create(f"{RESOURCE}/resourceslices", body)
+    assert refused.value.status == 422 and "64" in refused.value.body
+
+
+def test_two_claims_share_one_gpu_and_a_third_that_would_exceed_it_waits(dra: dict[str, Any]) -> None:
+    """8Gi and 6Gi of a 15Gi T4 go to the one shared device; 2Gi more does not fit and stays Pending with
+    kube-scheduler's reason."""
+    api: Api = dra["admin"]
+    node = NODES["shared"]
+    shared = gpu_device_name(dra["gpus"]["shared"].uuid) + "-shared"
+    claims = {"share-a": "8Gi", "share-b": "6Gi", "share-c": "2Gi"}
+    for claim, memory in claims.items():
+        api.create(
+            f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaims",
+            claim_body(claim, names.CLASS_SHARED, memory=memory),
+        )
+    for claim in ("share-a", "share-b"):
+        api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", pod_with_claim(f"pod-{claim}", node, claim))
+        assert wait_scheduled(api, f"pod-{claim}")["spec"]["nodeName"] == node
+        result = allocation(api, claim)["devices"]["results"][0]
+        assert (result["pool"], result["device"]) == (node, shared)
+        assert result["consumedCapacity"][names.CAPACITY_MEMORY] == claims[claim]
+    api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", pod_with_claim("pod-share-c", node, "share-c"))
+    message = wait_unschedulable(api, "pod-share-c")
+    print(f"share-c: {message}")
+    assert "cannot allocate all claims" in message, message
+
+
+def test_a_mig_claim_takes_a_placement_and_profiles_that_no_longer_fit_are_not_offered(
+    dra: dict[str, Any],
+) -> None:
+    """On an A100 in MIG mode, 4g.40gb takes slices 0-3; 7g.80gb then fits nowhere (Pending), 3g.40gb still
+    fits at slice 4."""
+    api: Api = dra["admin"]
+    node, gpu = NODES["mig"], dra["gpus"]["mig"]
+    attr = f'device.attributes["{DRIVER}"].profile'
+    for claim, profile in (("mig-4g", "4g.40gb"), ("mig-7g", "7g.80gb"), ("mig-3g", "3g.40gb")):
+        api.create(
+            f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaims",
+            claim_body(claim, names.CLASS_MIG, cel=f'{attr} == "{profile}"'),
+        )
+    api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", pod_with_claim("pod-mig-4g", node, "mig-4g"))
+    wait_scheduled(api, "pod-mig-4g")
+    assert allocation(api, "mig-4g")["devices"]["results"][0]["device"] == mig_device_name(
+        gpu.uuid, "4g.40gb", 0
+    )
+    api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", pod_with_claim("pod-mig-7g", node, "mig-7g"))
+    assert "cannot allocate all claims" in wait_unschedulable(api, "pod-mig-7g")
+    api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", pod_with_claim("pod-mig-3g", node, "mig-3g"))
+    wait_scheduled(api, "pod-mig-3g")
+    assert allocation(api, "mig-3g")["devices"]["results"][0]["device"] == mig_device_name(
+        gpu.uuid, "3g.40gb", 4
+    )
+
+
+def test_an_unchanged_nvidia_gpu_pod_gets_a_whole_gpu_through_dra(dra: dict[str, Any]) -> None:
+    """A pod asking `nvidia.com/gpu: 1` on a node that advertises no such resource is placed through the
+    whole-GPU class: kube-scheduler makes its claim and allocates the node's whole-GPU device."""
+    api: Api = dra["admin"]
+    node = NODES["whole"]
+    api.create(
+        f"/api/v1/namespaces/{NAMESPACE}/pods",
+        pod_with_claim("pod-extended", node, None, limits={"nvidia.com/gpu": "1"}),
+    )
+    wait_scheduled(api, "pod-extended")
+
+    def claim_name() -> str | None:
+        pod = api.get(f"/api/v1/namespaces/{NAMESPACE}/pods/pod-extended")
+        status = (pod.get("status") or {}).get("extendedResourceClaimStatus") or {}
+        return status.get("resourceClaimName")
+
+    claim = eventually(claim_name, timeout_s=WAIT_S, what="the pod's extended-resource claim named")
+    result = allocation(api, claim)["devices"]["results"][0]
+    assert (result["pool"], result["device"]) == (node, gpu_device_name(dra["gpus"]["whole"].uuid))
+
+
+@pytest.mark.parametrize(
+    ("claim", "memory", "cel", "words"),
+    [
+        ("cel-unknown", None, f'device.attributes["{DRIVER}"].vramType == "hbm3"', "vramType"),
+        ("too-much", "100Gi", None, "cannot allocate all claims"),
+    ],
+)
+def test_a_claim_nothing_can_satisfy_says_why(
+    dra: dict[str, Any], claim: str, memory: str | None, cel: str | None, words: str
+) -> None:
+    """A CEL selector on an attribute gpunode does not publish, and a share larger than any GPU, leave the pod
+    Pending with kube-scheduler's reason naming the problem."""
+    api: Api = dra["admin"]
+    api.create(
+        f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaims",
+        claim_body(claim, names.CLASS_SHARED, memory=memory, cel=cel),
+    )
+    api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", pod_with_claim(f"pod-{claim}", NODES["shared"], claim))
+    message = wait_unschedulable(api, f"pod-{claim}")
+    print(f"{claim}: {message}")
+    assert words in message, message
+
+
+def test_an_xid_taints_the_device_noexecute_the_controller_evicts_and_a_reset_clears_it(
+    dra: dict[str, Any], record_property: Callable[[str, object], None]
+) -> None:
+    """XID 79 through gpunode's HealthMonitor -> NoExecute taint on the GPU's devices -> kube-controller-manager
+    evicts the pod holding it; after a reset (and the recovery window) the taint is gone."""
+    api: Api = dra["admin"]
+    plane: ControlPlane = dra["plane"]
+    backend = SimBackend.from_profile("t4")
+    gpu: Gpu = backend.gpus()[2]
+    node = NODES["xid"]
+    create_fake_node(api, node)
+    state = DeviceState(Inventory(gpus=(gpu,)))
+    config = HealthConfig(recovery_window_s=1.0)
+    monitor = HealthMonitor(backend=backend, state=state, config=config)
+    asyncio.run(monitor.probe_once())  # the baseline of the counters a reset restarts
+
+    def pool() -> Pool:
+        taints = device_taints(monitor.verdicts(), config.xid)
+        return build_pool([gpu], unit_bytes=GIB, driver_version=backend.driver_version(), taints=taints)
+
+    agent = Agent(plane, node, pool, state)
+    try:
+        api.create(
+            f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaims", claim_body("xid-whole", names.CLASS_WHOLE)
+        )
+        api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", pod_with_claim("pod-xid", node, "xid-whole"))
+        wait_scheduled(api, "pod-xid")
+        started = time.monotonic()
+        monitor.handle_event(DeviceEvent(EventKind.XID, gpu.uuid, xid=79))
+
+        def tainted() -> float | None:
+            devices = [d for s in slices_of(api, node) for d in s["spec"].get("devices") or []]
+            marks = [t for d in devices for t in d.get("taints") or []]
+            return time.monotonic() - started if len(marks) == 2 else None
+
+        taint_s = eventually(
+            tainted, timeout_s=WAIT_S, what="the NoExecute taint on the slice", interval_s=0.05
+        )
+        for d in (d for s in slices_of(api, node) for d in s["spec"].get("devices") or []):
+            assert [(t["key"], t["value"], t["effect"]) for t in d["taints"]] == [
+                (names.TAINT_KEY, "xid-79", names.NO_EXECUTE)
+            ]
+
+        def evicted() -> float | None:
+            try:
+                pod = api.get(f"/api/v1/namespaces/{NAMESPACE}/pods/pod-xid")
+            except ApiError as exc:
+                return time.monotonic() - started if exc.status == 404 else None
+            return time.monotonic() - started if pod["metadata"].get("deletionTimestamp") else None
+
+        evict_s = eventually(evicted, timeout_s=WAIT_S, what="pod-xid evicted", interval_s=0.1)
+        record_property("xid_to_taint_s", round(taint_s, 3))
+        record_property("xid_to_eviction_s", round(evict_s, 3))
+        print(f"XID -> taint on the slice {taint_s:.3f} s, XID -> pod evicted {evict_s:.3f} s")
+
+        backend.reset_gpu(gpu.uuid)
+        asyncio.run(monitor.probe_once())  # the counters went back: the hold is released
+        time.sleep(1.2)
+        asyncio.run(monitor.probe_once())  # the recovery window has passed
+        assert monitor.verdicts() == {}
+
+        def clear() -> bool:
+            devices = [d for s in slices_of(api, node) for d in s["spec"].get("devices") or []]
+            return len(devices) == 2 and not any(d.get("taints") for d in devices)
+
+        eventually(clear, timeout_s=WAIT_S, what="the taint removed after the reset")
+    finally:
+        agent.stop()
+
+
+def test_a_restarted_publisher_keeps_the_names_and_the_generation(dra: dict[str, Any]) -> None:
+    """A new publisher for the same unchanged pool writes nothing: the same slices, names and generation."""
+    api: Api = dra["admin"]
+    plane: ControlPlane = dra["plane"]
+    node, gpu = NODES["whole"], dra["gpus"]["whole"]
+    before = slices_of(api, node)
+    pool = build_pool([gpu], unit_bytes=GIB, driver_version=dra["t4"].driver_version())
+    agent = Agent(plane, node, lambda: pool, None)
+    try:
+        assert agent.publisher.writes == 0
+    finally:
+        agent.stop()
+    after = slices_of(api, node)
+    assert [s["metadata"]["resourceVersion"] for s in after] == [
+        s["metadata"]["resourceVersion"] for s in before
+    ]
