@@ -1,0 +1,315 @@
+"""From a ResourceClaim (resource.k8s.io/v1, as JSON) to what this node must prepare for it.
+
+Pure functions over decoded JSON: no I/O. `plan_claim` checks the claim is the one the kubelet
+named (its UID), takes the allocation results for this driver and, for each, the device (looked up
+in the node's own ResourceSlices by pool and name, gpunode.node.dra.devices), the memory it consumes
+(`consumedCapacity`) and its `shareID`, and validates the opaque configuration given to this driver.
+Anything wrong is a ClaimRefused naming the claim and what is wrong; tenants write claims, so every
+field is read strictly and bounded, and nothing from the claim but its UID names anything on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from gpunode.contract.reader import excerpt, format_bytes
+from gpunode.errors import ClaimRefused
+
+# A Kubernetes UID as the API server makes them (RFC 4122 text form). The CDI spec's file name,
+# the region key and the checkpoint record are derived from it, so it is checked before any use.
+_UID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+MAX_RESULTS = 32  # allocation results of one claim for this driver (the API allows 32 requests)
+MAX_OPAQUE_BYTES = 10 * 1024  # the API server's own bound on opaque parameters
+OPAQUE_API_VERSION = "gpunode.io/v1alpha1"
+OPAQUE_KIND = "GpuConfig"
+MEMORY_CAPACITY = "memory"  # the capacity a shared device's claims consume (gpunode.contract.dra)
+
+# Quantity suffixes (Kubernetes' resource.Quantity); memory is a whole number of bytes.
+_SUFFIX = {
+    "": 1,
+    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+}  # fmt: skip
+_QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]{1,2}|[kMGTPE]i?|)")
+MAX_QUANTITY_BYTES = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class ClaimRef:
+    """The claim as the kubelet names it."""
+
+    namespace: str
+    uid: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name} ({self.uid})"
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One of this node's published devices, as its ResourceSlice says."""
+
+    pool: str
+    name: str
+    gpu_uuid: str
+    kind: str  # "gpu" | "mig"
+    sharing: str  # "whole" | "shared" | "mig"
+
+
+@dataclass(frozen=True)
+class PlannedDevice:
+    """One allocation result of the claim for this driver, with what its container gets."""
+
+    request: str
+    pool: str
+    device: str
+    share_id: str | None
+    gpu_uuid: str
+    memory_bytes: int | None  # the cap (consumed capacity); None: the whole GPU, uncapped
+
+
+@dataclass(frozen=True)
+class ClaimPlan:
+    """Everything NodePrepareResources does for one claim."""
+
+    claim: ClaimRef
+    devices: tuple[PlannedDevice, ...]
+    fail_open: bool = False  # the opaque GpuConfig's failOpen
+
+    def as_json(self) -> dict[str, Any]:
+        """The plan as the checkpoint keeps it."""
+        return {
+            "namespace": self.claim.namespace,
+            "uid": self.claim.uid,
+            "name": self.claim.name,
+            "failOpen": self.fail_open,
+            "devices": [
+                {
+                    "request": d.request,
+                    "pool": d.pool,
+                    "device": d.device,
+                    "shareID": d.share_id,
+                    "gpu": d.gpu_uuid,
+                    "memory": d.memory_bytes,
+                }
+                for d in self.devices
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ClaimPlan:
+        """The plan back from the checkpoint (written by as_json; KeyError/TypeError if it was not)."""
+        return cls(
+            claim=ClaimRef(str(data["namespace"]), check_uid(str(data["uid"])), str(data["name"])),
+            devices=tuple(
+                PlannedDevice(
+                    request=str(d["request"]),
+                    pool=str(d["pool"]),
+                    device=str(d["device"]),
+                    share_id=None if d["shareID"] is None else str(d["shareID"]),
+                    gpu_uuid=str(d["gpu"]),
+                    memory_bytes=None if d["memory"] is None else int(d["memory"]),
+                )
+                for d in data["devices"]
+            ),
+            fail_open=bool(data["failOpen"]),
+        )
+
+
+def check_uid(uid: str) -> str:
+    """The claim UID, if it is one the API server could have made; ClaimRefused otherwise.
+
+    The UID names the CDI spec file, the region and the checkpoint record: a UID such as
+    "../../etc/x" or one with a NUL byte must never reach a path."""
+    if not isinstance(uid, str) or not _UID.fullmatch(uid):
+        raise ClaimRefused(
+            f"claim UID {excerpt(uid)} is not a Kubernetes UID",
+            hint="the kubelet sends the ResourceClaim's metadata.uid; this request did not come from it",
+        )
+    return uid
+
+
+def parse_memory(value: object, where: str) -> int:
+    """A memory quantity ("4Gi", "4294967296", "4.5G", "1e9") as whole bytes."""
+    if not isinstance(value, str) or len(value) > 64:
+        raise ClaimRefused(f"{where}: expected a quantity such as 4Gi, got {excerpt(value)}")
+    m = _QUANTITY.fullmatch(value.strip())
+    if m is None:
+        raise ClaimRefused(f"{where}: expected a quantity such as 4Gi, got {excerpt(value)}")
+    try:
+        number = Decimal(m.group(1))
+        suffix = m.group(2)
+        if suffix[:1] in ("e", "E"):
+            number = number.scaleb(int(suffix[1:]))
+        else:
+            number *= _SUFFIX[suffix]
+    except (InvalidOperation, KeyError):
+        raise ClaimRefused(f"{where}: expected a quantity such as 4Gi, got {excerpt(value)}") from None
+    size = int(number.to_integral_value(rounding="ROUND_CEILING"))
+    if size <= 0 or size > MAX_QUANTITY_BYTES:
+        raise ClaimRefused(f"{where}: a memory quantity is 1 byte or more, got {excerpt(value)}")
+    return size
+
+
+def _mapping(value: object, where: str) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ClaimRefused(f"{where}: expected an object, got {type(value).__name__}")
+    return value
+
+
+def _list(value: object, where: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ClaimRefused(f"{where}: expected a list, got {type(value).__name__}")
+    return value
+
+
+def _applies(config: Mapping[str, Any], request: str) -> bool:
+    """Whether an allocation config entry applies to a request ("req" also covers its subrequests "req/sub")."""
+    requests = config.get("requests") or []
+    return not requests or request in requests or request.split("/", 1)[0] in requests
+
+
+def parse_opaque(parameters: object, where: str) -> bool:
+    """The opaque configuration for this driver: a GpuConfig; returns its failOpen.
+
+    The only fields are apiVersion, kind and failOpen (what the interposer does when the region is
+    unusable: false, the default, refuses GPU memory). Anything else is refused with its key."""
+    if len(json.dumps(parameters, default=str)) > MAX_OPAQUE_BYTES:
+        raise ClaimRefused(f"{where}: the configuration is larger than {MAX_OPAQUE_BYTES // 1024} KiB")
+    if not isinstance(parameters, Mapping):
+        raise ClaimRefused(
+            f"{where}: expected a {OPAQUE_KIND} object, got {type(parameters).__name__}",
+            hint=f"write {{apiVersion: {OPAQUE_API_VERSION}, kind: {OPAQUE_KIND}}}",
+        )
+    api, kind = parameters.get("apiVersion"), parameters.get("kind")
+    if api != OPAQUE_API_VERSION or kind != OPAQUE_KIND:
+        raise ClaimRefused(
+            f"{where}: expected apiVersion {OPAQUE_API_VERSION} and kind {OPAQUE_KIND}, "
+            f"got {excerpt(api, 40)} and {excerpt(kind, 40)}",
+            hint=f"write {{apiVersion: {OPAQUE_API_VERSION}, kind: {OPAQUE_KIND}}}",
+        )
+    unknown = sorted(str(k) for k in parameters if k not in ("apiVersion", "kind", "failOpen"))
+    if unknown:
+        raise ClaimRefused(f"{where}.{unknown[0][:40]}: unknown field (a {OPAQUE_KIND} has failOpen only)")
+    fail_open = parameters.get("failOpen", False)
+    if not isinstance(fail_open, bool):
+        raise ClaimRefused(f"{where}.failOpen: expected true or false, got {excerpt(fail_open, 40)}")
+    return fail_open
+
+
+def plan_claim(
+    ref: ClaimRef,
+    claim: Mapping[str, Any],
+    *,
+    driver: str,
+    device: Any,
+    gpu_memory: Any,
+) -> ClaimPlan:
+    """What to prepare for the claim the kubelet named `ref`, read from the API server's `claim`.
+
+    device(pool, name) -> DeviceInfo | None: this node's published device of that name;
+    gpu_memory(uuid) -> int | None: the memory of a GPU this node serves through DRA (None: not one).
+    Raises ClaimRefused with the reason for the claim."""
+    meta = _mapping(claim.get("metadata"), "metadata")
+    if meta.get("uid") != ref.uid:
+        raise ClaimRefused(
+            f"claim {ref}: the API server's {ref.namespace}/{ref.name} has UID {excerpt(meta.get('uid'), 40)}; "
+            "it was deleted and created again",
+            hint="the pod that asked for the old claim has to be recreated",
+        )
+    status = _mapping(claim.get("status"), "status")
+    allocation = _mapping(status.get("allocation"), "status.allocation")
+    devices = _mapping(allocation.get("devices"), "status.allocation.devices")
+    if not allocation:
+        raise ClaimRefused(f"claim {ref}: it is not allocated", hint="the scheduler allocates a claim first")
+    results = [
+        (i, r)
+        for i, r in enumerate(_list(devices.get("results"), "status.allocation.devices.results"))
+        if isinstance(r, Mapping) and r.get("driver") == driver
+    ]
+    if not results:
+        raise ClaimRefused(f"claim {ref}: its allocation has no device of the driver {driver}")
+    if len(results) > MAX_RESULTS:
+        raise ClaimRefused(f"claim {ref}: {len(results)} devices of {driver}; at most {MAX_RESULTS}")
+    configs = [
+        (j, c)
+        for j, c in enumerate(_list(devices.get("config"), "status.allocation.devices.config"))
+        if isinstance(c, Mapping) and _mapping(c.get("opaque"), f"config[{j}].opaque").get("driver") == driver
+    ]
+    planned: list[PlannedDevice] = []
+    fail_open = False
+    seen: set[tuple[str, str, str | None]] = set()
+    for i, result in results:
+        where = f"claim {ref}: status.allocation.devices.results[{i}]"
+        request, pool, name = (result.get(k) for k in ("request", "pool", "device"))
+        if not all(isinstance(v, str) and 0 < len(v) <= 253 for v in (request, pool, name)):
+            raise ClaimRefused(f"{where}: request, pool and device must be names of 1..253 characters")
+        assert isinstance(request, str) and isinstance(pool, str) and isinstance(name, str)
+        share = result.get("shareID")
+        if share is not None and (not isinstance(share, str) or not 0 < len(share) <= 64):
+            raise ClaimRefused(f"{where}.shareID: expected a UID, got {excerpt(share, 40)}")
+        if (pool, name, share) in seen:
+            raise ClaimRefused(f"{where}: device {pool}/{name} is allocated twice to the claim")
+        seen.add((pool, name, share))
+        if result.get("adminAccess"):
+            raise ClaimRefused(
+                f"{where}: admin access to {pool}/{name} is not supported by gpunode",
+                hint="request the device without adminAccess",
+            )
+        info = device(pool, name)
+        if info is None:
+            raise ClaimRefused(
+                f"{where}: device {pool}/{name} is not one of this node's {driver} devices",
+                hint="the claim was allocated for another node, or the node's ResourceSlice changed since",
+            )
+        if info.kind != "gpu":
+            raise ClaimRefused(
+                f"{where}: device {pool}/{name} is a MIG placement; gpunode's kubelet plugin prepares whole "
+                "and shared GPUs only",
+                hint="request a device of the whole or shared GPU class",
+            )
+        total = gpu_memory(info.gpu_uuid)
+        if total is None:
+            raise ClaimRefused(
+                f"{where}: GPU {info.gpu_uuid} is not served through DRA on this node",
+                hint="gpunode.dra.devices lists the GPUs DRA serves; the device plugin serves the others",
+            )
+        memory = _consumed(result, driver, where) if info.sharing == "shared" else None
+        if info.sharing == "shared" and memory is None:
+            raise ClaimRefused(
+                f"{where}: the shared device {pool}/{name} has no consumedCapacity.{MEMORY_CAPACITY}",
+                hint="a shared GPU is requested with capacity.requests.memory",
+            )
+        if memory is not None and memory > total:
+            raise ClaimRefused(
+                f"{where}: {format_bytes(memory)} of GPU memory asked of {pool}/{name}, which has "
+                f"{format_bytes(total)}",
+                hint="ask for at most the GPU's memory, or for the whole GPU",
+            )
+        for j, config in configs:
+            if _applies(config, request):
+                opaque = _mapping(config.get("opaque"), "opaque")
+                fail_open = parse_opaque(
+                    opaque.get("parameters"),
+                    f"claim {ref}: status.allocation.devices.config[{j}].opaque.parameters",
+                )
+        planned.append(PlannedDevice(request, pool, name, share, info.gpu_uuid, memory))
+    return ClaimPlan(ref, tuple(planned), fail_open)
+
+
+def _consumed(result: Mapping[str, Any], driver: str, where: str) -> int | None:
+    consumed = _mapping(result.get("consumedCapacity"), f"{where}.consumedCapacity")
+    for key in (MEMORY_CAPACITY, f"{driver}/{MEMORY_CAPACITY}"):
+        if key in consumed:
+            return parse_memory(consumed[key], f"{where}.consumedCapacity.{key}")
+    return None

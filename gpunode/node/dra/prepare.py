@@ -1,0 +1,260 @@
+"""NodePrepareResources and NodeUnprepareResources, one claim at a time: region, CDI spec, record.
+
+Preparing a claim: its record is looked up first (a prepared claim is answered from it, creating
+nothing); otherwise the ResourceClaim is read from the API server (its UID must be the one the
+kubelet sent), planned (gpunode.node.dra.claims), recorded as `preparing`, its memory-cap region made
+fresh (a cap per capped GPU: the memory its results consume; the whole GPU is not capped), its CDI
+spec written, and the record marked `prepared` with the CDI device IDs. Unpreparing removes the
+spec, the region and the record. Either is serialized per claim UID; a failure is a ClaimRefused
+for that claim alone, and what a failed prepare made is removed before it answers.
+
+Regions of claims live in their own root, `<stateDir>/dra/memcap`, apart from the device plugin's,
+whose collector removes regions of containers the kubelet's pod-resources API does not list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpunode.config.agent import Config
+from gpunode.errors import ClaimRefused, KubeError, KubeNotFound, MemcapError
+from gpunode.node import memcap
+from gpunode.node.devices.base import Gpu
+from gpunode.node.dra import cdi
+from gpunode.node.dra.checkpoint import PREPARED, PREPARING, ClaimCheckpoint, ClaimRecord
+from gpunode.node.dra.claims import ClaimPlan, ClaimRef, check_uid, plan_claim
+from gpunode.node.dra.devices import DeviceDirectory
+
+log = logging.getLogger(__name__)
+
+ClaimFetcher = Callable[[ClaimRef], Awaitable[dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What NodePrepareResources answers for one claim: per allocation result, its CDI device ID."""
+
+    plan: ClaimPlan
+    cdi_ids: tuple[str, ...]
+
+
+def region_key(uid: str) -> str:
+    """The memory-cap region of a claim."""
+    return f"claim-{check_uid(uid)}"
+
+
+@dataclass
+class Preparer:
+    """Prepares and unprepares claims for one driver on this node."""
+
+    config: Config
+    fetch_claim: ClaimFetcher
+    directory: DeviceDirectory
+    gpus: Callable[[], Sequence[Gpu]]
+    preload_lib: Path | None = None  # the host copy of the interposer; None: the package's own
+    with_device_nodes: bool = True  # False on the simulated backend, whose /dev/nvidia* do not exist
+    _locks: dict[str, tuple[asyncio.Lock, list[int]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        root = self.config.state_dir / "dra"
+        self.regions_root = root / "memcap"
+        self.checkpoint = ClaimCheckpoint(root / "claims")
+        self.driver = self.config.dra.driver_name
+        self.cdi_dir = self.config.dra.cdi_dir
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    def recover(self) -> tuple[int, int]:
+        """At start: roll back claims the last agent left mid-prepare (their region, spec and record go;
+        the kubelet prepares them again) and keep prepared ones. Returns (rolled back, kept)."""
+        memcap.secure_root(self.regions_root)
+        rolled = kept = 0
+        for uid in self.checkpoint.uids():
+            try:
+                record = self.checkpoint.load(uid)
+            except ValueError as exc:
+                log.warning("DRA: %s; removing the claim's spec and region", exc)
+                record = None
+            if record is not None and record.state == PREPARED:
+                kept += 1
+                continue
+            self._remove(uid)
+            rolled += 1
+        if rolled:
+            log.info("DRA: rolled back %d claim(s) left mid-prepare; the kubelet prepares them again", rolled)
+        return rolled, kept
+
+    # -- prepare -----------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _serial(self, uid: str) -> AsyncIterator[None]:
+        """One prepare or unprepare of a claim at a time (the lock goes when nobody holds or awaits it)."""
+        entry = self._locks.setdefault(uid, (asyncio.Lock(), [0]))
+        entry[1][0] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1][0] -= 1
+            if entry[1][0] == 0:
+                self._locks.pop(uid, None)
+
+    async def prepare(self, ref: ClaimRef) -> Prepared:
+        """Prepare one claim (idempotent); ClaimRefused says why it cannot be."""
+        check_uid(ref.uid)
+        async with self._serial(ref.uid):
+            return await self._prepare(ref)
+
+    async def _prepare(self, ref: ClaimRef) -> Prepared:
+        try:
+            record = await asyncio.to_thread(self.checkpoint.load, ref.uid)
+        except ValueError as exc:
+            log.warning("DRA: %s; preparing the claim afresh", exc)
+            record = None
+        if record is not None and record.state == PREPARED and await asyncio.to_thread(self._intact, record):
+            return Prepared(record.plan, record.cdi_ids)
+        if record is not None:  # mid-prepare, or damaged since: start again from nothing
+            await asyncio.to_thread(self._remove, ref.uid)
+        plan = await self._plan(ref)
+        return await asyncio.to_thread(self._make, plan)
+
+    async def _plan(self, ref: ClaimRef) -> ClaimPlan:
+        try:
+            claim = await self.fetch_claim(ref)
+        except KubeNotFound:
+            raise ClaimRefused(
+                f"claim {ref}: the ResourceClaim does not exist", hint="it was deleted before the pod started"
+            ) from None
+        except KubeError as exc:
+            raise ClaimRefused(f"claim {ref}: cannot read the ResourceClaim: {exc}", hint=exc.hint) from None
+        known = {(d.pool, d.name): d for d in self.directory.all()}
+        # Look up every device the allocation names first (reading the slices again on a miss).
+        results = ((claim.get("status") or {}).get("allocation") or {}).get("devices", {}).get("results")
+        for r in results if isinstance(results, list) else ():
+            if isinstance(r, dict) and r.get("driver") == self.driver:
+                pool, name = r.get("pool"), r.get("device")
+                if isinstance(pool, str) and isinstance(name, str) and (pool, name) not in known:
+                    try:
+                        info = await self.directory.lookup(pool, name)
+                    except KubeError as exc:
+                        raise ClaimRefused(
+                            f"claim {ref}: cannot read this node's ResourceSlices: {exc}"
+                        ) from None
+                    if info is not None:
+                        known[(pool, name)] = info
+        gpus = {g.uuid: g for g in self.gpus()}
+
+        def memory(uuid: str) -> int | None:
+            gpu = gpus.get(uuid)
+            if gpu is None or not self.config.dra.serves(gpu.index, gpu.uuid):
+                return None
+            return gpu.memory_total_bytes
+
+        return plan_claim(
+            ref,
+            claim,
+            driver=self.driver,
+            device=lambda pool, name: known.get((pool, name)),
+            gpu_memory=memory,
+        )
+
+    def _caps(self, plan: ClaimPlan) -> tuple[memcap.DeviceCap, ...]:
+        """One cap per GPU of the claim (shares of one GPU add up); none when nothing is capped."""
+        if all(d.memory_bytes is None for d in plan.devices):
+            return ()
+        totals = {g.uuid: g.memory_total_bytes for g in self.gpus()}
+        limits: dict[str, int] = {}
+        for d in plan.devices:
+            total = totals[d.gpu_uuid]
+            used = limits.get(d.gpu_uuid, 0) + (d.memory_bytes if d.memory_bytes is not None else total)
+            limits[d.gpu_uuid] = min(total, used)
+        return tuple(memcap.DeviceCap(uuid, limit, totals[uuid]) for uuid, limit in limits.items())
+
+    def _make(self, plan: ClaimPlan) -> Prepared:
+        """Record, make the region and the spec, record as prepared; on failure remove what was made."""
+        uid = plan.claim.uid
+        caps = self._caps(plan)
+        key = region_key(uid) if caps else None
+        ids = tuple(cdi.device_id(self.driver, uid, n) for n in range(len(plan.devices)))
+        try:
+            self.checkpoint.write(ClaimRecord(PREPARING, plan, key))
+            cap_spec = None
+            if key is not None:
+                region = memcap.replace_region(self.regions_root, key, devices=caps, fail_open=plan.fail_open)
+                cap_spec = memcap.container_spec(
+                    region,
+                    preload_lib=self.preload_lib,
+                    visible_device=",".join(c.uuid for c in caps),
+                    ld_so_preload=self.config.fractional.ld_so_preload,
+                )
+            minors = {g.uuid: g.minor for g in self.gpus()}
+            spec = cdi.build_spec(
+                driver=self.driver,
+                uid=uid,
+                gpu_minors=[minors[d.gpu_uuid] for d in plan.devices],
+                gpu_uuids=[d.gpu_uuid for d in plan.devices],
+                device_root=self.config.device_root,
+                with_device_nodes=self.with_device_nodes,
+                cap=cap_spec,
+            )
+            cdi.write_spec(self.cdi_dir, self.driver, uid, spec)
+            self.checkpoint.write(ClaimRecord(PREPARED, plan, key, ids))
+        except (OSError, MemcapError) as exc:
+            self._remove(uid)
+            what = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ClaimRefused(
+                f"claim {plan.claim}: cannot prepare it on this node: {what}",
+                hint=f"check that {self.config.state_dir} and {self.cdi_dir} are writable by the agent",
+            ) from None
+        log.info(
+            "DRA: prepared claim %s: %s",
+            plan.claim,
+            ", ".join(
+                f"{d.pool}/{d.device}" + (f" ({d.memory_bytes} bytes)" if d.memory_bytes else "")
+                for d in plan.devices
+            ),
+        )
+        return Prepared(plan, ids)
+
+    def _intact(self, record: ClaimRecord) -> bool:
+        """Whether a prepared claim's spec and region are still there."""
+        uid = record.plan.claim.uid
+        if not cdi.spec_path(self.cdi_dir, self.driver, uid).is_file():
+            return False
+        return record.region is None or (self.regions_root / record.region / memcap.LIMIT_FILE).is_file()
+
+    # -- unprepare ---------------------------------------------------------------------------
+
+    async def unprepare(self, ref: ClaimRef) -> None:
+        """Remove the claim's spec, region and record (a claim not prepared here is no error)."""
+        check_uid(ref.uid)
+        async with self._serial(ref.uid):
+            try:
+                await asyncio.to_thread(self._remove, ref.uid)
+            except (OSError, MemcapError) as exc:
+                raise ClaimRefused(f"claim {ref}: cannot unprepare it: {exc}") from None
+        log.info("DRA: unprepared claim %s", ref)
+
+    def _remove(self, uid: str) -> None:
+        """Spec first (no new container gets the claim), then the region, then the record."""
+        cdi.remove_spec(self.cdi_dir, self.driver, uid)
+        memcap.remove_region(self.regions_root, region_key(uid))
+        self.checkpoint.remove(uid)
+
+    def prepared(self) -> list[ClaimRecord]:
+        """The records of the claims prepared now (for the health stream and tests)."""
+        out = []
+        for uid in self.checkpoint.uids():
+            try:
+                record = self.checkpoint.load(uid)
+            except ValueError:
+                continue
+            if record is not None and record.state == PREPARED:
+                out.append(record)
+        return out
