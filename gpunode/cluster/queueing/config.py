@@ -111,6 +111,10 @@ class BackfillSettings:
     reservations: int = 32  # jobs holding a reservation at once: the head of line, then multi-GPU jobs
     reservations_per_queue: int = 8  # the most of those further reservations the jobs of one leaf hold
     reserve_after_s: float = 0.0  # a job gets a further reservation only once it has waited this long
+    # the reservations' jobs together ask at most this share of the cluster's GPUs (the head of line's
+    # reservation always counts; a further one that would pass it waits)
+    reserved_share: float = 1.0
+    learn_estimates: bool = False  # runtime estimates corrected from each queue's completed jobs (history.py)
 
 
 @dataclass(frozen=True)
@@ -230,6 +234,8 @@ def parse_queue_config(data: object, where: str) -> QueueConfig:
         reservations=back.integer("reservations", 32, minimum=1, maximum=64),
         reservations_per_queue=back.integer("reservationsPerQueue", 8, minimum=0, maximum=64),
         reserve_after_s=back.duration("reserveAfter", 0.0),
+        reserved_share=back.number("reservedShare", BackfillSettings.reserved_share, minimum=0, maximum=1),
+        learn_estimates=back.flag("learnEstimates", BackfillSettings.learn_estimates),
     )
     back.finish()
     gang = top.section("gang")

@@ -59,6 +59,7 @@ from gpunode.cluster.queueing.backfill import Reservation
 from gpunode.cluster.queueing.capacity import ClusterCapacity
 from gpunode.cluster.queueing.config import QueueConfig
 from gpunode.cluster.queueing.fairshare import UsageLedger
+from gpunode.cluster.queueing.history import RuntimeHistory
 from gpunode.cluster.queueing.lostwork import LostWork
 from gpunode.cluster.queueing.model import (
     GPU,
@@ -156,6 +157,9 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
         self.reservations_max = config.backfill.reservations
         self.reservations_per_queue = config.backfill.reservations_per_queue
         self.reserve_after_s = config.backfill.reserve_after_s
+        self.reserved_share = config.backfill.reserved_share
+        self._history = RuntimeHistory() if self.backfill and config.backfill.learn_estimates else None
+        self._restarted: set[str] = set()  # jobs stopped before completing once (their runtime is no length)
         self.shares: dict[str, Amounts] = {}
         self._touched: list[Pending] = []
         self.reasons = Reasons(self)
@@ -174,13 +178,17 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
         """A running job completed: release what it holds."""
         self._advance(now)
         if name in self.running:
-            self._stop(name)
+            r = self._stop(name)
+            if self._history is not None and name not in self._restarted:
+                self._history.completed(r.job, now - r.start)
+            self._restarted.discard(name)
 
     def killed(self, name: str, now: float) -> None:
         """A running job stopped before completing: release it and requeue its job (ignored if not running)."""
         self._advance(now)
         if name in self.running:
             job = self._stop(name).job
+            self._restarted.add(name)
             self._enqueue(job, now)
 
     def checkpoint(self, name: str, t: float) -> None:
@@ -354,7 +362,7 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
             seq=next(self._seq),
             since=now,
             shape=self._shape_of(job.pods),
-            runtime=self.default_runtime_s if job.runtime_estimate is None else job.runtime_estimate,
+            runtime=self._planned_runtime(job),
         )
         self._pending[job.name] = p
         lst = self._lists.setdefault(ALL if self.preset.order == "global" else job.queue, WaitList())
@@ -388,7 +396,7 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
         self._preempt_failed.pop(job.name, None)
         self._pending_demand[job.queue] = sub(self._pending_demand[job.queue], p.demand)
         r = self.running[job.name] = RunningJob(
-            job=job, start=now, plan=plan, usage=amounts, borrowed=borrowed
+            job=job, start=now, plan=plan, usage=amounts, borrowed=borrowed, estimate=p.runtime
         )
         self._by_queue[job.queue][job.name] = r
         self._lost.add(r)
@@ -458,6 +466,12 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
 
     _free_stamp: tuple[int, int] | None = None
     _free_cache = 0
+
+    def _planned_runtime(self, job: Job) -> float:
+        """What backfill plans the job with: its estimate (or the default), corrected by history when on."""
+        if self._history is not None:
+            return self._history.estimate(job, self.default_runtime_s)
+        return self.default_runtime_s if job.runtime_estimate is None else job.runtime_estimate
 
     def _shape_of(self, pods: tuple[object, ...]) -> int:
         shape = self._shapes.get(pods)

@@ -130,10 +130,11 @@ class RunningJob:
     notice_deadline: float | None = None  # set once it is told to stop
     preemptor: str | None = None  # the job it makes room for
     idle_since: float | None = None  # its GPUs have been idle since (set by the driver: Scheduler.mark_idle)
+    estimate: float | None = None  # the runtime backfill planned it with (None: the job's own estimate)
 
     def expected_end(self, default_runtime: float) -> float:
-        """When backfill expects it to end: start + its estimate (or the default)."""
-        estimate = self.job.runtime_estimate
+        """When backfill expects it to end: start + the planned runtime (or its estimate, or the default)."""
+        estimate = self.estimate if self.estimate is not None else self.job.runtime_estimate
         return self.start + (default_runtime if estimate is None else estimate)
 
     @property

@@ -56,6 +56,7 @@ class Rooms:
         share_reclaim: tuple[float, float] | None
         reservations_per_queue: int
         reserve_after_s: float
+        reserved_share: float
         priority_preemption: bool
         backfill: bool
         notice_s: float
@@ -90,6 +91,7 @@ class Rooms:
     _reserved_names: frozenset[str] = frozenset()  # the jobs holding a reservation (as of _exclusions)
     _notices: list[tuple[float, str]]
     _young: list[tuple[float, str]]
+    _restarted: set[str]
     fast_reserve = True  # backfill.reserve's fast search (False: the plain one, for tests comparing them)
 
     def _preempt(self, p: Pending, now: float, d: Decisions) -> bool:
@@ -206,6 +208,8 @@ class Rooms:
             or now - p.since < self.reserve_after_s
         ):
             return False
+        if self.reserved_share < 1.0 and not self._within_reserved_share(p):
+            return False
         if self.reservations_per_queue < self.reservations_max - 1:  # one queue may not take them all
             queue, pending = p.job.queue, self._pending
             held = sum(1 for n in self._extra if (o := pending.get(n)) is not None and o.job.queue == queue)
@@ -220,6 +224,14 @@ class Rooms:
             self._exclusions()
             p.why = self.reasons.reserved(p, res)
         return True
+
+    def _within_reserved_share(self, p: Pending) -> bool:
+        """Whether p's GPUs and those of the jobs already holding a reservation stay within the share."""
+        pending = self._pending
+        held = sum(
+            o.demand.get(GPU, 0) for n, _ in self._all_reservations() if (o := pending.get(n)) is not None
+        )
+        return held + p.demand.get(GPU, 0) <= self.reserved_share * self.cap.capacity().get(GPU, 0)
 
     def _refresh_extra(self, name: str, now: float, released: set[str]) -> None:
         """As _refresh_reservation, for one of the further reservations."""
@@ -301,6 +313,7 @@ class Rooms:
                 due.append(r)  # entries of jobs that stopped, or whose notice was lifted, are passed over
         for r in due:
             self._stop(r.job.name)
+            self._restarted.add(r.job.name)
             self._enqueue(r.job, now)
             d.kill.append(r.job.name)
 
