@@ -36,6 +36,7 @@ from gpunode.node.parts import (
     StateDirWatch,
     add_gauge,
     build_assignments,
+    build_dra_slices,
     build_health,
     build_idle_watch,
     build_metrics,
@@ -104,6 +105,7 @@ class Agent:
         self.region_keeper: Any = None  # gpunode.node.memcap.gc.RegionKeeper when memory caps are in use
         self.checkpoint = Checkpoint(config.state_dir)
         self.gate: Any = None  # gpunode.node.drain.SharingGate: reloads and rediscovery go through it
+        self.dra_slices: Any = None  # gpunode.node.dra.slices.SlicePublisher when DRA is enabled
 
     @property
     def backend(self) -> Backend:
@@ -244,6 +246,9 @@ class Agent:
             assert self.metrics_endpoint is not None
             sup.start("metrics endpoint", self.metrics_endpoint.run(gates["metrics endpoint"]))
         self._start_publisher(sup)
+        self.dra_slices = build_dra_slices(lambda: self.config, self.backend, self.state, lambda: self.health)
+        if self.dra_slices is not None:
+            sup.start("DRA slices", self.dra_slices.run())
         self._start_region_keeper(sup)
         idle = build_idle_watch(self.config, self.backend, self.state, self.metrics)
         if idle is not None:
@@ -352,6 +357,8 @@ class Agent:
                 srv.servicer.config = config
             inventory = await self.gate.apply(inventory)  # GPUs with holders keep their mode for now
             self.state.forget_vanished()
+            if self.dra_slices is not None:
+                self.dra_slices.poke()  # the slices follow the new configuration
             sdnotify.notify("READY=1")
             log.info("configuration reloaded from %s", config.source)
             self._announce(inventory)

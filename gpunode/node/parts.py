@@ -143,6 +143,50 @@ def build_publisher(config: Config, state: DeviceState) -> Any:
     )
 
 
+def build_dra_slices(
+    config: Callable[[], Config], backend: Backend, state: DeviceState, health: Callable[[], Any]
+) -> Any:
+    """The publisher of this node's ResourceSlices (gpunode.node.dra.slices) for the GPUs gpunode.dra
+    serves, tainted by the health monitor's verdicts; None when DRA is off or the node has no name.
+    `config` and `health` are read at each publication (a reload applies at once)."""
+    from gpunode.infra.kube import KubeClient
+    from gpunode.node.dra.slices import Pool, SlicePublisher, build_pool
+    from gpunode.node.dra.taints import device_taints
+
+    first = config()
+    if not first.dra.enabled:
+        return None
+    if not first.node_name:
+        log.warning("DRA: no node name (NODE_NAME or --node-name), so no ResourceSlice is published")
+        return None
+    driver_version = backend.driver_version()
+
+    def pool() -> Pool:
+        cfg, monitor = config(), health()
+        verdicts = monitor.verdicts() if monitor is not None else {}
+        served = [g for g in state.snapshot().inventory.gpus if cfg.dra.serves(g.index, g.uuid)]
+        return build_pool(
+            served,
+            unit_bytes=cfg.fractional.unit_bytes,
+            driver_version=driver_version,
+            taints=device_taints(verdicts, cfg.health.xid),
+        )
+
+    async def changed(version: int) -> int:
+        return (await state.wait_for_change(version)).version
+
+    rem_cfg = first.remediation
+    return SlicePublisher(
+        client_factory=lambda: KubeClient.from_environment(
+            kubeconfig=rem_cfg.kubeconfig, request_timeout_s=rem_cfg.request_timeout_s
+        ),
+        node_name=first.node_name,
+        driver=first.dra.driver_name,
+        pool=pool,
+        changed=changed,
+    )
+
+
 def build_assignments(config: Config, state: DeviceState, plugins: Any, publisher: Any, metrics: Any) -> Any:
     """The book of the scheduler extender's GPU assignments to carry out (gpunode.node.assignments), wired
     into the device plugins' hooks and the metrics, with every Allocate told to the publisher; None
