@@ -104,6 +104,7 @@ class Sharing(enum.StrEnum):
     FRACTIONAL = "fractional"  # memory units with a cap enforced by the interposer
     TIME_SLICED = "time-sliced"  # replicas that share the GPU without isolation
     MIG = "mig"  # split into MIG instances
+    DRA = "dra"  # served through the DRA kubelet plugin (gpunode.dra), not the device plugin
 
 
 SHARING_MODES: tuple[str, ...] = tuple(m.value for m in Sharing)

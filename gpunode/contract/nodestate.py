@@ -16,7 +16,7 @@ Key `gpunode.io/gpu-state` on the Node object. Version v1 (JSON, camelCase):
         "milliAssigned": 250,            # compute share handed out
         "memoryAssignedBytes": 21474836480,
         "health": "Healthy",             # or "Unhealthy"
-        "sharing": "fractional",         # whole | fractional | time-sliced | mig
+        "sharing": "fractional",         # whole | fractional | time-sliced | mig | dra
         "servesWhole": false,            # optional: whether a whole-GPU request (nvidia.com/gpu) may take it
         "mig": [{"profile": "1g.10gb", "uuid": "MIG-...", "assigned": false}],
         "nvlinkPeers": ["GPU-..."],
@@ -27,13 +27,19 @@ Key `gpunode.io/gpu-state` on the Node object. Version v1 (JSON, camelCase):
 
 `servesWhole` says whether the node gives this GPU to a whole-GPU request
 when it is fully free, i.e. whether the agent also advertises it as
-nvidia.com/gpu. A `whole` GPU always does and a `mig` or `time-sliced` one
-never does (the other value is refused); for a `fractional` GPU it is the
+nvidia.com/gpu. A `whole` GPU always does and a `mig`, `time-sliced` or `dra`
+one never does (the other value is refused); for a `fractional` GPU it is the
 agent's word. The field was added to v1 as an optional one (old readers ignore
 it, so no new version): an annotation without it means `sharing == "whole"`,
 the safe reading of an agent from before it, which advertised fractional GPUs
 only as memory units. Read as true, such an agent's free fractional GPUs would
 be assigned to whole-GPU pods that the node then places elsewhere.
+
+A `dra` GPU is served through the DRA kubelet plugin (gpunode.dra.devices)
+and advertised nothing by the device plugin: the scheduler extender places no
+device-plugin pod on it, and its claims are allocated by kube-scheduler from the
+node's ResourceSlices. An extender from before `dra` refuses such an annotation
+(an unknown value), so it leaves that node to kube-scheduler alone.
 
 `updated` is the publication time: the agent sets it on every publish, on a
 change and on its periodic refresh (nodeState.interval, 60 s by default) even

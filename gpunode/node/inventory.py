@@ -1,7 +1,8 @@
 """From physical GPUs and the configuration to the resources and device IDs the node advertises.
 
 Pure functions over frozen data: no I/O, no NVML, no gRPC. `build_inventory`
-decides one sharing mode per GPU (whole, time-sliced, fractional or MIG),
+decides one sharing mode per GPU (whole, time-sliced, fractional or MIG, or
+`dra` for a GPU the DRA kubelet plugin serves instead: it is advertised nothing),
 names every advertised device the way the NVIDIA device plugin does (GPU UUID,
 MIG UUID, `<id>::<n>` replicas) plus gpunode's memory units
 (`<id>::mem<n>`; both formats are gpunode.contract.deviceids), and says why
@@ -259,6 +260,10 @@ def build_inventory(gpus: Sequence[Gpu], cfg: Config, *, strict: bool = True) ->
     for gpu in gpus:
         if len(devices) > MAX_DEVICES_PER_NODE:
             _too_many_devices(cfg, len(devices), gpu)
+        if cfg.dra.serves(gpu.index, gpu.uuid):  # a GPU is served by DRA or by the device plugin, never both
+            _check_not_named(selectors, gpu, problem)
+            modes.append((gpu.uuid, Sharing.DRA))
+            continue
         mode = _sharing_mode(cfg, gpu, count, problem)
         modes.append((gpu.uuid, mode))
         if mode == Sharing.MIG:
@@ -282,6 +287,17 @@ def build_inventory(gpus: Sequence[Gpu], cfg: Config, *, strict: bool = True) ->
             "sharing.timeSlicing.renameByDefault or rename to tell them apart"
         )
     return Inventory(devices=tuple(devices), gpus=tuple(gpus), modes=tuple(modes), warnings=tuple(warnings))
+
+
+def _check_not_named(selectors: Sequence[DeviceSelector], gpu: Gpu, problem: _Problems) -> None:
+    """A device-plugin selector that lists a GPU DRA serves (by index or UUID) is a problem."""
+    for sel in selectors:
+        if not sel.all and (gpu.index in sel.indexes or gpu.uuid in sel.uuids):
+            problem(
+                f"{sel.where}: GPU {gpu.index} ({gpu.uuid}) is served through DRA (gpunode.dra.devices); "
+                "a GPU is served by DRA or by the device plugin, not both",
+                hint="remove the GPU from one of the two selections",
+            )
 
 
 def _too_many_devices(cfg: Config, count: int, at: Gpu | None) -> None:

@@ -150,7 +150,7 @@ def test_resource_and_annotation_names() -> None:
 
 
 def test_one_set_of_sharing_modes_for_node_placement_and_schema() -> None:
-    assert SHARING_MODES == ("whole", "fractional", "time-sliced", "mig")
+    assert SHARING_MODES == ("whole", "fractional", "time-sliced", "mig", "dra")
     assert placement.Sharing is Sharing and placement.SHARING_MODES == SHARING_MODES
     schema = load_schema()
     assert tuple(schema["$defs"]["gpu"]["properties"]["sharing"]["enum"]) == SHARING_MODES
