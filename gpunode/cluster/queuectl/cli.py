@@ -90,7 +90,7 @@ def _listen(text: str, flag: str = "--metrics-listen", example: str = ":9403") -
     return host.strip("[]"), int(port)
 
 
-def _webhook(args: argparse.Namespace, ctl: QueueController) -> AdmissionWebhook | None:
+def build_webhook(args: argparse.Namespace, ctl: QueueController) -> AdmissionWebhook | None:
     """The admission webhook the --webhook-* flags describe (certificate files read here), or None."""
     cert, key = args.webhook_tls_cert_file, args.webhook_tls_key_file
     if not args.webhook_listen:
@@ -166,7 +166,7 @@ def run_queue_cli(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         server = ctl.metrics.server(*listen) if listen is not None else None
-        webhook = _webhook(args, ctl)
+        webhook = build_webhook(args, ctl)
         if server is not None:
             await server.start()
         if webhook is not None:
