@@ -8,6 +8,7 @@ import datetime
 import json
 import ssl
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,17 @@ from gpunode.contract.names import (
 )
 from gpunode.errors import InvalidRequest
 from tests.cluster.queuectl.helpers import config, node, pod
+from tests.cluster.queuectl.test_controller import add_node, admission, controller, running, until
 from tests.e2e.pki import CertificateAuthority
+from tests.fakes.apiserver import ApiServerStandIn
 
 OTHER_GATE = {"name": "example.com/other"}
+
+
+@pytest.fixture
+def api() -> Iterator[ApiServerStandIn]:
+    with ApiServerStandIn() as server:
+        yield server
 
 
 def gated_pod(name: str, uid: str, **kw: Any) -> dict[str, Any]:
@@ -282,3 +291,70 @@ def test_an_unaffected_pod_needs_no_patch() -> None:
     p["spec"]["schedulingGates"] = [{"name": ADMISSION_GATE}]
     assert add_gate_patch(p) == [] and gated(p)
     assert QUEUE_LABEL in p["metadata"]["labels"]
+
+
+# ----- the live controller against the API server stand-in ------------------------------------------
+
+
+def _spec_patches(api: ApiServerStandIn) -> list[Any]:
+    return [r for r in api.requests("PATCH", r"/pods/") if "spec" in (r.body or {})]
+
+
+def test_the_controller_sends_every_mark_before_any_release(api: ApiServerStandIn) -> None:
+    add_node(api, "n1", 2)
+    add_node(api, "n2", 2)
+    for i in range(4):
+        member = pod(f"g{i}", gang="g", size=4)
+        member["spec"]["schedulingGates"] = [{"name": ADMISSION_GATE}]
+        api.put_pod(member)
+
+    async def main() -> None:
+        ctl = controller(api)
+        async with running(ctl):
+            await until(lambda: len(_spec_patches(api)) == 4, "four releases")
+        writes = api.requests("PATCH", r"/pods/g\d$")
+        kinds = ["spec" if "spec" in (r.body or {}) else "mark" for r in writes]
+        assert kinds == ["mark"] * 4 + ["spec"] * 4, kinds
+        for r in _spec_patches(api):
+            name = r.path.rsplit("/", 1)[1]
+            mark = admission(api, name)
+            assert mark is not None
+            terms = r.body["spec"]["affinity"]["nodeAffinity"][
+                "requiredDuringSchedulingIgnoredDuringExecution"
+            ]
+            assert terms["nodeSelectorTerms"] == [
+                {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [mark["node"]]}]}
+            ]
+            assert r.body["spec"]["schedulingGates"] is None
+
+    asyncio.run(main())
+
+
+def test_no_member_is_released_when_a_mark_of_its_gang_fails(api: ApiServerStandIn) -> None:
+    add_node(api, "n1", 2)
+    add_node(api, "n2", 2)
+    api.fail("PATCH", r"/pods/g2$", 500, times=1)  # one member's mark is refused, the others land
+    for i in range(4):
+        member = pod(f"g{i}", gang="g", size=4)
+        member["spec"]["schedulingGates"] = [{"name": ADMISSION_GATE}]
+        api.put_pod(member)
+
+    async def main() -> None:
+        ctl = controller(api)
+        async with running(ctl):
+            await until(lambda: len(_spec_patches(api)) == 4, "the gang released once re-admitted whole")
+        writes = api.requests("PATCH", r"/pods/g\d$")
+        first_release = next(i for i, r in enumerate(writes) if "spec" in (r.body or {}))
+        undone = [
+            r
+            for r in writes[:first_release]
+            if ((r.body or {}).get("metadata") or {})
+            .get("annotations", {})
+            .get(QUEUE_ADMITTED_ANNOTATION, "")
+            is None
+        ]
+        assert len(undone) == 3, writes  # the part-way admission was undone before anything was released
+        marks = {admission(api, f"g{i}")["at"] for i in range(4)}  # type: ignore[index]
+        assert len(marks) == 1
+
+    asyncio.run(main())
