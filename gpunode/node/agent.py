@@ -36,6 +36,7 @@ from gpunode.node.parts import (
     StateDirWatch,
     add_gauge,
     build_assignments,
+    build_dra_plugin,
     build_dra_slices,
     build_health,
     build_idle_watch,
@@ -105,6 +106,7 @@ class Agent:
         self.region_keeper: Any = None  # gpunode.node.memcap.gc.RegionKeeper when memory caps are in use
         self.checkpoint = Checkpoint(config.state_dir)
         self.gate: Any = None  # gpunode.node.drain.SharingGate: reloads and rediscovery go through it
+        self.dra: Any = None  # gpunode.node.dra.plugin.DraPlugin when gpunode.dra.enabled
         self.dra_slices: Any = None  # gpunode.node.dra.slices.SlicePublisher when DRA is enabled
 
     @property
@@ -203,6 +205,7 @@ class Agent:
         await asyncio.to_thread(allocator.trim, inventory)  # regions an agent without the bound left
         allocator.preload_lib = self._stage_preload(inventory)
         self._announce(inventory)
+        self.dra = build_dra_plugin(self.config, self.backend, self.state)  # refused here, before serving
         sup = self.supervisor = Supervisor()
         stopper = asyncio.ensure_future(self._stop_async.wait())
         stopper.add_done_callback(lambda _: sup.stop())
@@ -249,6 +252,9 @@ class Agent:
         self.dra_slices = build_dra_slices(lambda: self.config, self.backend, self.state, lambda: self.health)
         if self.dra_slices is not None:
             sup.start("DRA slices", self.dra_slices.run())
+        if self.dra is not None:  # the DRA kubelet plugin, for the GPUs gpunode.dra.devices gives it
+            gates["DRA plugin"] = asyncio.Event()
+            sup.start("DRA plugin", self.dra.run(ready=gates["DRA plugin"]))
         self._start_region_keeper(sup)
         idle = build_idle_watch(self.config, self.backend, self.state, self.metrics)
         if idle is not None:
@@ -339,6 +345,12 @@ class Agent:
                 config, inventory = await asyncio.to_thread(self._load_for_reload, self._config_loader)
             except GpunodeError as exc:
                 log.error("reload refused, keeping the running configuration: %s (hint: %s)", exc, exc.hint)
+                continue
+            if config.dra != self.config.dra:  # which GPUs DRA serves moves GPUs between the two APIs
+                log.error(
+                    "reload refused, keeping the running configuration: gpunode.dra changed "
+                    "(hint: restart the agent to apply it; prepared claims are kept across the restart)"
+                )
                 continue
             sdnotify.notify("RELOADING=1")
             for section in ("health", "remediation", "metrics", "idle"):

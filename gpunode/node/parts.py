@@ -2,7 +2,7 @@
 
 Health checks and remediation, the metrics collector and its endpoint, the
 memory-cap region keeper, the node-state publisher, the book of the extender's
-GPU assignments, the idle-GPU watch and the simulated node's control socket. Each part's modules are imported only when it is built, so a
+GPU assignments, the idle-GPU watch, the DRA kubelet plugin and the simulated node's control socket. Each part's modules are imported only when it is built, so a
 node that does not use it never loads them. The Agent (agent.py) starts what
 these return under its supervisor (supervise.py) and keeps them.
 
@@ -184,6 +184,57 @@ def build_dra_slices(
         driver=first.dra.driver_name,
         pool=pool,
         changed=changed,
+    )
+
+
+def build_dra_plugin(config: Config, backend: Backend, state: DeviceState) -> Any:
+    """The DRA kubelet plugin (gpunode.dra), or None when it is off. It reads ResourceClaims and the
+    node's ResourceSlices with the agent's Kubernetes credentials (gpunode.remediation.kubeconfig, else
+    in-cluster or $KUBECONFIG)."""
+    if not config.dra.enabled:
+        return None
+    from gpunode.errors import ConfigError
+    from gpunode.infra.kube import KubeClient
+    from gpunode.node.dra.claims import ClaimRef
+    from gpunode.node.dra.devices import DeviceDirectory, kube_slice_lister
+    from gpunode.node.dra.plugin import DraPlugin
+    from gpunode.node.dra.prepare import Preparer
+    from gpunode.node.memcap.gc import stage_preload_library
+
+    if not config.node_name:
+        raise ConfigError(
+            "gpunode.dra.enabled: the DRA plugin needs the node's name (its ResourceSlices and claims name it)",
+            hint="set NODE_NAME (the chart sets it from spec.nodeName) or gpunode.nodeName",
+        )
+    rem_cfg = config.remediation
+    client = KubeClient.from_environment(
+        kubeconfig=rem_cfg.kubeconfig, request_timeout_s=rem_cfg.request_timeout_s
+    )
+    driver = config.dra.driver_name
+
+    async def fetch(ref: ClaimRef) -> dict[str, Any]:
+        from lightkube.resources.resource_v1 import ResourceClaim
+
+        claim: dict[str, Any] = await client.get_json(ResourceClaim, ref.name, namespace=ref.namespace)
+        return claim
+
+    preparer = Preparer(
+        config=config,
+        fetch_claim=fetch,
+        directory=DeviceDirectory(
+            kube_slice_lister(client, driver=driver, node=config.node_name),
+            driver=driver,
+            node=config.node_name,
+        ),
+        gpus=backend.gpus,
+        preload_lib=stage_preload_library(config.state_dir),
+        with_device_nodes=not backend.name.startswith("sim"),
+    )
+    return DraPlugin(
+        preparer=preparer,
+        state=state,
+        registration_socket=config.dra.registration_socket(config.kubelet_dir),
+        service_socket=config.dra.service_socket(config.kubelet_dir),
     )
 
 
