@@ -131,6 +131,9 @@ class FakeApi:
         self.claims: dict[tuple[str, str], dict[str, Any]] = {}
         self.slices: list[dict[str, Any]] = slice_devices()
         self.requests: list[str] = []
+        self.lock = threading.Lock()
+        self.version = 1
+        self.node_uid = new_uid()
         api = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -138,6 +141,37 @@ class FakeApi:
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass
+
+            def _send(self, code: int, body: Any) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _body(self) -> Any:
+                length = int(self.headers.get("Content-Length") or 0)
+                return json.loads(self.rfile.read(length) or b"null")
+
+            def do_POST(self) -> None:  # create a ResourceSlice (the slice publisher's writes)
+                body = self._body()
+                with api.lock:
+                    api.version += 1
+                    body.setdefault("metadata", {})["resourceVersion"] = str(api.version)
+                    body["metadata"].setdefault("uid", new_uid())
+                    api.slices = [s for s in api.slices if s["metadata"]["name"] != body["metadata"]["name"]]
+                    api.slices.append(body)
+                self._send(201, body)
+
+            do_PUT = do_POST
+
+            def do_DELETE(self) -> None:
+                name = unquote(urlsplit(self.path).path.rstrip("/").rsplit("/", 1)[-1])
+                self._body()
+                with api.lock:
+                    api.slices = [s for s in api.slices if s["metadata"]["name"] != name]
+                self._send(200, {"kind": "Status", "status": "Success"})
 
             def do_GET(self) -> None:
                 url = urlsplit(self.path)
@@ -147,6 +181,15 @@ class FakeApi:
                     404,
                     {"kind": "Status", "code": 404, "reason": "NotFound", "message": "not found"},
                 )
+                if parts[:3] == ["api", "v1", "nodes"] and len(parts) == 4:  # the slices' owner
+                    code, body = (
+                        200,
+                        {
+                            "apiVersion": "v1",
+                            "kind": "Node",
+                            "metadata": {"name": parts[3], "uid": api.node_uid, "resourceVersion": "1"},
+                        },
+                    )
                 if parts[:3] == ["apis", "resource.k8s.io", "v1"]:
                     rest = parts[3:]
                     if rest == ["resourceslices"]:
@@ -154,11 +197,11 @@ class FakeApi:
                         terms = dict(t.split("=", 1) for t in query.get("fieldSelector", "").split(",") if t)
                         items = [
                             s
-                            for s in api.slices
+                            for s in list(api.slices)
                             if all(
                                 {
-                                    "spec.nodeName": s["spec"]["nodeName"],
-                                    "spec.driver": s["spec"]["driver"],
+                                    "spec.nodeName": s["spec"].get("nodeName"),
+                                    "spec.driver": s["spec"].get("driver"),
                                 }.get(k)
                                 == v
                                 for k, v in terms.items()
@@ -168,7 +211,7 @@ class FakeApi:
                             200,
                             {
                                 "kind": "ResourceSliceList",
-                                "metadata": {"resourceVersion": "1"},
+                                "metadata": {"resourceVersion": str(api.version)},
                                 "items": items,
                             },
                         )
@@ -176,12 +219,7 @@ class FakeApi:
                         found = api.claims.get((rest[1], rest[3]))
                         if found is not None:
                             code, body = 200, found
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                self._send(code, body)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
@@ -191,6 +229,22 @@ class FakeApi:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def kubeconfig(self, path: Path) -> Path:
+        """A kubeconfig naming this server (no credentials), for the agent's own client."""
+        path.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+                    "users": [{"name": "fake", "user": {}}],
+                    "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
+                    "current-context": "fake",
+                }
+            )
+        )
+        return path
 
     def add(self, obj: dict[str, Any]) -> ClaimRef:
         meta = obj["metadata"]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from gpunode.contract import dra as names
 from gpunode.contract.reader import excerpt, format_bytes
 from gpunode.errors import ClaimRefused
 
@@ -27,7 +28,7 @@ MAX_RESULTS = 32  # allocation results of one claim for this driver (the API all
 MAX_OPAQUE_BYTES = 10 * 1024  # the API server's own bound on opaque parameters
 OPAQUE_API_VERSION = "gpunode.io/v1alpha1"
 OPAQUE_KIND = "GpuConfig"
-MEMORY_CAPACITY = "memory"  # the capacity a shared device's claims consume (gpunode.contract.dra)
+MEMORY_CAPACITY = names.CAPACITY_MEMORY  # the capacity a shared device's claims consume
 
 # Quantity suffixes (Kubernetes' resource.Quantity); memory is a whole number of bytes.
 _SUFFIX = {
@@ -272,7 +273,7 @@ def plan_claim(
                 f"{where}: device {pool}/{name} is not one of this node's {driver} devices",
                 hint="the claim was allocated for another node, or the node's ResourceSlice changed since",
             )
-        if info.kind != "gpu":
+        if info.kind != names.TYPE_GPU:
             raise ClaimRefused(
                 f"{where}: device {pool}/{name} is a MIG placement; gpunode's kubelet plugin prepares whole "
                 "and shared GPUs only",
@@ -284,8 +285,9 @@ def plan_claim(
                 f"{where}: GPU {info.gpu_uuid} is not served through DRA on this node",
                 hint="gpunode.dra.devices lists the GPUs DRA serves; the device plugin serves the others",
             )
-        memory = _consumed(result, driver, where) if info.sharing == "shared" else None
-        if info.sharing == "shared" and memory is None:
+        shared = info.sharing == names.SHARING_SHARED
+        memory = _consumed(result, driver, where) if shared else None
+        if shared and memory is None:
             raise ClaimRefused(
                 f"{where}: the shared device {pool}/{name} has no consumedCapacity.{MEMORY_CAPACITY}",
                 hint="a shared GPU is requested with capacity.requests.memory",

@@ -4,23 +4,21 @@ The allocation result of a claim names a device by pool and name; what GPU that 
 is the whole GPU, a share of its memory or a MIG placement, is what the node's own ResourceSlices
 say (their publisher is gpunode.node.dra.slices). Only slices of this driver on this node are read
 (fieldSelector spec.nodeName and spec.driver), so a claim allocated on another node's device is
-refused. The answer is cached and read again when a name is not found, at most once per
-REFRESH_MIN_S, so a slice republished with new devices is seen without a read per claim.
+refused. The answer is cached and read again when a name is not found (misses at the same time
+share one read), so a slice republished with new devices is seen without a read per claim.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from gpunode.contract import dra as names
 from gpunode.node.dra.claims import DeviceInfo
 
 log = logging.getLogger(__name__)
-
-REFRESH_MIN_S = 1.0  # a miss reads the slices again at most this often
 
 SliceLister = Callable[[], Awaitable[list[dict[str, Any]]]]
 
@@ -48,11 +46,13 @@ def devices_of(slices: list[dict[str, Any]], driver: str, node: str) -> dict[tup
             if not isinstance(dev, Mapping) or not isinstance(dev.get("name"), str):
                 continue
             attrs = dev.get("attributes") or {}
-            uuid = _attribute(attrs, driver, "uuid") if isinstance(attrs, Mapping) else None
+            uuid = _attribute(attrs, driver, names.ATTR_UUID) if isinstance(attrs, Mapping) else None
             if uuid is None:
                 continue
-            kind = _attribute(attrs, driver, "type") or "gpu"
-            sharing = _attribute(attrs, driver, "sharing") or ("mig" if kind == "mig" else "whole")
+            kind = _attribute(attrs, driver, names.ATTR_TYPE) or names.TYPE_GPU
+            sharing = _attribute(attrs, driver, names.ATTR_SHARING) or (
+                names.SHARING_MIG if kind == names.TYPE_MIG else names.SHARING_WHOLE
+            )
             out[(pool_name, dev["name"])] = DeviceInfo(pool_name, dev["name"], uuid, kind, sharing)
     return out
 
@@ -65,22 +65,23 @@ class DeviceDirectory:
         self.driver = driver
         self.node = node
         self._devices: dict[tuple[str, str], DeviceInfo] = {}
-        self._read_at = -REFRESH_MIN_S
+        self.reads = 0  # how often the slices were read
         self._lock = asyncio.Lock()
 
     async def refresh(self) -> None:
         """Read the node's slices now (errors are the lister's: KubeError)."""
         slices = await self._lister()
         self._devices = devices_of(slices, self.driver, self.node)
-        self._read_at = time.monotonic()
+        self.reads += 1
 
     async def lookup(self, pool: str, name: str) -> DeviceInfo | None:
-        """The device, reading the slices again first if it is not known and they were not just read."""
+        """The device, reading the slices again first if it is not known (misses at once share one read)."""
         found = self._devices.get((pool, name))
         if found is not None:
             return found
+        reads = self.reads
         async with self._lock:
-            if time.monotonic() - self._read_at >= REFRESH_MIN_S:
+            if self.reads == reads:  # nobody read them while this miss waited
                 await self.refresh()
         return self._devices.get((pool, name))
 
