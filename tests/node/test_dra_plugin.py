@@ -127,6 +127,8 @@ def test_a_shared_gpu_claim_gets_a_fresh_capped_region_and_a_cdi_spec() -> None:
             spec = json.loads(path.read_text())
             assert spec["kind"] == f"{DRIVER}/claim"
             assert [d["name"] for d in spec["devices"]] == [f"{c.uid}-0"]
+            # CDI refuses a device without edits: each carries the GPU it sees
+            assert spec["devices"][0]["containerEdits"] == {"env": [f"NVIDIA_VISIBLE_DEVICES={GPUS[0].uuid}"]}
             env = dict(e.split("=", 1) for e in spec["containerEdits"]["env"])
             assert env["NVIDIA_VISIBLE_DEVICES"] == GPUS[0].uuid
             assert env["LD_PRELOAD"] == f"{memcap.CONTAINER_DIR}/lib/{memcap.LIBRARY_NAME}"

@@ -75,24 +75,24 @@ def build_spec(
     def node(path: str) -> dict[str, str]:
         return {"path": path, "hostPath": f"{root}{path}"}
 
-    devices = [
-        {
-            "name": device_name(uid, n),
-            "containerEdits": {"deviceNodes": [node(f"/dev/nvidia{minor}")] if with_device_nodes else []},
-        }
-        for n, minor in enumerate(gpu_minors)
-    ]
-    env = {"NVIDIA_VISIBLE_DEVICES": ",".join(dict.fromkeys(gpu_uuids))}
-    mounts: list[dict[str, Any]] = []
+    # Every device carries NVIDIA_VISIBLE_DEVICES (the same value for each device of the claim, so a
+    # container given several gets one value) and its GPU's device node; CDI refuses a device without
+    # edits, which a simulated GPU, without a device node, would otherwise be.
+    visible = f"NVIDIA_VISIBLE_DEVICES={','.join(dict.fromkeys(gpu_uuids))}"
+    devices = []
+    for n, minor in enumerate(gpu_minors):
+        device_edits: dict[str, Any] = {"env": [visible]}
+        if with_device_nodes:
+            device_edits["deviceNodes"] = [node(f"/dev/nvidia{minor}")]
+        devices.append({"name": device_name(uid, n), "containerEdits": device_edits})
+    edits: dict[str, Any] = {"env": [visible]}
     if cap is not None:
-        env.update(cap.envs)
-        env["NVIDIA_VISIBLE_DEVICES"] = ",".join(dict.fromkeys(gpu_uuids))
-        mounts = [_mount(m.container_path, m.host_path, m.read_only) for m in cap.mounts]
-    edits: dict[str, Any] = {"env": [f"{k}={v}" for k, v in sorted(env.items())]}
+        env = dict(cap.envs)
+        env.pop("NVIDIA_VISIBLE_DEVICES", None)
+        edits["env"] = sorted([visible, *(f"{k}={v}" for k, v in env.items())])
+        edits["mounts"] = [_mount(m.container_path, m.host_path, m.read_only) for m in cap.mounts]
     if with_device_nodes:
         edits["deviceNodes"] = [node(p) for p in CONTROL_NODES]
-    if mounts:
-        edits["mounts"] = mounts
     return {
         "cdiVersion": CDI_VERSION,
         "kind": f"{driver}/{CDI_CLASS}",
