@@ -75,6 +75,35 @@ def test_registration_names_the_driver_its_socket_and_both_versions() -> None:
     run(scenario())
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root")
+def test_another_user_of_the_node_cannot_connect_to_either_socket() -> None:
+    async def scenario() -> None:
+        async with world() as w:
+            os.chmod(w.root, 0o755)  # even with every directory on the way open to it
+            for d in (
+                w.plugin.service.path.parent,
+                w.plugin.registrar.path.parent,
+                w.root / "kubelet",
+                w.root / "kubelet" / "plugins",
+            ):
+                os.chmod(d, 0o755)
+            for path in (w.plugin.service.path, w.plugin.registrar.path):
+                probe = (
+                    "import os, socket, sys\n"
+                    "os.setgid(65534); os.setuid(65534)\n"
+                    "s = socket.socket(socket.AF_UNIX)\n"
+                    "try:\n"
+                    "    s.connect(sys.argv[1])\n"
+                    "except PermissionError:\n"
+                    "    sys.exit(13)\n"
+                    "sys.exit(0)\n"
+                )
+                proc = await asyncio.create_subprocess_exec(sys.executable, "-c", probe, str(path))
+                assert await proc.wait() == 13, f"user nobody could connect to {path}"
+
+    run(scenario())
+
+
 def test_a_removed_socket_is_served_again_so_the_kubelet_registers_the_driver_anew() -> None:
     async def scenario() -> None:
         async with world() as w:
