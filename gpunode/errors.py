@@ -183,6 +183,13 @@ class RegionDamaged(MemcapError):
         self.reason = reason
 
 
+class InvalidComputeShare(GpunodeError, ValueError):
+    """A compute share that is zero, negative, above one GPU, not a number, or finer than a thousandth."""
+
+    default_hint = "give gpunode.io/gpu-milli as a whole number of thousandths of a GPU, from 1 to 1000"
+    exit_code = 2
+
+
 # -- servers and Kubernetes ---------------------------------------------------------------------
 
 

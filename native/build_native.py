@@ -34,6 +34,8 @@ PRELOAD_SOURCES = (
     "hooks_mem.c",
     "hooks_array.c",
     "hooks_info.c",
+    "hooks_launch.c",
+    "compute.c",
 )
 LIBRARY_NAME = "libgpunode-preload.so"
 CFLAGS = (

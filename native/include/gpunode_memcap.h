@@ -36,12 +36,18 @@
 /* "GPNLIMIT" and "GPNUSAGE" read as little-endian 64-bit words. */
 #define GPUNODE_MEMCAP_LIMIT_MAGIC 0x54494d494c4e5047
 #define GPUNODE_MEMCAP_USAGE_MAGIC 0x45474153554e5047
-#define GPUNODE_MEMCAP_LAYOUT_VERSION 1
+#define GPUNODE_MEMCAP_LAYOUT_VERSION 2
 #define GPUNODE_MEMCAP_MAX_DEVICES 8
 #define GPUNODE_MEMCAP_MAX_PROCS 256
 #define GPUNODE_MEMCAP_UUID_BYTES 96
 #define GPUNODE_MEMCAP_FLAG_FAIL_OPEN 1
 #define GPUNODE_MEMCAP_KNOWN_FLAGS 1
+/* Compute share (layout version 2): thousandths of the GPU, and the mode. */
+#define GPUNODE_COMPUTE_MILLI_PER_GPU 1000
+#define GPUNODE_COMPUTE_MODE_OFF 0             /* account only; never throttle */
+#define GPUNODE_COMPUTE_MODE_HARD 1            /* never above the share */
+#define GPUNODE_COMPUTE_MODE_WORK_CONSERVING 2 /* above the share while the GPU is idle */
+#define GPUNODE_COMPUTE_BURST_MS 50            /* the budget holds at most share x this much time */
 
 enum gpunode_memcap_status {
     GPUNODE_MEMCAP_OK = 0,
@@ -86,6 +92,22 @@ struct gpunode_memcap_process_report {
     int32_t alive;      /* 1: lock held, 0: owner gone, -1: could not tell */
     uint64_t start_ticks; /* the process's start time in clock ticks since boot */
     uint64_t used_bytes[GPUNODE_MEMCAP_MAX_DEVICES];
+    uint64_t busy_ns;      /* GPU time this process's work took, as the interposer measured it */
+    uint64_t throttled_ns; /* time its launches were held back */
+    uint64_t launches;
+};
+
+/* The compute part of the usage file, as read (every field is written by
+ * whoever can write the usage file, the container included). */
+struct gpunode_compute_report {
+    uint32_t share_milli; /* 0: no share set */
+    uint32_t mode;
+    uint32_t generation;  /* bumped by the agent on every change */
+    uint32_t reserved;
+    int64_t budget_ns;
+    uint64_t busy_ns;
+    uint64_t throttled_ns;
+    uint64_t launches;
 };
 
 struct gpunode_memcap_report {
@@ -94,6 +116,7 @@ struct gpunode_memcap_report {
     uint64_t registrations;
     uint64_t used_bytes[GPUNODE_MEMCAP_MAX_DEVICES];
     struct gpunode_memcap_process_report processes[GPUNODE_MEMCAP_MAX_PROCS];
+    struct gpunode_compute_report compute;
 };
 
 struct gpunode_memcap_region;
@@ -134,6 +157,11 @@ int gpunode_memcap_reclaim_dead(struct gpunode_memcap_region *region, int self_s
                                 uint64_t *reclaimed_bytes, uint32_t *reclaimed_slots);
 int gpunode_memcap_report(const struct gpunode_memcap_region *region, struct gpunode_memcap_report *out);
 
+/* The agent's side of the compute share: set the share (1..1000 thousandths)
+ * and mode, bumping the generation; the interposer reads them on every
+ * refill. GPUNODE_MEMCAP_ERR_ARGUMENT for a share or mode out of range. */
+int gpunode_compute_set(struct gpunode_memcap_region *region, uint32_t share_milli, uint32_t mode);
+
 /* <<< cffi */
 
 #include <limits.h>
@@ -153,7 +181,23 @@ struct gpunode_memcap_slot {
     uint32_t reserved0;
     _Atomic uint64_t start_ticks;
     _Atomic uint64_t used_bytes[GPUNODE_MEMCAP_MAX_DEVICES];
-    uint8_t reserved1[40];
+    _Atomic uint64_t busy_ns; /* compute accounting (layout version 2) */
+    _Atomic uint64_t throttled_ns;
+    _Atomic uint64_t launches;
+    uint8_t reserved1[16];
+};
+
+/* The compute share, one per container (all its processes draw on it).
+ * control is written by the agent; the rest by the interposer. */
+struct gpunode_compute {
+    _Atomic uint64_t control;   /* gpunode_compute_pack(share, mode, generation) */
+    _Atomic int64_t budget_ns;  /* GPU time the container may still use; below 0: debt */
+    _Atomic uint64_t refill_ns; /* CLOCK_MONOTONIC time of the last refill */
+    _Atomic uint64_t busy_ns;
+    _Atomic uint64_t throttled_ns;
+    _Atomic uint64_t launches;
+    _Atomic uint64_t contended_ns; /* when a process last saw a neighbour's work delay its own */
+    uint8_t reserved[8];
 };
 
 struct gpunode_memcap_usage {
@@ -170,6 +214,7 @@ struct gpunode_memcap_usage {
     /* The counters every reservation goes through: one cache line. */
     _Atomic uint64_t used_bytes[GPUNODE_MEMCAP_MAX_DEVICES];
     struct gpunode_memcap_slot slots[GPUNODE_MEMCAP_MAX_PROCS];
+    struct gpunode_compute compute;
 };
 
 struct gpunode_memcap_region {
@@ -190,7 +235,8 @@ int gpunode_memcap_region_reopen_fd(struct gpunode_memcap_region *region);
 
 _Static_assert(sizeof(struct gpunode_memcap_slot) == 128, "slot layout");
 _Static_assert(offsetof(struct gpunode_memcap_usage, used_bytes) == 64, "usage header layout");
-_Static_assert(sizeof(struct gpunode_memcap_usage) == 64 + 64 + 128 * GPUNODE_MEMCAP_MAX_PROCS, "usage layout");
+_Static_assert(sizeof(struct gpunode_compute) == 64, "compute layout");
+_Static_assert(sizeof(struct gpunode_memcap_usage) == 64 + 64 + 128 * GPUNODE_MEMCAP_MAX_PROCS + 64, "usage layout");
 _Static_assert(sizeof(struct gpunode_memcap_limit) == 40 + (GPUNODE_MEMCAP_UUID_BYTES + 16) * GPUNODE_MEMCAP_MAX_DEVICES,
                "limit layout");
 _Static_assert(ATOMIC_LLONG_LOCK_FREE == 2, "64-bit atomics must be lock-free to be shared between processes");
@@ -211,6 +257,34 @@ static inline int gpunode_memcap_try_add(_Atomic uint64_t *counter, uint64_t byt
             return 0;
     } while (!atomic_compare_exchange_weak_explicit(counter, &cur, cur + bytes, memory_order_relaxed,
                                                     memory_order_relaxed));
+    return 1;
+}
+
+/* The control word: share in bits 0-15, mode in 16-23, a check byte in
+ * 24-31 (so a torn or scribbled word reads as invalid, not as a share), the
+ * generation in 32-63. */
+static inline uint8_t gpunode_compute_check(uint64_t share, uint64_t mode, uint64_t generation)
+{
+    uint64_t x = (share | mode << 16 | generation << 32) * 0x9E3779B97F4A7C15ULL;
+    return (uint8_t)((x >> 56) ^ 0xa5);
+}
+
+static inline uint64_t gpunode_compute_pack(uint32_t share_milli, uint32_t mode, uint32_t generation)
+{
+    uint64_t s = share_milli & 0xffff, m = mode & 0xff, g = generation;
+    return s | m << 16 | (uint64_t)gpunode_compute_check(s, m, g) << 24 | g << 32;
+}
+
+/* 1 and the fields if the word is well formed, else 0. */
+static inline int gpunode_compute_unpack(uint64_t word, uint32_t *share_milli, uint32_t *mode, uint32_t *generation)
+{
+    uint64_t s = word & 0xffff, m = (word >> 16) & 0xff, g = word >> 32;
+    if (((word >> 24) & 0xff) != gpunode_compute_check(s, m, g) || s > GPUNODE_COMPUTE_MILLI_PER_GPU ||
+        m > GPUNODE_COMPUTE_MODE_WORK_CONSERVING)
+        return 0;
+    *share_milli = (uint32_t)s;
+    *mode = (uint32_t)m;
+    *generation = (uint32_t)g;
     return 1;
 }
 

@@ -24,6 +24,20 @@ typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef struct CUarray_st *CUarray;
 typedef struct CUmipmappedArray_st *CUmipmappedArray;
 typedef int CUdriverProcAddressQueryResult;
+typedef struct CUfunc_st *CUfunction;
+typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct CUevent_st *CUevent;
+typedef struct CUlaunchAttribute_st CUlaunchAttribute;
+
+/* cuLaunchKernelEx's configuration (CUDA 11.8+). */
+typedef struct {
+    unsigned int gridDimX, gridDimY, gridDimZ;
+    unsigned int blockDimX, blockDimY, blockDimZ;
+    unsigned int sharedMemBytes;
+    CUstream hStream;
+    CUlaunchAttribute *attrs;
+    unsigned int numAttrs;
+} CUlaunchConfig;
 
 enum {
     CUDA_SUCCESS = 0,
@@ -33,7 +47,10 @@ enum {
     CUDA_ERROR_INVALID_DEVICE = 101,
     CUDA_ERROR_INVALID_CONTEXT = 201,
     CUDA_ERROR_NOT_FOUND = 500,
+    CUDA_ERROR_NOT_READY = 600,
 };
+
+enum { CU_EVENT_DEFAULT = 0 };
 
 enum {
     CU_GET_PROC_ADDRESS_DEFAULT = 0,
@@ -219,6 +236,30 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cuda_version, c
 CUresult cuCtxGetDevice(CUdevice *dev);
 CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev);
 CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev);
+CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
+                        unsigned int by, unsigned int bz, unsigned int shared_bytes, CUstream stream, void **params,
+                        void **extra);
+CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
+                             unsigned int by, unsigned int bz, unsigned int shared_bytes, CUstream stream,
+                             void **params, void **extra);
+CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **params, void **extra);
+CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **params, void **extra);
+CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
+                                   unsigned int by, unsigned int bz, unsigned int shared_bytes, CUstream stream,
+                                   void **params);
+CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
+                                        unsigned int bx, unsigned int by, unsigned int bz, unsigned int shared_bytes,
+                                        CUstream stream, void **params);
+CUresult cuGraphLaunch(CUgraphExec graph, CUstream stream);
+CUresult cuGraphLaunch_ptsz(CUgraphExec graph, CUstream stream);
+CUresult cuEventCreate(CUevent *event, unsigned int flags);
+CUresult cuEventDestroy_v2(CUevent event);
+CUresult cuEventRecord(CUevent event, CUstream stream);
+CUresult cuEventRecord_ptsz(CUevent event, CUstream stream);
+CUresult cuEventQuery(CUevent event);
+CUresult cuEventElapsedTime(float *ms, CUevent start, CUevent end);
+CUresult cuCtxGetCurrent(CUcontext *ctx);
+CUresult cuCtxSetCurrent(CUcontext ctx);
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory);
 nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory);
 nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length);

@@ -213,6 +213,17 @@ int gpunode_memcap_guarded_reclaim_dead(struct gpunode_memcap_region *r, uint64_
     return leave(g) ? GPUNODE_MEMCAP_ERR_FAULT : rc;
 }
 
+int gpunode_memcap_guarded_compute_set(struct gpunode_memcap_region *r, uint32_t share_milli, uint32_t mode)
+{
+    if (!r || !r->usage)
+        return GPUNODE_MEMCAP_ERR_ARGUMENT;
+    struct guard_thread *g = enter(usage_start(r), usage_end(r));
+    if (!g)
+        return not_entered(r);
+    int rc = gpunode_compute_set(r, share_milli, mode);
+    return leave(g) ? GPUNODE_MEMCAP_ERR_FAULT : rc;
+}
+
 uint64_t gpunode_memcap_guard_faults(void)
 {
     return atomic_load(&fault_count);

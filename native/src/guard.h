@@ -22,13 +22,15 @@
 
 /* >>> cffi */
 
-/* gpunode_memcap_region_open, _report and _reclaim_dead (self_slot -1),
+/* gpunode_memcap_region_open, _report, _reclaim_dead (self_slot -1) and
+ * gpunode_compute_set,
  * returning GPUNODE_MEMCAP_ERR_FAULT when the usage file shrank under the
  * call. The guarded report/reclaim results are not to be used then. */
 int gpunode_memcap_guarded_open(struct gpunode_memcap_region *region, const char *dir, int writable);
 int gpunode_memcap_guarded_report(const struct gpunode_memcap_region *region, struct gpunode_memcap_report *out);
 int gpunode_memcap_guarded_reclaim_dead(struct gpunode_memcap_region *region, uint64_t *reclaimed_bytes,
                                         uint32_t *reclaimed_slots);
+int gpunode_memcap_guarded_compute_set(struct gpunode_memcap_region *region, uint32_t share_milli, uint32_t mode);
 /* Faults absorbed since the module was loaded (all threads). */
 uint64_t gpunode_memcap_guard_faults(void);
 

@@ -349,6 +349,16 @@ static inline CUresult gn_free_end(CUresult r, uint64_t key, uint64_t val)
     return r;
 }
 
+/* ---- the compute share (compute.c, hooks_launch.c) ---- */
+
+extern _Atomic int64_t gn_estimate_ns; /* GPU time charged per launch at submission */
+extern _Atomic int gn_compute_on;      /* the watcher runs: launches are measured */
+int gn_compute_start(void);
+void gn_compute_throttle(void);
+uint64_t gn_pair_open(CUstream stream, int ptsz, int64_t estimate);
+void gn_pair_close(uint64_t ticket, CUstream stream, int ptsz);
+void gn_compute_after_fork(void);
+
 /* ---- the dynamic loader (dlhooks.c, relink.c) ---- */
 
 /* glibc's own functions, called from here (this library is the caller). */

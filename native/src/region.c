@@ -155,6 +155,7 @@ int gpunode_memcap_usage_format(void *buf, size_t len, const struct gpunode_memc
     u->generation = limit->generation;
     u->device_count = limit->device_count;
     u->slot_count = GPUNODE_MEMCAP_MAX_PROCS;
+    atomic_store(&u->compute.control, gpunode_compute_pack(0, GPUNODE_COMPUTE_MODE_OFF, 0));
     return GPUNODE_MEMCAP_OK;
 }
 
@@ -424,6 +425,9 @@ int gpunode_memcap_slot_claim(struct gpunode_memcap_region *r, int32_t pid, uint
         }
         atomic_store(&s->pid, pid);
         atomic_store(&s->start_ticks, start_ticks);
+        atomic_store(&s->busy_ns, 0);
+        atomic_store(&s->throttled_ns, 0);
+        atomic_store(&s->launches, 0);
         atomic_fetch_add(&u->registrations, 1);
         *slot_out = i;
         return GPUNODE_MEMCAP_OK;
@@ -559,7 +563,36 @@ int gpunode_memcap_report(const struct gpunode_memcap_region *r, struct gpunode_
         p->start_ticks = atomic_load(&s->start_ticks);
         for (uint32_t d = 0; d < u->device_count && d < GPUNODE_MEMCAP_MAX_DEVICES; d++)
             p->used_bytes[d] = atomic_load(&s->used_bytes[d]);
+        p->busy_ns = atomic_load(&s->busy_ns);
+        p->throttled_ns = atomic_load(&s->throttled_ns);
+        p->launches = atomic_load(&s->launches);
         p->alive = r->usage_fd >= 0 ? slot_probe(r->usage_fd, i) : -1;
     }
+    struct gpunode_compute *c = (struct gpunode_compute *)&u->compute;
+    uint32_t share = 0, mode = 0, generation = 0;
+    if (gpunode_compute_unpack(atomic_load(&c->control), &share, &mode, &generation)) {
+        out->compute.share_milli = share;
+        out->compute.mode = mode;
+        out->compute.generation = generation;
+    } else {
+        out->compute.mode = UINT32_MAX; /* the control word is not one the agent wrote */
+    }
+    out->compute.budget_ns = atomic_load(&c->budget_ns);
+    out->compute.busy_ns = atomic_load(&c->busy_ns);
+    out->compute.throttled_ns = atomic_load(&c->throttled_ns);
+    out->compute.launches = atomic_load(&c->launches);
+    return GPUNODE_MEMCAP_OK;
+}
+
+int gpunode_compute_set(struct gpunode_memcap_region *r, uint32_t share_milli, uint32_t mode)
+{
+    if (!r || !r->usage || !r->writable || share_milli == 0 || share_milli > GPUNODE_COMPUTE_MILLI_PER_GPU ||
+        mode > GPUNODE_COMPUTE_MODE_WORK_CONSERVING)
+        return GPUNODE_MEMCAP_ERR_ARGUMENT;
+    struct gpunode_compute *c = &r->usage->compute;
+    uint32_t old_share, old_mode, generation = 0;
+    if (!gpunode_compute_unpack(atomic_load(&c->control), &old_share, &old_mode, &generation))
+        generation = 0;
+    atomic_store(&c->control, gpunode_compute_pack(share_milli, mode, generation + 1));
     return GPUNODE_MEMCAP_OK;
 }

@@ -88,8 +88,9 @@ static void gn_postfork_parent(void)
     pthread_mutex_unlock(&gn_lock);
 }
 
-/* The child is a new process: it must not use the parent's slot, lock or
- * allocations; it claims its own slot on its first allocation. */
+/* The child is a new process: it must not use the parent's slot, lock,
+ * allocations or launch events; it claims its own slot on its first
+ * allocation or launch. */
 static void gn_postfork_child(void)
 {
     pthread_mutex_init(&gn_lock, NULL);
@@ -104,6 +105,7 @@ static void gn_postfork_child(void)
         gn_table_reset();
         atomic_store(&gn_hot.phase, GN_PHASE_UNREGISTERED);
     }
+    gn_compute_after_fork();
 }
 
 __attribute__((constructor)) static void gn_constructor(void)

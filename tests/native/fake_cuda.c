@@ -8,6 +8,8 @@
  * variants by cudaVersion and flags and returns the driver's own addresses.
  * Memory is host memory (never touched, so large sizes are cheap).
  *
+ * The device timeline (kernels, streams, events) is fake_timeline.c.
+ *
  * Environment:
  *   FAKE_CUDA_TOTAL_BYTES  memory per device (default 16 GiB)
  *   FAKE_CUDA_DEVICES      device count (default 1, at most 8)
@@ -696,6 +698,16 @@ API CUresult cuGetErrorString(CUresult error, const char **text)
     }
 }
 
+/* The device timeline's entry points (fake_timeline.c). */
+#define TIMELINE_FUNCS(X)                                                                                          \
+    X(cuLaunchKernel) X(cuLaunchKernel_ptsz) X(cuLaunchKernelEx) X(cuLaunchKernelEx_ptsz)                           \
+    X(cuLaunchCooperativeKernel) X(cuLaunchCooperativeKernel_ptsz) X(cuGraphLaunch) X(cuGraphLaunch_ptsz)           \
+    X(cuCtxSynchronize) X(cuStreamSynchronize) X(cuStreamSynchronize_ptsz) X(cuEventCreate) X(cuEventDestroy_v2)    \
+    X(cuEventRecord) X(cuEventRecord_ptsz) X(cuEventQuery) X(cuEventSynchronize) X(cuEventElapsedTime)
+#define X(name) void name(void);
+TIMELINE_FUNCS(X)
+#undef X
+
 /* cuGetProcAddress: base name -> variant, like the driver's own table. */
 enum { ANY, LEGACY, PTSZ };
 static const struct proc {
@@ -745,6 +757,24 @@ static const struct proc {
     {"cuMipmappedArrayCreate", 5000, ANY, (void *)cuMipmappedArrayCreate},
     {"cuMipmappedArrayDestroy", 5000, ANY, (void *)cuMipmappedArrayDestroy},
     {"cuGetErrorString", 6000, ANY, (void *)cuGetErrorString},
+    {"cuLaunchKernel", 4000, LEGACY, (void *)cuLaunchKernel},
+    {"cuLaunchKernel", 7000, PTSZ, (void *)cuLaunchKernel_ptsz},
+    {"cuLaunchKernelEx", 11060, LEGACY, (void *)cuLaunchKernelEx},
+    {"cuLaunchKernelEx", 11060, PTSZ, (void *)cuLaunchKernelEx_ptsz},
+    {"cuLaunchCooperativeKernel", 9000, LEGACY, (void *)cuLaunchCooperativeKernel},
+    {"cuLaunchCooperativeKernel", 9000, PTSZ, (void *)cuLaunchCooperativeKernel_ptsz},
+    {"cuGraphLaunch", 10000, LEGACY, (void *)cuGraphLaunch},
+    {"cuGraphLaunch", 10000, PTSZ, (void *)cuGraphLaunch_ptsz},
+    {"cuCtxSynchronize", 2000, ANY, (void *)cuCtxSynchronize},
+    {"cuStreamSynchronize", 2000, LEGACY, (void *)cuStreamSynchronize},
+    {"cuStreamSynchronize", 7000, PTSZ, (void *)cuStreamSynchronize_ptsz},
+    {"cuEventCreate", 2000, ANY, (void *)cuEventCreate},
+    {"cuEventDestroy", 4000, ANY, (void *)cuEventDestroy_v2},
+    {"cuEventRecord", 2000, LEGACY, (void *)cuEventRecord},
+    {"cuEventRecord", 7000, PTSZ, (void *)cuEventRecord_ptsz},
+    {"cuEventQuery", 2000, ANY, (void *)cuEventQuery},
+    {"cuEventSynchronize", 2000, ANY, (void *)cuEventSynchronize},
+    {"cuEventElapsedTime", 2000, ANY, (void *)cuEventElapsedTime},
     {"cuGetProcAddress", 11030, ANY, NULL}, /* both resolved in lookup_proc */
     {"cuGetProcAddress", 12000, ANY, NULL},
 };

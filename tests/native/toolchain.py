@@ -76,7 +76,12 @@ def build_shared(sources: Sequence[Path], output: Path, soname: str, cflags: Seq
 def build_fake_driver(out_dir: Path, cflags: Sequence[str] = ()) -> Path:
     """libcuda.so.1 (+ libcuda.so for -lcuda) and libnvidia-ml.so.1 in out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    build_shared([TESTS_NATIVE / "fake_cuda.c"], out_dir / "libcuda.so.1", "libcuda.so.1", cflags)
+    build_shared(
+        [TESTS_NATIVE / "fake_cuda.c", TESTS_NATIVE / "fake_timeline.c"],
+        out_dir / "libcuda.so.1",
+        "libcuda.so.1",
+        cflags,
+    )
     build_shared([TESTS_NATIVE / "fake_nvml.c"], out_dir / "libnvidia-ml.so.1", "libnvidia-ml.so.1", cflags)
     link = out_dir / "libcuda.so"
     if not link.exists():

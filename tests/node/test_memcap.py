@@ -268,7 +268,8 @@ def test_built_module_matches_the_header() -> None:
     assert numbers["GPUNODE_MEMCAP_LAYOUT_VERSION"] == lib.GPUNODE_MEMCAP_LAYOUT_VERSION
     assert numbers["GPUNODE_MEMCAP_LIMIT_MAGIC"] == lib.GPUNODE_MEMCAP_LIMIT_MAGIC
     assert numbers["GPUNODE_MEMCAP_MAX_PROCS"] == lib.GPUNODE_MEMCAP_MAX_PROCS
-    assert lib.gpunode_memcap_usage_size() == 64 + 64 + 128 * numbers["GPUNODE_MEMCAP_MAX_PROCS"]
+    # header, usage counters, process slots, the compute block (layout version 2)
+    assert lib.gpunode_memcap_usage_size() == 64 + 64 + 128 * numbers["GPUNODE_MEMCAP_MAX_PROCS"] + 64
     assert ffi.sizeof("struct gpunode_memcap_limit") == 40 + (96 + 16) * numbers["GPUNODE_MEMCAP_MAX_DEVICES"]
 
 
