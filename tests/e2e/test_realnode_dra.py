@@ -1,0 +1,279 @@
+"""`gpunode agent --backend sim` as the DRA driver of a real kubelet 1.36 (containerd 2.2 with CDI), beside
+its device plugin: GPUs 0 and 1 of the simulated T4 node through DRA, 2 and 3 as nvidia.com/gpu.
+
+What is real: the agent (a process, `gpunode agent`, as the chart's agent service account with the
+chart's DRA RBAC) publishes the node's ResourceSlices and registers its DRA plugin with the real
+kubelet's plugin watcher; kube-scheduler allocates a ResourceClaimTemplate's claim (4 GiB of a shared
+GPU, the chart's DeviceClass); the kubelet calls NodePrepareResources; containerd injects the CDI spec
+the agent wrote; the container runs tests/e2e/capprobe.c under the interposer and the tests' fake
+libcuda (the image of test_realnode_deviceplugin) and its allocations stop at 4 GiB. Deleting the pod
+makes the kubelet unprepare the claim: the spec and the region go. An invalid opaque configuration is
+reported on the pod by the kubelet with the agent's reason; an agent restart and a kubelet restart
+between prepares leave nothing behind and prepare nothing twice.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gpunode.contract import dra as names
+from gpunode.contract.names import GPU_RESOURCE
+from tests.e2e import chart
+from tests.e2e.api import Api, ApiError, eventually
+from tests.e2e.capped import (
+    CAPPED_IMAGE,
+    PROBE_IN_IMAGE,
+    ProbeReport,
+    build_capped_image,
+    probe_report,
+    toolchain_missing_reason,
+)
+from tests.e2e.conftest import E2E_USERS, REAL_NODE
+from tests.e2e.controlplane import ControlPlane
+from tests.e2e.node import RealNode, node_missing_reason
+from tests.e2e.objects import create_pod, ensure_namespace, get_pod, pod_body, pod_events
+from tests.e2e.procs import Proc
+from tests.ports import free_port
+
+NAMESPACE = "e2e-realdra"
+RESOURCE = "/apis/resource.k8s.io/v1"
+DRIVER = names.DEFAULT_DRIVER
+WAIT_S = 180.0  # generous: two shared cores
+GIB = 2**30
+T4_BYTES = 15360 * 2**20
+CUDA_OUT_OF_MEMORY = 2
+
+
+@dataclass
+class DraNode:
+    """The real node, the agent's process and how to start it again, and the paths it writes."""
+
+    node: RealNode
+    agent: Proc
+    argv: list[str]
+    cp: ControlPlane
+    state: Path
+    image: str
+
+    @property
+    def specs(self) -> list[str]:
+        return sorted(p.name for p in self.node.cdi_dir.glob(f"{DRIVER}-*.json"))
+
+    @property
+    def regions(self) -> list[str]:
+        root = self.state / "dra" / "memcap"
+        return sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) if root.exists() else []
+
+    @property
+    def records(self) -> list[str]:
+        root = self.state / "dra" / "claims"
+        return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+    def restart_agent(self) -> None:
+        self.agent.stop()
+        self.cp.procs.remove(self.agent)
+        self.agent = Proc("gpunode-agent", self.argv, self.cp.logs).start()
+        self.cp.procs.append(self.agent)
+
+
+@pytest.fixture(scope="module")
+def dra_node(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DraNode]:
+    """A real kubelet + containerd node, the chart's DeviceClasses and agent RBAC, the agent, kube-scheduler."""
+    reason = node_missing_reason() or toolchain_missing_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    tmp = tmp_path_factory.mktemp("realdra")
+    docs = chart.render({"config": {"gpunode": {"dra": {"enabled": True}}}}, tmp)
+    admin = control_plane.api()
+    ensure_namespace(admin, chart.NAMESPACE)
+    ensure_namespace(admin, NAMESPACE)
+    assert chart.apply_rbac(admin, docs, "agent") == E2E_USERS["agent"].name
+    assert chart.apply_rbac(admin, docs, "agent-dra") == E2E_USERS["agent"].name
+    for doc in docs:
+        if doc["kind"] == "DeviceClass":
+            admin.apply(f"{RESOURCE}/deviceclasses", doc)
+    node = RealNode(control_plane, REAL_NODE, tmp / "n")
+    scheduler = None
+    agent = None
+    try:
+        node.start()
+        node.import_image(build_capped_image(tmp / "image"))
+        config = {
+            "version": "v1",
+            "gpunode": {
+                "backend": "sim",
+                "simProfile": "t4",
+                "kubeletDir": str(node.device_plugins),
+                "stateDir": str(tmp / "agent-state"),
+                "podResourcesSocket": str(node.pod_resources_socket),
+                "nodeName": REAL_NODE,
+                "metrics": {"listen": f"127.0.0.1:{free_port()}"},
+                "remediation": {"kubeconfig": str(control_plane.kubeconfig("agent"))},
+                "dra": {
+                    "enabled": True,
+                    "devices": [0, 1],
+                    "cdiDir": str(node.cdi_dir),
+                    "kubeletRoot": str(node.root_dir),
+                },
+            },
+        }
+        (tmp / "agent.yaml").write_text(yaml.safe_dump(config))
+        argv = [sys.executable, "-m", "gpunode.cli", "agent", "--config", str(tmp / "agent.yaml")]
+        agent = Proc("gpunode-agent", argv, control_plane.logs).start()
+        control_plane.procs.append(agent)
+        scheduler = control_plane.start_scheduler(name="kube-scheduler-realdra")
+        dn = DraNode(node, agent, argv, control_plane, tmp / "agent-state", CAPPED_IMAGE)
+        yield dn
+        agent = dn.agent
+    finally:
+        if scheduler is not None:
+            scheduler.stop()
+        if agent is not None:
+            agent.stop()
+        node.stop()
+
+
+def _template(api: Api, name: str, memory: str, parameters: Any = None) -> None:
+    exactly: dict[str, Any] = {
+        "deviceClassName": names.CLASS_SHARED,
+        "capacity": {"requests": {"memory": memory}},
+    }
+    spec: dict[str, Any] = {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}
+    if parameters is not None:
+        spec["devices"]["config"] = [{"opaque": {"driver": DRIVER, "parameters": parameters}}]
+    body = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": name},
+        "spec": {"spec": spec},
+    }
+    api.apply(f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaimtemplates", body)
+
+
+def _claim_pod(api: Api, name: str, template: str, *, probe_bytes: int = 256 * 2**20) -> None:
+    body = pod_body(
+        name,
+        host_network=True,
+        image=CAPPED_IMAGE,
+        command=[PROBE_IN_IMAGE, str(probe_bytes), name],
+        env={"FAKE_CUDA_TOTAL_BYTES": str(T4_BYTES), "GPUNODE_MEMCAP_LOG_LEVEL": "info"},
+    )
+    body["spec"]["nodeSelector"] = {"kubernetes.io/hostname": REAL_NODE}
+    body["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": template}]
+    body["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
+    create_pod(api, NAMESPACE, body)
+
+
+def _report(dn: DraNode, pod: str) -> ProbeReport:
+    return eventually(
+        lambda: probe_report(dn.node.container_log(NAMESPACE, pod, "main")),
+        timeout_s=WAIT_S,
+        what=f"{pod}'s report",
+    )
+
+
+def _delete_and_wait(api: Api, dn: DraNode, pod: str) -> None:
+    api.delete(f"/api/v1/namespaces/{NAMESPACE}/pods/{pod}")
+
+    def gone() -> bool:
+        try:
+            get_pod(api, NAMESPACE, pod)
+        except ApiError as exc:
+            return exc.status == 404
+        return False
+
+    eventually(gone, timeout_s=WAIT_S, what=f"{pod} deleted")
+
+
+def _clean(dn: DraNode) -> bool:
+    return dn.specs == [] and dn.regions == [] and dn.records == []
+
+
+def _slice_devices(api: Api) -> list[dict[str, Any]]:
+    listed = api.get(f"{RESOURCE}/resourceslices?fieldSelector=spec.nodeName={REAL_NODE}")
+    return [d for s in listed.get("items") or [] for d in s["spec"].get("devices") or []]
+
+
+def test_the_kubelet_registers_the_driver_beside_the_device_plugin(dra_node: DraNode) -> None:
+    admin = dra_node.cp.api()
+    log = dra_node.cp.logs / "kubelet.log"
+    eventually(
+        lambda: DRIVER in log.read_text(errors="replace") and "DRA" in log.read_text(errors="replace"),
+        timeout_s=WAIT_S,
+        what="the kubelet's log of the DRA plugin's registration",
+    )
+    eventually(
+        lambda: (
+            admin.get(f"/api/v1/nodes/{REAL_NODE}")["status"].get("capacity", {}).get(GPU_RESOURCE) == "2"
+        ),
+        timeout_s=WAIT_S,
+        what="the device plugin's two GPUs on the Node",
+    )
+    devices = eventually(lambda: _slice_devices(admin) or None, timeout_s=WAIT_S, what="the node's slices")
+    uuids = {d["attributes"][names.ATTR_UUID]["string"] for d in devices}
+    assert len(uuids) == 2  # GPUs 0 and 1 only: each GPU is served by one of the two
+
+
+def test_a_claim_template_for_4gib_of_a_shared_gpu_runs_under_its_cap(dra_node: DraNode) -> None:
+    admin = dra_node.cp.api()
+    _template(admin, "gpu-4gi", "4Gi")
+    _claim_pod(admin, "dra-capped", "gpu-4gi")
+    report = _report(dra_node, "dra-capped")
+    log = dra_node.node.container_log(NAMESPACE, "dra-capped", "main")
+    # The GPU has 15 GiB: only the interposer, mounted from the CDI spec, stops the container at 4 GiB.
+    assert report.uuid.startswith("GPU-"), log
+    assert (report.allocated, report.refused_with) == (4 * GIB, CUDA_OUT_OF_MEMORY), log
+    assert report.total == 4 * GIB
+    [spec_name] = dra_node.specs
+    spec = json.loads((dra_node.node.cdi_dir / spec_name).read_text())
+    env = dict(e.split("=", 1) for e in spec["containerEdits"]["env"])
+    assert env["NVIDIA_VISIBLE_DEVICES"] == report.uuid
+    assert len(dra_node.regions) == 1 and len(dra_node.records) == 1
+    _delete_and_wait(admin, dra_node, "dra-capped")
+    eventually(
+        lambda: _clean(dra_node), timeout_s=WAIT_S, what="the claim unprepared: spec, region, record gone"
+    )
+
+
+def test_an_invalid_opaque_configuration_is_reported_on_the_pod(dra_node: DraNode) -> None:
+    admin = dra_node.cp.api()
+    _template(
+        admin, "gpu-bad-config", "1Gi", {"apiVersion": "gpunode.io/v1alpha1", "kind": "GpuConfig", "cap": 1}
+    )
+    _claim_pod(admin, "dra-bad-config", "gpu-bad-config")
+
+    def reported() -> str | None:
+        for e in pod_events(admin, NAMESPACE, "dra-bad-config"):
+            if "unknown field" in (e.get("message") or ""):
+                return str(e["message"])
+        return None
+
+    message = eventually(reported, timeout_s=WAIT_S, what="the kubelet's event with the agent's reason")
+    assert "opaque.parameters.cap: unknown field" in message
+    assert dra_node.specs == [] and dra_node.regions == []  # nothing made for it
+    _delete_and_wait(admin, dra_node, "dra-bad-config")
+
+
+def test_agent_and_kubelet_restarts_between_prepares_leave_nothing_behind(dra_node: DraNode) -> None:
+    admin = dra_node.cp.api()
+    _template(admin, "gpu-2gi", "2Gi")
+    _claim_pod(admin, "dra-first", "gpu-2gi")
+    assert _report(dra_node, "dra-first").allocated == 2 * GIB
+    before = (dra_node.specs, dra_node.regions)
+    dra_node.restart_agent()  # the prepared claim is kept: the running container keeps its cap
+    dra_node.node.restart_kubelet()  # the kubelet asks again for what it prepared: answered from the record
+    _claim_pod(admin, "dra-second", "gpu-2gi")
+    assert _report(dra_node, "dra-second").allocated == 2 * GIB
+    assert len(dra_node.specs) == 2 and set(before[0]) <= set(dra_node.specs)
+    assert len(dra_node.regions) == 2 and set(before[1]) <= set(dra_node.regions)  # none made twice
+    for pod in ("dra-first", "dra-second"):
+        _delete_and_wait(admin, dra_node, pod)
+    eventually(lambda: _clean(dra_node), timeout_s=WAIT_S, what="both claims unprepared")
