@@ -21,6 +21,7 @@ from gpunode.node.agent import Agent
 from gpunode.node.devices.simnode.backend import SimBackend
 from gpunode.node.inventory import region_key
 from gpunode.node.kubelet.podresources import ContainerDevices
+from gpunode.node.memcap.compute import ComputeMode, read_compute
 from tests.agentrunner import RunningAgent, make_config
 from tests.fakes.kubelet import KubeletStandIn
 from tests.fakes.podresources import PodResourcesStandIn
@@ -94,6 +95,12 @@ def test_allocate_writes_a_capped_region_and_checkpoints_it(
     region_dir = sockdir / "state" / "memcap" / region_key(ids)
     region = memcap.load_region(region_dir)
     assert [(d.uuid, d.limit_bytes) for d in region.devices] == [(gpu.uuid, 4 * GIB)]
+    compute = read_compute(region)  # the compute share defaults to the memory share, work-conserving
+    assert (compute.share_milli, compute.mode, compute.generation) == (
+        4 * GIB * 1000 // gpu.memory_total_bytes,
+        ComputeMode.WORK_CONSERVING,
+        1,
+    )
     limit_mount = next(m for m in resp.mounts if m.host_path == str(region.limit_path))
     usage_mount = next(m for m in resp.mounts if m.host_path == str(region.usage_path))
     assert limit_mount.read_only and not usage_mount.read_only

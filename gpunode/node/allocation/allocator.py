@@ -29,6 +29,7 @@ from gpunode.node.devices.base import Gpu
 from gpunode.node.inventory import AdvertisedDevice, Inventory, region_key
 from gpunode.node.memcap import MountSpec
 from gpunode.node.memcap.checkpoint import CapRecord, Checkpoint
+from gpunode.node.memcap.compute import set_compute_share, share_from_memory
 from gpunode.node.state import Snapshot
 
 log = logging.getLogger(__name__)
@@ -299,6 +300,8 @@ class Allocator:
                 devices=(memcap.DeviceCap(devices[0].target_uuid, limit, total or limit),),
                 fail_open=self.config.fractional.fail_open,
             )
+            # The compute share, until the pod says otherwise: proportional to its memory share.
+            set_compute_share(region, share_from_memory(limit, total or limit))
             spec = memcap.container_spec(
                 region,
                 preload_lib=self.preload_lib,

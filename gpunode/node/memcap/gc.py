@@ -55,6 +55,7 @@ def restore_regions(checkpoint: Checkpoint, root: Path) -> list[str]:
     """Make the regions root-only (see memcap.secure_root) and re-create the checkpointed regions whose
     directories are missing; the keys restored."""
     from gpunode.node import memcap
+    from gpunode.node.memcap.compute import set_compute_share, share_from_memory
 
     try:
         memcap.secure_root(root)
@@ -73,6 +74,7 @@ def restore_regions(checkpoint: Checkpoint, root: Path) -> list[str]:
                 device_total_bytes=rec.device_total_bytes,
                 fail_open=rec.fail_open,
             )
+            set_compute_share(root / rec.key, share_from_memory(rec.limit_bytes, rec.device_total_bytes))
             restored.append(rec.key)
         except GpunodeError as exc:
             log.error("checkpoint: cannot restore region %s: %s", rec.key, exc)
