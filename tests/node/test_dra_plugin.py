@@ -407,6 +407,22 @@ def test_a_request_that_does_not_decode_is_invalid_argument() -> None:
     run(scenario())
 
 
+def test_a_cdi_directory_that_cannot_be_written_refuses_the_claim_and_leaves_nothing(tmp_path: Path) -> None:
+    from tests.fakes.kubelet import short_socket_dir
+
+    root = short_socket_dir()
+    (root / "cdi").write_text("a file where the directory should be")
+
+    async def scenario() -> None:
+        async with world(root) as w:
+            c = w.api.add(claim("nowhere"))
+            error = (await w.prepare(c)).claims[c.uid].error
+            assert "cannot prepare it on this node" in error and str(w.cdi_dir) in error
+            assert region_dirs(w) == [] and records(w) == []
+
+    run(scenario())
+
+
 # --- crash and restart -----------------------------------------------------------------------------
 
 _KILLED = """

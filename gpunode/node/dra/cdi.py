@@ -118,6 +118,6 @@ def remove_spec(cdi_dir: Path, driver: str, uid: str) -> bool:
                 os.unlink(leftover)
     try:
         os.unlink(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no spec, or no directory to hold one
         return False
     return True

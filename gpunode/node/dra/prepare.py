@@ -84,7 +84,11 @@ class Preparer:
             if record is not None and record.state == PREPARED:
                 kept += 1
                 continue
-            self._remove(uid)
+            try:
+                self._remove(uid)
+            except (OSError, MemcapError) as exc:  # kept for the next start; the kubelet's retry fails alone
+                log.error("DRA: cannot roll back claim %s left mid-prepare: %s", uid, exc)
+                continue
             rolled += 1
         if rolled:
             log.info("DRA: rolled back %d claim(s) left mid-prepare; the kubelet prepares them again", rolled)
@@ -206,7 +210,12 @@ class Preparer:
             cdi.write_spec(self.cdi_dir, self.driver, uid, spec)
             self.checkpoint.write(ClaimRecord(PREPARED, plan, key, ids))
         except (OSError, MemcapError) as exc:
-            self._remove(uid)
+            try:
+                self._remove(uid)
+            except (OSError, MemcapError) as cleanup:  # the record stays: the next prepare or start retries
+                log.error(
+                    "DRA: claim %s: cannot remove what the failed prepare made: %s", plan.claim, cleanup
+                )
             what = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise ClaimRefused(
                 f"claim {plan.claim}: cannot prepare it on this node: {what}",
