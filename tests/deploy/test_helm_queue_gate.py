@@ -71,6 +71,12 @@ def test_the_webhook_is_called_for_governed_pod_creations_only_and_fails_open() 
         {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["team-a"]}
     ]
     assert len(render(ON).named("MutatingWebhookConfiguration", HOOK)["webhooks"]) == 1
+    config = "queues:\n  - name: org\n    children: [{name: a}]\nnamespaces:\n  ml: a\n  team-a: a\n"
+    both = render(
+        {"queue": {"enabled": True, "config": config, "gate": {"enabled": True, "namespaces": ["x"]}}}
+    )
+    (_, mapped) = both.named("MutatingWebhookConfiguration", HOOK)["webhooks"]
+    assert mapped["namespaceSelector"]["matchExpressions"][0]["values"] == ["ml", "team-a", "x"]
     fail = render(with_gate(failurePolicy="Fail")).named("MutatingWebhookConfiguration", HOOK)
     assert fail["webhooks"][0]["failurePolicy"] == "Fail"
 
