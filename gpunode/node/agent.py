@@ -269,6 +269,10 @@ class Agent:
 
     def stuck_cleanup(self) -> None:
         """Remove this agent's plugin sockets (from any thread), when the process must exit at once."""
+        if self.dra is not None:  # registration first: the kubelet's plugin watcher forgets the driver
+            for sock in (self.dra.registrar, self.dra.service):
+                if sock.inode is not None and sock.intact():
+                    sock.path.unlink(missing_ok=True)
         if self.plugins is None:
             return
         for srv in list(self.plugins.servers.values()):

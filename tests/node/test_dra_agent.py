@@ -120,6 +120,10 @@ def test_dra_and_the_device_plugin_share_a_node_without_selling_a_gpu_twice(
         api.add(plugin_gpu)
         refused = prepare(sockdir, plugin_gpu).claims[plugin_gpu["metadata"]["uid"]].error
         assert "is not served through DRA on this node" in refused
+        # an agent that must exit at once removes its DRA sockets too, registration first
+        reg = sockdir / "plugins_registry" / f"{DRIVER}-reg.sock"
+        ra.agent.stuck_cleanup()
+        assert not reg.exists() and not (sockdir / "plugins" / DRIVER / "dra.sock").exists()
     finally:
         ra.stop()
     # the restarted agent answers the kubelet's repeated prepare from its record
