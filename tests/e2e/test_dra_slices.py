@@ -15,6 +15,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ from gpunode.config.health import HealthConfig
 from gpunode.contract import dra as names
 from gpunode.contract.names import GIB
 from gpunode.infra.kube import KubeClient
+from gpunode.node.agent import Agent as NodeAgent
 from gpunode.node.devices.base import DeviceEvent, EventKind, Gpu
 from gpunode.node.devices.simnode.backend import SimBackend
 from gpunode.node.dra.slices import Pool, SlicePublisher, build_pool, gpu_device_name, mig_device_name
@@ -30,11 +32,13 @@ from gpunode.node.dra.taints import device_taints
 from gpunode.node.health import HealthMonitor
 from gpunode.node.inventory import Inventory
 from gpunode.node.state import DeviceState
+from tests.agentrunner import RunningAgent, make_config
 from tests.e2e import chart
 from tests.e2e.api import Api, ApiError, eventually
 from tests.e2e.conftest import E2E_USERS
 from tests.e2e.controlplane import ControlPlane
 from tests.e2e.objects import create_fake_node, ensure_namespace
+from tests.fakes.kubelet import short_socket_dir
 
 DRIVER = names.DEFAULT_DRIVER
 NAMESPACE = "e2e-dra"
@@ -437,3 +441,60 @@ def test_a_restarted_publisher_keeps_the_names_and_the_generation(dra: dict[str,
     assert [s["metadata"]["resourceVersion"] for s in after] == [
         s["metadata"]["resourceVersion"] for s in before
     ]
+
+
+def test_the_agent_publishes_its_slices_taints_them_on_an_xid_and_a_restart_keeps_them(
+    dra: dict[str, Any], tmp_path: Path, record_property: Callable[[str, object], None]
+) -> None:
+    """The whole agent (simulated T4 node, gpunode.dra serving GPUs 0 and 1) publishes their devices with
+    the chart's agent credentials; an XID 79 injected on GPU 0 reaches the API server as a NoExecute taint
+    on GPU 0's devices only, in a new pool generation; a restarted agent finds the same slices (the hold
+    on GPU 0 survives the restart) and writes nothing."""
+    api: Api = dra["admin"]
+    plane: ControlPlane = dra["plane"]
+    node = "e2e-dra-agent"
+    create_fake_node(api, node)
+    short = short_socket_dir("dra")  # Unix socket paths stay under 108 bytes
+    config = make_config(
+        short / "kubelet" / "device-plugins",
+        tmp_path / "state",
+        backend="sim",
+        simProfile="t4",
+        nodeName=node,
+        nodeState={"enabled": False},
+        remediation={"mode": "off", "kubeconfig": str(plane.kubeconfig("agent"))},
+        dra={"enabled": True, "devices": [0, 1]},
+    )
+
+    def devices() -> list[dict[str, Any]]:
+        return [d for s in slices_of(api, node) for d in s["spec"].get("devices") or []]
+
+    with RunningAgent(NodeAgent(config)) as running:
+        assert running.error is None, running.error
+        backend = running.agent.backend
+        assert isinstance(backend, SimBackend)
+        g0, g1 = backend.gpus()[0], backend.gpus()[1]
+        eventually(lambda: len(devices()) == 4, timeout_s=WAIT_S, what="the agent's four devices published")
+        assert {attrs["uuid"]["string"] for d in devices() for attrs in [d["attributes"]]} == {
+            g0.uuid,
+            g1.uuid,
+        }
+        started = time.monotonic()
+        backend.inject_xid(g0.uuid, 79)
+
+        def tainted() -> float | None:
+            marked = [d["name"] for d in devices() if d.get("taints")]
+            return time.monotonic() - started if marked else None
+
+        latency = eventually(tainted, timeout_s=WAIT_S, what="the XID's taint on the slice", interval_s=0.02)
+        record_property("agent_xid_to_slice_s", round(latency, 3))
+        print(f"agent: XID injected -> taint on the API server {latency:.3f} s")
+        marked = {d["name"]: d["taints"] for d in devices() if d.get("taints")}
+        assert sorted(marked) == sorted([gpu_device_name(g0.uuid), gpu_device_name(g0.uuid) + "-shared"])
+        assert {s["spec"]["pool"]["generation"] for s in slices_of(api, node)} == {2}
+        before = {s["metadata"]["name"]: s["metadata"]["resourceVersion"] for s in slices_of(api, node)}
+    with RunningAgent(NodeAgent(config)) as running:
+        time.sleep(2.0)  # the restarted agent has read the slices back and decided
+        assert running.agent.dra_slices.writes == 0
+    after = {s["metadata"]["name"]: s["metadata"]["resourceVersion"] for s in slices_of(api, node)}
+    assert after == before
