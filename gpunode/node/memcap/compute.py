@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from enum import IntEnum
 from pathlib import Path
+from typing import Any
 
 from gpunode.contract.names import GPU_MILLI_ANNOTATION, MILLI_PER_GPU
 from gpunode.errors import InvalidComputeShare, RegionDamaged
@@ -119,19 +120,8 @@ class ComputeReport:
         return self.mode == TAMPERED_MODE
 
 
-def read_compute(region: Region | str | os.PathLike[str]) -> ComputeReport:
-    """The region's compute block and per-process figures; RegionDamaged if the usage file is unusable."""
-    m = _native()
-    path = region.path if isinstance(region, Region) else Path(region)
-    report = m.ffi.new("struct gpunode_memcap_report *")
-    try:
-        with _opened(path, writable=False) as handle:
-            status = m.lib.gpunode_memcap_guarded_report(handle, report)
-            if status != m.lib.GPUNODE_MEMCAP_OK:
-                raise _status_error(status, path, m.lib.gpunode_memcap_region_errno(handle), usage_part=True)
-    except RegionDamaged as exc:
-        PROBLEMS.bad(path, exc)
-        raise
+def compute_of_report(report: Any) -> ComputeReport:
+    """The compute part of a struct gpunode_memcap_report (read through the guarded wrapper)."""
     c = report.compute
     processes = tuple(
         ProcessCompute(int(p.pid), int(p.busy_ns), int(p.throttled_ns), int(p.launches), p.alive != 0)
@@ -147,6 +137,22 @@ def read_compute(region: Region | str | os.PathLike[str]) -> ComputeReport:
         launches=int(c.launches),
         per_process=processes,
     )
+
+
+def read_compute(region: Region | str | os.PathLike[str]) -> ComputeReport:
+    """The region's compute block and per-process figures; RegionDamaged if the usage file is unusable."""
+    m = _native()
+    path = region.path if isinstance(region, Region) else Path(region)
+    report = m.ffi.new("struct gpunode_memcap_report *")
+    try:
+        with _opened(path, writable=False) as handle:
+            status = m.lib.gpunode_memcap_guarded_report(handle, report)
+            if status != m.lib.GPUNODE_MEMCAP_OK:
+                raise _status_error(status, path, m.lib.gpunode_memcap_region_errno(handle), usage_part=True)
+    except RegionDamaged as exc:
+        PROBLEMS.bad(path, exc)
+        raise
+    return compute_of_report(report)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpunode.errors import RegionDamaged
+from gpunode.node.memcap.compute import ComputeReport, compute_of_report
 from gpunode.node.memcap.problems import PROBLEMS
 from gpunode.node.memcap.region import Region, _native, _opened, _region_of, _status_error
 
@@ -59,6 +60,7 @@ class RegionUsage:
     devices: tuple[DeviceUsage, ...] = ()
     registrations: int = 0
     reclaimable_bytes: int = 0
+    compute: ComputeReport | None = None  # the compute block, as the container left it
 
 
 def _region_path(region_or_dir: Region | str | os.PathLike[str]) -> Path:
@@ -102,6 +104,7 @@ def read_usage(region_or_dir: Region | str | os.PathLike[str]) -> RegionUsage:
         devices=devices,
         registrations=int(report.registrations),
         reclaimable_bytes=sum(p.used_bytes for p in processes if not p.alive),
+        compute=compute_of_report(report),
     )
 
 

@@ -37,7 +37,7 @@ from gpunode.errors import BackendError, DeviceNotFound, GpuLostError, GpunodeEr
 from gpunode.node.devices.base import Backend, DeviceEvent, EventKind, Gpu, GpuSample
 from gpunode.node.inventory import Inventory
 from gpunode.node.metrics.own import OwnMetrics
-from gpunode.node.metrics.regions import read_regions
+from gpunode.node.metrics.regions import ComputeHistory, read_regions
 from gpunode.node.metrics.render import XidState, render_body
 from gpunode.node.metrics.snapshot import EntityKey, LabelStyle, NodeSnapshot, build_snapshot
 
@@ -98,6 +98,7 @@ class MetricsCollector:
         self._seq = 0
         self._driver_version: str | None = None
         self._prev_samples: dict[str, GpuSample] = {}
+        self._compute = ComputeHistory()
         self._last_sample_times: dict[str, float] = {}
         self._known_pairs: dict[EntityKey, tuple[tuple[str, str], ...]] = {}
         self._xid_last: dict[EntityKey, int] = {}
@@ -301,6 +302,7 @@ class MetricsCollector:
             unhealthy=unhealthy,
             attribution=attribution,
             regions=[(r.key, r.device_uuid, r.used_bytes, r.limit_bytes) for r in regions],
+            compute=self._compute.update(now, regions),
         )
         # Rates need the previous sample of the same GPU; a GPU that failed loses its rate once.
         self._prev_samples = dict(samples)

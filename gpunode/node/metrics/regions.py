@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 from prometheus_client import Counter, Gauge
 
 from gpunode.errors import MemcapError, RegionDamaged
+from gpunode.node.metrics.snapshot import ContainerCompute
 
 log = logging.getLogger("gpunode.node.metrics.collector")  # reported as the collector's own problems
 
@@ -30,6 +32,9 @@ class RegionReading:
     device_uuid: str  # a GPU or a MIG device
     used_bytes: int
     limit_bytes: int
+    share_milli: int = 0  # the compute share the agent wrote (0: none)
+    busy_ns: int = 0  # GPU time the container's work took, as its interposer reported it
+    throttled_ns: int = 0  # time its launches were held back
 
 
 def read_regions(root: Path | None, errors: Counter, bad: Gauge | None = None) -> list[RegionReading]:
@@ -65,10 +70,16 @@ def read_regions(root: Path | None, errors: Counter, bad: Gauge | None = None) -
             errors.inc()
             log.warning("metrics: cannot read memory-cap region %s: %s", region.key, err)
             continue
+        c = usage.compute
+        compute = (c.share_milli, c.busy_ns, c.throttled_ns) if c is not None else (0, 0, 0)
         if usage.devices:  # one reading per capped device of the container
-            out.extend(RegionReading(usage.key, d.uuid, d.used_bytes, d.limit_bytes) for d in usage.devices)
+            out.extend(
+                RegionReading(usage.key, d.uuid, d.used_bytes, d.limit_bytes, *compute) for d in usage.devices
+            )
         else:
-            out.append(RegionReading(usage.key, usage.gpu_uuid, usage.used_bytes, usage.limit_bytes))
+            out.append(
+                RegionReading(usage.key, usage.gpu_uuid, usage.used_bytes, usage.limit_bytes, *compute)
+            )
     problems = memcap.region_problems(root)
     read = {r.key for r in out}
     skipped = [p for p in problems if p.key not in read]
@@ -84,3 +95,40 @@ def _set_bad(bad: Gauge | None, problems: Iterable[Any]) -> None:
     bad.clear()
     for problem in problems:
         bad.labels(region=problem.key, reason=problem.reason).set(1)
+
+
+ACHIEVED_WINDOW_S = 10.0
+
+
+class ComputeHistory:
+    """Each region's reported GPU time over the last ACHIEVED_WINDOW_S, for the achieved share.
+
+    The achieved share is the growth of the region's busy time between the newest reading and the
+    newest one at least ACHIEVED_WINDOW_S older (the oldest kept, until the window has filled), over
+    the wall time between them. A busy counter that went backwards (a restarted or tampering
+    container) starts the history again.
+    """
+
+    def __init__(self, window_s: float = ACHIEVED_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._seen: dict[str, deque[tuple[float, int]]] = {}
+
+    def update(self, now: float, readings: Iterable[RegionReading]) -> dict[str, ContainerCompute]:
+        """Take this collection's readings; the compute view of every region read."""
+        out: dict[str, ContainerCompute] = {}
+        for r in readings:
+            if r.key in out:
+                continue  # one reading per device of a multi-device region; the counters are the region's
+            seen = self._seen.setdefault(r.key, deque())
+            if seen and (r.busy_ns < seen[-1][1] or now <= seen[-1][0]):
+                seen.clear()
+            seen.append((now, r.busy_ns))
+            while len(seen) > 2 and now - seen[1][0] >= self.window_s:
+                seen.popleft()
+            achieved = None
+            if len(seen) >= 2 and now > seen[0][0]:
+                achieved = (r.busy_ns - seen[0][1]) / ((now - seen[0][0]) * 1e9)
+            out[r.key] = ContainerCompute(r.share_milli, achieved, r.busy_ns / 1e9, r.throttled_ns / 1e9)
+        for key in [k for k in self._seen if k not in out]:
+            del self._seen[key]
+        return out

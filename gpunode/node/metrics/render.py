@@ -20,6 +20,7 @@ from prometheus_client import generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from gpunode.contract.names import MILLI_PER_GPU
 from gpunode.node.metrics.fields import FIELDS, XID_FIELD_NAME, format_value
 from gpunode.node.metrics.snapshot import EntityKey, NodeSnapshot, owner_labels, render_labels
 
@@ -94,6 +95,27 @@ class _GpunodeFamilies(Collector):
             "GPU memory cap of one container on one device, from its memory-cap region.",
             "gauge",
         )
+        share = Metric(
+            "gpunode_container_compute_share",
+            "Compute share of one container (fraction of the GPU), as the agent wrote it into its region.",
+            "gauge",
+        )
+        achieved = Metric(
+            "gpunode_container_compute_achieved_share",
+            "GPU time of one container's work over wall time in the last 10 s, as its interposer reported it "
+            "(the container can write its region: compare with the driver's per-process figures).",
+            "gauge",
+        )
+        busy = Metric(
+            "gpunode_container_compute_busy_seconds",
+            "GPU time of one container's work, as its interposer reported it.",
+            "counter",
+        )
+        throttled = Metric(
+            "gpunode_container_compute_throttled_seconds",
+            "Time one container's kernel launches were held back to keep it to its compute share.",
+            "counter",
+        )
         for c in self._snap.containers:
             labels = {"UUID": c.gpu_uuid, "region": c.region, self._host[0]: self._host[1]}
             if c.gpu_index is not None:
@@ -109,8 +131,18 @@ class _GpunodeFamilies(Collector):
                 )
             used.add_sample(used.name, labels, c.used_bytes)
             limit.add_sample(limit.name, labels, c.limit_bytes)
+            if c.compute is not None:
+                if c.compute.share_milli:
+                    share.add_sample(share.name, labels, c.compute.share_milli / MILLI_PER_GPU)
+                if c.compute.achieved_share is not None:
+                    achieved.add_sample(achieved.name, labels, round(c.compute.achieved_share, 6))
+                busy.add_sample(busy.name + "_total", labels, c.compute.busy_s)
+                throttled.add_sample(throttled.name + "_total", labels, c.compute.throttled_s)
         yield used
         yield limit
+        for family in (share, achieved, busy, throttled):
+            if family.samples:
+                yield family
 
     def _xid_counts(self) -> Iterable[Metric]:
         if not self._xid.counts and not self._xid.unknown_device:

@@ -54,6 +54,16 @@ class Entity:
 
 
 @dataclass(frozen=True)
+class ContainerCompute:
+    """One container's compute share and use, from its region (what its interposer reported)."""
+
+    share_milli: int  # 0: no share written
+    achieved_share: float | None  # GPU time over wall time in the last 10 s; None until two readings
+    busy_s: float
+    throttled_s: float
+
+
+@dataclass(frozen=True)
 class ContainerMemory:
     """GPU memory one container uses on one device, and its cap there, from the interposer's region."""
 
@@ -64,6 +74,7 @@ class ContainerMemory:
     used_bytes: int
     limit_bytes: int
     owner: ContainerDevices | None  # None when the kubelet lists no container for the region
+    compute: ContainerCompute | None = None
 
 
 @dataclass(frozen=True)
@@ -201,6 +212,7 @@ def build_snapshot(
     unhealthy: Mapping[str, str] | None = None,
     attribution: AttributionSnapshot | None = None,
     regions: Sequence[tuple[str, str, int, int]] = (),
+    compute: Mapping[str, ContainerCompute] | None = None,
 ) -> NodeSnapshot:
     """Assemble one snapshot.
 
@@ -208,7 +220,7 @@ def build_snapshot(
     be read is missing, and so are its values); previous_samples the one
     before, for rates. regions holds (region key, device UUID, used bytes,
     limit bytes) per device of each memory-cap region; the device is a GPU or
-    a MIG device.
+    a MIG device. compute holds each region's compute share and use, by region key.
     """
     owners = find_owners(gpus, inventory, attribution)
     entities: list[Entity] = []
@@ -244,7 +256,7 @@ def build_snapshot(
         collected_at_s=collected_at_s,
         entities=tuple(entities),
         sample_times=sample_times,
-        containers=_container_memory(regions, attribution, inventory, gpus),
+        containers=_container_memory(regions, attribution, inventory, gpus, compute or {}),
         devices=_device_states(inventory, unhealthy or {}, attribution, index_of),
     )
 
@@ -254,6 +266,7 @@ def _container_memory(
     attribution: AttributionSnapshot | None,
     inventory: Inventory | None,
     gpus: Sequence[Gpu],
+    compute: Mapping[str, ContainerCompute],
 ) -> tuple[ContainerMemory, ...]:
     where: dict[str, tuple[Gpu, MigDevice | None]] = {g.uuid: (g, None) for g in gpus}
     where.update({m.uuid: (g, m) for g in gpus for m in g.mig_devices})
@@ -275,6 +288,7 @@ def _container_memory(
                 used_bytes=used,
                 limit_bytes=limit,
                 owner=holders.get(key),
+                compute=compute.get(key),
             )
         )
     return tuple(out)
