@@ -277,3 +277,27 @@ def test_agent_and_kubelet_restarts_between_prepares_leave_nothing_behind(dra_no
     for pod in ("dra-first", "dra-second"):
         _delete_and_wait(admin, dra_node, pod)
     eventually(lambda: _clean(dra_node), timeout_s=WAIT_S, what="both claims unprepared")
+
+
+def test_a_claim_for_more_memory_than_a_gpu_has_says_why_and_nothing_is_prepared(dra_node: DraNode) -> None:
+    admin = dra_node.cp.api()
+    _template(admin, "gpu-100gi", "100Gi")
+    _claim_pod(admin, "dra-too-big", "gpu-100gi")
+
+    def unschedulable() -> str | None:
+        for e in pod_events(admin, NAMESPACE, "dra-too-big"):
+            if e.get("reason") == "FailedScheduling":
+                return str(e.get("message"))
+        return None
+
+    message = eventually(unschedulable, timeout_s=WAIT_S, what="kube-scheduler's reason on the pod")
+    assert "claim" in message, message  # the DRA allocator cannot satisfy the claim on any node
+    assert get_pod(admin, NAMESPACE, "dra-too-big")["status"].get("phase") == "Pending"
+    assert dra_node.specs == [] and dra_node.regions == []  # never allocated, never prepared
+    # the node still prepares a claim that fits
+    _template(admin, "gpu-4gi", "4Gi")  # (an apply: the same template as the cap test's)
+    _claim_pod(admin, "dra-fits", "gpu-4gi")
+    assert _report(dra_node, "dra-fits").allocated == 4 * GIB
+    for pod in ("dra-too-big", "dra-fits"):
+        _delete_and_wait(admin, dra_node, pod)
+    eventually(lambda: _clean(dra_node), timeout_s=WAIT_S, what="the claim unprepared")
