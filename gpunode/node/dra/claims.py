@@ -140,7 +140,7 @@ def parse_memory(value: object, where: str) -> int:
     """A memory quantity ("4Gi", "4294967296", "4.5G", "1e9") as whole bytes."""
     if not isinstance(value, str) or len(value) > 64:
         raise ClaimRefused(f"{where}: expected a quantity such as 4Gi, got {excerpt(value)}")
-    m = _QUANTITY.fullmatch(value.strip())
+    m = _QUANTITY.fullmatch(value)  # Kubernetes' grammar: no blanks
     if m is None:
         raise ClaimRefused(f"{where}: expected a quantity such as 4Gi, got {excerpt(value)}")
     try:
