@@ -529,10 +529,10 @@ class SlicePublisher:
             self.generation = max(self.generation, existing.generation)
             self._existing = existing
         existing = self._existing
-        bodies = build_slices(
-            pool, node=self.node_name, driver=self.driver, generation=self.generation, owner=self._owner
-        )
-        want = {b["metadata"]["name"]: b["metadata"]["annotations"][CONTENT_ANNOTATION] for b in bodies}
+        want = {
+            slice_name(self.node_name, self.driver, i): content_digest(spec)
+            for i, spec in enumerate(pool.slice_specs())
+        }
         have = {name: digest for name, (_, digest) in existing.slices.items()}
         if want == have:
             return False
@@ -543,18 +543,22 @@ class SlicePublisher:
         self._existing = None  # until every write succeeded
         client = self.client()
         written: dict[str, tuple[str, str]] = {}
+
+        async def write(body: dict[str, Any]) -> None:
+            body = self._with_times(body)
+            name = body["metadata"]["name"]
+            if name in existing.slices:
+                body["metadata"]["resourceVersion"] = existing.slices[name][0]
+                stored = await client.replace_json(ResourceSlice, body)
+            else:
+                stored = await client.create_json(ResourceSlice, body)
+            self.writes += 1
+            self._remember_times(stored)
+            written[name] = (str(stored["metadata"]["resourceVersion"]), want[name])
+
         try:
-            for body in bodies:
-                body = self._with_times(body)
-                name = body["metadata"]["name"]
-                if name in existing.slices:
-                    body["metadata"]["resourceVersion"] = existing.slices[name][0]
-                    stored = await client.replace_json(ResourceSlice, body)
-                else:
-                    stored = await client.create_json(ResourceSlice, body)
-                self.writes += 1
-                self._remember_times(stored)
-                written[name] = (str(stored["metadata"]["resourceVersion"]), want[name])
+            # All slices at once: the scheduler uses the pool only when every slice has the new generation.
+            await asyncio.gather(*(write(body) for body in bodies))
             for name, (version, _) in existing.slices.items():
                 if name not in written:
                     with contextlib.suppress(KubeNotFound):
