@@ -6,7 +6,8 @@ chart's DRA RBAC) publishes the node's ResourceSlices and registers its DRA plug
 kubelet's plugin watcher; kube-scheduler allocates a ResourceClaimTemplate's claim (4 GiB of a shared
 GPU, the chart's DeviceClass); the kubelet calls NodePrepareResources; containerd injects the CDI spec
 the agent wrote; the container runs tests/e2e/capprobe.c under the interposer and the tests' fake
-libcuda (the image of test_realnode_deviceplugin) and its allocations stop at 4 GiB. Deleting the pod
+libcuda (the image of test_realnode_deviceplugin) and its allocations stop at 4 GiB; the kubelet shows
+the device's health, from the agent's DRAResourceHealth stream, in the pod's status. Deleting the pod
 makes the kubelet unprepare the claim: the spec and the region go. An invalid opaque configuration is
 reported on the pod by the kubelet with the agent's reason; an agent restart and a kubelet restart
 between prepares leave nothing behind and prepare nothing twice.
@@ -237,6 +238,23 @@ def test_a_claim_template_for_4gib_of_a_shared_gpu_runs_under_its_cap(dra_node: 
     env = dict(e.split("=", 1) for e in spec["containerEdits"]["env"])
     assert env["NVIDIA_VISIBLE_DEVICES"] == report.uuid
     assert len(dra_node.regions) == 1 and len(dra_node.records) == 1
+
+    def device_health() -> list[dict[str, Any]] | None:
+        statuses = get_pod(admin, NAMESPACE, "dra-capped")["status"].get("containerStatuses") or []
+        found = [
+            r
+            for c in statuses
+            for a in c.get("allocatedResourcesStatus") or []
+            if str(a.get("name", "")).startswith("claim:")
+            for r in a.get("resources") or []
+            if r.get("health") == "Healthy"
+        ]
+        return found or None
+
+    # The kubelet shows the device's health from the agent's DRAResourceHealth stream on the pod.
+    healthy = eventually(device_health, timeout_s=WAIT_S, what="the claim's device health on the pod")
+    # (the kubelet names the device by the CDI ID it was given; "Healthy", not its default "Unknown")
+    assert healthy[0]["resourceID"].startswith(f"{DRIVER}/claim="), healthy
     _delete_and_wait(admin, dra_node, "dra-capped")
     eventually(
         lambda: _clean(dra_node), timeout_s=WAIT_S, what="the claim unprepared: spec, region, record gone"
