@@ -26,7 +26,8 @@ import pytest
 import yaml
 
 from gpunode.contract import dra as names
-from gpunode.contract.names import GPU_RESOURCE
+from gpunode.contract.names import GPU_RESOURCE, NODE_STATE_ANNOTATION
+from gpunode.contract.nodestate import decode
 from tests.e2e import chart
 from tests.e2e.api import Api, ApiError, eventually
 from tests.e2e.capped import (
@@ -221,6 +222,16 @@ def test_the_kubelet_registers_the_driver_beside_the_device_plugin(dra_node: Dra
     devices = eventually(lambda: _slice_devices(admin) or None, timeout_s=WAIT_S, what="the node's slices")
     uuids = {d["attributes"][names.ATTR_UUID]["string"] for d in devices}
     assert len(uuids) == 2  # GPUs 0 and 1 only: each GPU is served by one of the two
+
+    def node_state() -> str | None:
+        annotations = admin.get(f"/api/v1/nodes/{REAL_NODE}")["metadata"].get("annotations") or {}
+        return annotations.get(NODE_STATE_ANNOTATION)
+
+    # The node state the scheduler extender reads says which GPUs DRA serves.
+    state = decode(eventually(node_state, timeout_s=WAIT_S, what="the node-state annotation"), node=REAL_NODE)
+    modes = {g.uuid: str(g.sharing) for g in state.gpus}
+    assert {u for u, m in modes.items() if m == "dra"} == uuids
+    assert sorted(m for m in modes.values() if m != "dra") == ["whole", "whole"]
 
 
 def test_a_claim_template_for_4gib_of_a_shared_gpu_runs_under_its_cap(dra_node: DraNode) -> None:
