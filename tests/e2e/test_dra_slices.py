@@ -498,3 +498,26 @@ def test_the_agent_publishes_its_slices_taints_them_on_an_xid_and_a_restart_keep
         assert running.agent.dra_slices.writes == 0
     after = {s["metadata"]["name"]: s["metadata"]["resourceVersion"] for s in slices_of(api, node)}
     assert after == before
+
+
+def test_a_slice_deleted_behind_the_publishers_back_is_written_again_at_once(dra: dict[str, Any]) -> None:
+    """The kubelet wipes a node's slices when it starts: the publisher (resync every hour here) sees the
+    deletion through its watch and publishes the pool again, at a new generation, within seconds."""
+    api: Api = dra["admin"]
+    node = NODES["mig"]
+    before = slices_of(api, node)
+    generation = before[0]["spec"]["pool"]["generation"]
+    victim = before[0]["metadata"]["name"]
+    api.delete(f"{RESOURCE}/resourceslices/{victim}")
+
+    def restored() -> list[dict[str, Any]] | None:
+        now = slices_of(api, node)
+        names_now = sorted(s["metadata"]["name"] for s in now)
+        generations = {s["spec"]["pool"]["generation"] for s in now}
+        return (
+            now
+            if names_now == sorted(s["metadata"]["name"] for s in before) and generations == {generation + 1}
+            else None
+        )
+
+    eventually(restored, timeout_s=30, what=f"{victim} written again by the publisher", interval_s=0.1)

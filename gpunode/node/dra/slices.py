@@ -571,15 +571,6 @@ class SlicePublisher:
         self.published = bodies
         return True
 
-    async def remove(self) -> int:
-        """Delete this node's slices of this driver (DRA turned off); returns how many there were."""
-        existing = await self._read_existing()
-        for name in existing.slices:
-            with contextlib.suppress(KubeNotFound):
-                await self.client().delete_json(ResourceSlice, name)
-        self._existing = _Existing()
-        return len(existing.slices)
-
     async def run(self, *, ready: asyncio.Event | None = None) -> None:
         """Publish now, then on every change and every interval_s, until cancelled."""
         self._loop = asyncio.get_running_loop()
@@ -588,6 +579,7 @@ class SlicePublisher:
         version = -1
         delay = self.retry_initial_s
         next_resync = 0.0
+        watcher = asyncio.ensure_future(self._watch_deletions())
         try:
             while True:
                 resync = loop.time() >= next_resync
@@ -615,7 +607,31 @@ class SlicePublisher:
                     ready.set()
                 version = await self._wait(version, wait_s)
         finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
             await self.close()
+
+    async def _watch_deletions(self) -> None:
+        """Publish again at once when one of the pool's slices is deleted by someone else (the kubelet
+        wipes a node's slices when it starts, and a driver's when its registration is gone a while)."""
+        selector = f"spec.nodeName={self.node_name},spec.driver={self.driver}"
+        try:
+            async with contextlib.aclosing(
+                self.client().watch(ResourceSlice, field_selector=selector)
+            ) as events:
+                async for event in events:
+                    meta = getattr(event.object, "metadata", None)
+                    name = getattr(meta, "name", None)
+                    existing = self._existing
+                    if event.type == "DELETED" and existing is not None and name in existing.slices:
+                        log.warning("DRA slices: %s was deleted by someone else; publishing it again", name)
+                        self._existing = None
+                        self.poke()
+        except GpunodeError as exc:
+            log.warning(
+                "DRA slices: cannot watch the slices (%s); they are checked every %g s", exc, self.interval_s
+            )
 
     async def _wait(self, version: int, wait_s: float) -> int:
         """Until a change (device state past `version`, or a poke) or wait_s; the version to wait past next."""
