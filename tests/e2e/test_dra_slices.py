@@ -262,7 +262,7 @@ def test_the_api_server_refuses_a_slice_over_its_limits(dra: dict[str, Any]) -> 
 
 def test_two_claims_share_one_gpu_and_a_third_that_would_exceed_it_waits(dra: dict[str, Any]) -> None:
     """8Gi and 6Gi of a 15Gi T4 go to the one shared device; 2Gi more does not fit and stays Pending with
-    kube-scheduler's reason."""
+    kube-scheduler's reason, and so does a claim for the whole GPU while shares of it are taken."""
     api: Api = dra["admin"]
     node = NODES["shared"]
     shared = gpu_device_name(dra["gpus"]["shared"].uuid) + "-shared"
@@ -282,6 +282,14 @@ def test_two_claims_share_one_gpu_and_a_third_that_would_exceed_it_waits(dra: di
     message = wait_unschedulable(api, "pod-share-c")
     print(f"share-c: {message}")
     assert "cannot allocate all claims" in message, message
+    # While shares are taken, the GPU is not offered whole (the two devices take one counter).
+    api.create(
+        f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaims", claim_body("whole-on-shared", names.CLASS_WHOLE)
+    )
+    api.create(
+        f"/api/v1/namespaces/{NAMESPACE}/pods", pod_with_claim("pod-whole-on-shared", node, "whole-on-shared")
+    )
+    assert "cannot allocate all claims" in wait_unschedulable(api, "pod-whole-on-shared")
 
 
 def test_a_mig_claim_takes_a_placement_and_profiles_that_no_longer_fit_are_not_offered(
