@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -134,6 +135,7 @@ class FakeApi:
         self.lock = threading.Lock()
         self.version = 1
         self.node_uid = new_uid()
+        self.claim_delay_s = 0.0
         api = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -216,6 +218,7 @@ class FakeApi:
                             },
                         )
                     elif len(rest) == 4 and rest[0] == "namespaces" and rest[2] == "resourceclaims":
+                        time.sleep(api.claim_delay_s)  # a slow API server, for calls the kubelet gives up on
                         found = api.claims.get((rest[1], rest[3]))
                         if found is not None:
                             code, body = 200, found

@@ -9,6 +9,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -464,6 +465,62 @@ def test_an_agent_killed_mid_prepare_neither_leaks_nor_prepares_twice(tmp_path: 
             resp = await w.prepare(c)  # the kubelet's retry prepares it, once
             assert resp.claims[uid].error == ""
             assert region_dirs(w) == [f"claim-{uid}"] and spec_files(w) == [f"{DRIVER}-{uid}.json"]
+
+    run(scenario())
+
+
+def test_a_kubelet_that_gives_up_mid_prepare_gets_the_claim_prepared_once_on_its_retry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kubelet's call ends (its deadline, or the kubelet restarted) while the claim is read or while
+    its region and spec are made: the retry finds nothing half-made and nothing made twice."""
+    from gpunode.node.dra import prepare as prepare_module
+
+    real_replace = memcap.replace_region
+
+    made: list[str] = []
+
+    def slow_replace(*args: Any, **kwargs: Any) -> Any:
+        made.append(args[1])
+        time.sleep(0.6)
+        return real_replace(*args, **kwargs)
+
+    async def scenario() -> None:
+        async with world() as w:
+            # 1. gone while the claim is read from the API server: nothing is made
+            c = w.api.add(claim("slow-read"))
+            w.api.claim_delay_s = 0.6
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await w.stub_v1.NodePrepareResources(
+                    v1.NodePrepareResourcesRequest(
+                        claims=[v1.Claim(namespace=c.namespace, uid=c.uid, name=c.name)]
+                    ),
+                    timeout=0.2,
+                )
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await asyncio.sleep(0.8)
+            w.api.claim_delay_s = 0.0
+            first = await w.prepare(c)
+            assert first.claims[c.uid].error == "" and len(region_dirs(w)) == 1
+            # 2. gone while the region is made: the work finishes, the retry is answered from the record
+            d = w.api.add(claim("slow-make"))
+            monkeypatch.setattr(prepare_module.memcap, "replace_region", slow_replace)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await w.stub_v1.NodePrepareResources(
+                    v1.NodePrepareResourcesRequest(
+                        claims=[v1.Claim(namespace=d.namespace, uid=d.uid, name=d.name)]
+                    ),
+                    timeout=0.2,
+                )
+            # the retry comes at once: it waits for the work in flight and is answered from its record
+            again = await w.prepare(d)
+            assert again.claims[d.uid].error == ""
+            region = memcap.load_region(w.regions / f"claim-{d.uid}")
+            assert await w.prepare(d) == again
+            assert memcap.load_region(w.regions / f"claim-{d.uid}").generation == region.generation
+            assert made == [f"claim-{d.uid}"]  # one region made for it, not two
+            assert sorted(region_dirs(w)) == sorted([f"claim-{c.uid}", f"claim-{d.uid}"])
+            assert len(spec_files(w)) == 2 and len(records(w)) == 2
 
     run(scenario())
 

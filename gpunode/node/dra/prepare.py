@@ -20,7 +20,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from gpunode.config.agent import Config
 from gpunode.errors import ClaimRefused, KubeError, KubeNotFound, MemcapError
@@ -34,6 +34,7 @@ from gpunode.node.dra.devices import DeviceDirectory
 log = logging.getLogger(__name__)
 
 ClaimFetcher = Callable[[ClaimRef], Awaitable[dict[str, Any]]]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,18 @@ class Prepared:
 
     plan: ClaimPlan
     cdi_ids: tuple[str, ...]
+
+
+async def _to_completion(fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) in a thread, and if the caller is cancelled (the kubelet's call ended), still held until
+    the thread is done: the claim's lock must not let a retry start while its files are being made."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await work
+        raise
 
 
 def region_key(uid: str) -> str:
@@ -126,7 +139,7 @@ class Preparer:
         if record is not None:  # mid-prepare, or damaged since: start again from nothing
             await asyncio.to_thread(self._remove, ref.uid)
         plan = await self._plan(ref)
-        return await asyncio.to_thread(self._make, plan)
+        return await _to_completion(self._make, plan)
 
     async def _plan(self, ref: ClaimRef) -> ClaimPlan:
         try:
@@ -245,7 +258,7 @@ class Preparer:
         check_uid(ref.uid)
         async with self._serial(ref.uid):
             try:
-                await asyncio.to_thread(self._remove, ref.uid)
+                await _to_completion(self._remove, ref.uid)
             except (OSError, MemcapError) as exc:
                 raise ClaimRefused(f"claim {ref}: cannot unprepare it: {exc}") from None
         log.info("DRA: unprepared claim %s", ref)
