@@ -525,6 +525,27 @@ def test_a_kubelet_that_gives_up_mid_prepare_gets_the_claim_prepared_once_on_its
     run(scenario())
 
 
+def test_claims_gone_from_the_api_server_are_unprepared_by_the_agent_itself() -> None:
+    """A kubelet that lost its record of a claim never unprepares it: the agent removes a prepared claim
+    whose ResourceClaim is gone (or made again under a new UID), and nothing while it cannot ask."""
+
+    async def scenario() -> None:
+        async with world() as w:
+            gone, kept, recreated = (w.api.add(claim(n)) for n in ("gone", "kept", "recreated"))
+            for c in (gone, kept, recreated):
+                assert (await w.prepare(c)).claims[c.uid].error == ""
+            del w.api.claims[(gone.namespace, gone.name)]
+            w.api.add(claim("recreated"))  # the same name, a new UID
+            removed = await w.plugin.preparer.collect_orphans()
+            assert sorted(removed) == sorted([gone.uid, recreated.uid])
+            assert region_dirs(w) == [f"claim-{kept.uid}"] and spec_files(w) == [f"{DRIVER}-{kept.uid}.json"]
+            w.api.close()  # the API server unreachable: nothing is removed
+            assert await w.plugin.preparer.collect_orphans() == []
+            assert region_dirs(w) == [f"claim-{kept.uid}"]
+
+    run(scenario())
+
+
 def test_prepared_claims_survive_an_agent_restart_and_are_unprepared_after_it() -> None:
     from tests.fakes.kubelet import short_socket_dir
 

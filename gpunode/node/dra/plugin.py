@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 SOCKET_MODE = 0o600
 SOCKET_CHECK_S = 1.0
+ORPHAN_FIRST_CHECK_S = 60.0  # after start: the kubelet first unprepares what it knows of
+ORPHAN_CHECK_S = 600.0  # then this often: prepared claims whose ResourceClaim is gone are removed
 HEALTH_RESEND_S = 10.0  # the health list is sent again this often without a change
 HEALTH_TIMEOUT_S = 60  # how long the kubelet keeps a device's health without hearing of it
 SERVER_START_TIMEOUT_S = 10.0
@@ -318,8 +320,15 @@ class DraPlugin:
             await self.start()
             if ready is not None:
                 ready.set()
+            next_orphan_check = time.monotonic() + ORPHAN_FIRST_CHECK_S
             while True:
                 await asyncio.sleep(SOCKET_CHECK_S)
+                if time.monotonic() >= next_orphan_check:
+                    next_orphan_check = time.monotonic() + ORPHAN_CHECK_S
+                    try:
+                        await self.preparer.collect_orphans()
+                    except Exception as exc:  # a failed check is tried again at the next one
+                        log.warning("DRA: checking for claims gone from the API server failed: %s", exc)
                 for srv in (self.service, self.registrar):
                     if not srv.intact():
                         log.info("DRA: the socket %s was removed; serving on a new one", srv.path)

@@ -9,7 +9,9 @@ spec, the region and the record. Either is serialized per claim UID; a failure i
 for that claim alone, and what a failed prepare made is removed before it answers.
 
 Regions of claims live in their own root, `<stateDir>/dra/memcap`, apart from the device plugin's,
-whose collector removes regions of containers the kubelet's pod-resources API does not list.
+whose collector removes regions of containers the kubelet's pod-resources API does not list. A
+prepared claim whose ResourceClaim is gone from the API server (a kubelet that lost its own record
+would never unprepare it) is removed by collect_orphans, which the plugin runs every ORPHAN_CHECK_S.
 """
 
 from __future__ import annotations
@@ -268,6 +270,28 @@ class Preparer:
         cdi.remove_spec(self.cdi_dir, self.driver, uid)
         memcap.remove_region(self.regions_root, region_key(uid))
         self.checkpoint.remove(uid)
+
+    async def collect_orphans(self) -> list[str]:
+        """Unprepare the claims this node prepared whose ResourceClaim is gone from the API server (or was
+        made again under a new UID): a kubelet that lost its own record of them never will. Any other
+        answer (the API server unreachable, a refusal) keeps the claim. The UIDs removed."""
+        removed = []
+        for record in await asyncio.to_thread(self.prepared):
+            ref = record.plan.claim
+            try:
+                claim = await self.fetch_claim(ref)
+            except KubeNotFound:
+                claim = None
+            except KubeError as exc:
+                log.warning("DRA: cannot check whether claim %s still exists: %s", ref, exc)
+                continue
+            if claim is not None and (claim.get("metadata") or {}).get("uid") == ref.uid:
+                continue
+            async with self._serial(ref.uid):
+                await _to_completion(self._remove, ref.uid)
+            log.info("DRA: claim %s is gone from the API server; its spec and region are removed", ref)
+            removed.append(ref.uid)
+        return removed
 
     def prepared(self) -> list[ClaimRecord]:
         """The records of the claims prepared now (for the health stream and tests)."""
