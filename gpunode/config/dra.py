@@ -72,11 +72,12 @@ class DraConfig:
 
 
 def check_driver_name(value: str, where: str) -> str:
-    """A DRA driver name: a DNS subdomain with at least one dot, at most 63 characters."""
-    if len(value) > MAX_DRIVER_NAME_CHARS or not _DNS_SUBDOMAIN.fullmatch(value):
+    """A DRA driver name: a DNS subdomain with at least one dot, at most 63 characters, starting with a
+    letter (it is also the vendor of the claims' CDI devices, and CDI vendor names start with one)."""
+    if len(value) > MAX_DRIVER_NAME_CHARS or not _DNS_SUBDOMAIN.fullmatch(value) or not value[0].isalpha():
         raise ConfigError(
             f"{where}: {excerpt(value)} is not a DRA driver name (a lower-case DNS subdomain with a dot, "
-            f"at most {MAX_DRIVER_NAME_CHARS} characters)",
+            f"starting with a letter, at most {MAX_DRIVER_NAME_CHARS} characters)",
             hint=f"use a domain of your own such as {DEFAULT_DRIVER_NAME}",
         )
     return value

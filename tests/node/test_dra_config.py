@@ -56,6 +56,7 @@ def test_device_plugin_keeps_gpus_dra_does_not_list() -> None:
     [
         ({"driverName": "GPU.Example.com"}, {}, "gpunode.dra.driverName", "DNS subdomain"),
         ({"driverName": "nodots"}, {}, "gpunode.dra.driverName", "DNS subdomain"),
+        ({"driverName": "1gpu.example.com"}, {}, "gpunode.dra.driverName", "starting with a letter"),
         ({"driverName": "../../etc"}, {}, "gpunode.dra.driverName", "DNS subdomain"),
         ({"driverName": "a/b.example.com"}, {}, "gpunode.dra.driverName", "DNS subdomain"),
         ({"driverName": "x" * 60 + ".example.com"}, {}, "gpunode.dra.driverName", "63"),
