@@ -527,3 +527,103 @@ def test_a_new_leader_finishes_a_marked_gang_and_undoes_a_part_marked_one(gates:
     for i in range(2):  # the planted marks were removed and the gang admitted whole, afresh
         assert marks[i]["gen"] > planted[f"part-{i}"]["gen"]
     gates.start_controller("gate-2")
+
+
+BLOCK = "e2e-block-release"
+BLOCK_MESSAGE = "e2e: releases are held back"
+
+
+def test_a_leader_killed_after_marking_a_gated_gang_and_before_releasing_it_is_finished_by_the_next(
+    gates: Gates,
+) -> None:
+    """The window between the marks and the releases, held open: a policy of the test's own refuses every
+    removal of the gate (the controller's too), so the leader marks the gang and its releases are refused;
+    both controllers are then SIGKILLed, the policy deleted, and a controller started: it releases the gang
+    where the killed leader marked it, without admitting it again."""
+    qc = gates.qc
+    admin = qc.cp.api()
+    policy = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": BLOCK},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {
+                "resourceRules": [
+                    {
+                        "apiGroups": [""],
+                        "apiVersions": ["v1"],
+                        "operations": ["UPDATE"],
+                        "resources": ["pods"],
+                    }
+                ]
+            },
+            "matchConditions": [
+                {
+                    "name": "gated",
+                    "expression": "has(oldObject.spec.schedulingGates) && "
+                    f"oldObject.spec.schedulingGates.exists(g, g.name == '{ADMISSION_GATE}')",
+                }
+            ],
+            "validations": [
+                {
+                    "expression": "has(object.spec.schedulingGates) && "
+                    f"object.spec.schedulingGates.exists(g, g.name == '{ADMISSION_GATE}')",
+                    "message": BLOCK_MESSAGE,
+                }
+            ],
+        },
+    }
+    binding = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": BLOCK},
+        "spec": {"policyName": BLOCK, "validationActions": ["Deny"]},
+    }
+    admin.apply(POLICIES, policy)
+    admin.apply(BINDINGS, binding)
+    try:
+        probe = gates.probe(keep=True)
+        controller = qc.cp.api("queue")  # the chart's policy lets it release: the test's refuses it
+        eventually(
+            lambda: (
+                BLOCK_MESSAGE
+                in refusal(controller, probe["metadata"]["name"], {"schedulingGates": None}, dry_run=True)
+            ),
+            timeout_s=WAIT_S,
+            what="the test's policy refusing releases",
+        )
+        admin.delete(f"/api/v1/namespaces/{NAMESPACE}/pods/{probe['metadata']['name']}?gracePeriodSeconds=0")
+        members = [f"k-{i}" for i in range(4)]
+        submit(admin, *(queued_pod(n, "team-a", 1, gang="k", size=4) for n in members))
+
+        def marked_and_gated() -> list[dict[str, Any]] | None:
+            pods = [get_pod(admin, NAMESPACE, n) for n in members]
+            return pods if all(mark_of(p) and gate_of(p) for p in pods) else None
+
+        marked = eventually(marked_and_gated, timeout_s=WAIT_S, what="the gang marked, its releases refused")
+        leader = qc.leader()
+        log = qc.controllers[leader].log
+        eventually(
+            lambda: BLOCK_MESSAGE in log.read_text(errors="replace"),
+            timeout_s=WAIT_S,
+            what="the leader's release refused",
+        )
+        for identity in ("gate-1", "gate-2"):
+            popen = qc.controllers[identity].popen
+            assert popen is not None
+            os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait(30)
+    finally:
+        admin.delete(f"{BINDINGS}/{BLOCK}")
+        admin.delete(f"{POLICIES}/{BLOCK}")
+    planted = {p["metadata"]["name"]: mark_of(p) for p in marked}
+    for name in members:  # nothing moved while no controller ran
+        pod = get_pod(admin, NAMESPACE, name)
+        assert gate_of(pod) and mark_of(pod) == planted[name] and not pod["spec"].get("nodeName")
+    gates.start_controller("gate-1")
+    gates.start_controller("gate-2")
+    bound_pods = [eventually(partial(bound, admin, n), timeout_s=WAIT_S, what=f"{n} bound") for n in members]
+    for pod in bound_pods:
+        assert check_released_as_planned(pod) == planted[pod["metadata"]["name"]]
+        assert len(events(admin, pod["metadata"]["name"], "QueueAdmitted")) == 1  # not admitted again
