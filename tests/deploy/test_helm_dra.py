@@ -92,3 +92,31 @@ def test_the_agent_may_write_resourceslices_and_read_its_node() -> None:
 def test_a_malformed_extended_resource_name_fails_the_schema(bad: str) -> None:
     proc = run_helm("template", "gn", values={**ON, "dra": {"extendedResourceName": bad}})
     assert proc.returncode != 0 and "extendedResourceName" in proc.stderr, proc.stderr
+
+
+@needs_helm
+def test_the_toleration_policy_is_rendered_bound_and_exempts_the_listed_namespaces() -> None:
+    out = render({**ON, "dra": {"tolerationExemptNamespaces": ["ops"]}})
+    policy = out.named("ValidatingAdmissionPolicy", f"{FULLNAME}-dra-tolerations")
+    rules = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert rules[0]["resources"] == ["resourceclaims", "resourceclaimtemplates"]
+    assert policy["spec"]["matchConstraints"]["matchPolicy"] == "Equivalent"
+    assert policy["spec"]["matchConditions"] == [
+        {"name": "not-exempt", "expression": '!(request.namespace in ["ops"])'}
+    ]
+    assert names.TAINT_KEY in policy["spec"]["validations"][0]["expression"]
+    binding = out.named("ValidatingAdmissionPolicyBinding", f"{FULLNAME}-dra-tolerations")
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    assert (
+        "matchConditions"
+        not in render(ON).named("ValidatingAdmissionPolicy", f"{FULLNAME}-dra-tolerations")["spec"]
+    )
+    assert not render({**ON, "dra": {"refuseUnhealthyTolerations": False}}).kinds("ValidatingAdmissionPolicy")
+
+
+@needs_helm
+def test_an_exempt_namespace_must_be_a_namespace_name() -> None:
+    proc = run_helm(
+        "template", "gn", values={**ON, "dra": {"tolerationExemptNamespaces": ['x"]) || true || (["']}}
+    )
+    assert proc.returncode != 0 and "tolerationExemptNamespaces" in proc.stderr, proc.stderr

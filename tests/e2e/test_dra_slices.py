@@ -12,6 +12,7 @@ and bound but never run: the kubelet plugin's part (preparing claims) is not exe
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,6 +45,7 @@ DRIVER = names.DEFAULT_DRIVER
 NAMESPACE = "e2e-dra"
 RESOURCE = "/apis/resource.k8s.io/v1"
 WAIT_S = 120.0  # generous: two shared cores
+EXEMPT = "e2e-dra-ops"  # listed in dra.tolerationExemptNamespaces
 NODES = {
     "shared": "e2e-dra-t4-shared",
     "whole": "e2e-dra-t4-whole",
@@ -185,7 +187,10 @@ def constant(pool: Pool) -> Callable[[], Pool]:
 def dra(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """The chart's DeviceClasses and DRA RBAC applied, four fake nodes with their slices, kube-scheduler."""
     tmp = tmp_path_factory.mktemp("dra")
-    docs = chart.render({"config": {"gpunode": {"dra": {"enabled": True}}}}, tmp)
+    docs = chart.render(
+        {"config": {"gpunode": {"dra": {"enabled": True}}}, "dra": {"tolerationExemptNamespaces": [EXEMPT]}},
+        tmp,
+    )
     admin = control_plane.api()
     ensure_namespace(admin, chart.NAMESPACE)
     ensure_namespace(admin, NAMESPACE)
@@ -196,6 +201,45 @@ def dra(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -
     )
     for c in classes:
         admin.apply(f"{RESOURCE}/deviceclasses", c)  # the API server validates them (CEL included)
+    for kind, plural in (
+        ("ValidatingAdmissionPolicy", "validatingadmissionpolicies"),
+        ("ValidatingAdmissionPolicyBinding", "validatingadmissionpolicybindings"),
+    ):
+        (doc,) = [d for d in docs if d["kind"] == kind]
+        admin.apply(f"/apis/admissionregistration.k8s.io/v1/{plural}", doc)
+    ensure_namespace(admin, EXEMPT)
+    for ns in (NAMESPACE, EXEMPT):  # the tenant may create claims and claim templates, nothing more
+        admin.apply(
+            f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "Role",
+                "metadata": {"name": "tenant-claims", "namespace": ns},
+                "rules": [
+                    {
+                        "apiGroups": ["resource.k8s.io"],
+                        "resources": ["resourceclaims", "resourceclaimtemplates"],
+                        "verbs": ["create", "update", "get", "delete"],
+                    }
+                ],
+            },
+        )
+        admin.apply(
+            f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "RoleBinding",
+                "metadata": {"name": "tenant-claims", "namespace": ns},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "tenant-claims"},
+                "subjects": [
+                    {
+                        "kind": "User",
+                        "name": E2E_USERS["nobody"].name,
+                        "apiGroup": "rbac.authorization.k8s.io",
+                    }
+                ],
+            },
+        )
     t4 = SimBackend.from_profile("t4")
     a100 = SimBackend.from_profile("a100-mig")
     gpus = {
@@ -529,3 +573,92 @@ def test_a_slice_deleted_behind_the_publishers_back_is_written_again_at_once(dra
         )
 
     eventually(restored, timeout_s=30, what=f"{victim} written again by the publisher", interval_s=0.1)
+
+
+TOLERATE_UNHEALTHY = {"key": names.TAINT_KEY, "operator": "Exists"}
+TOLERATE_EVERYTHING = {"operator": "Exists"}
+
+
+def tolerating_claim(name: str, toleration: dict[str, Any], *, sub: bool = False) -> dict[str, Any]:
+    """A claim whose request (or its first subrequest) carries one toleration."""
+    body = claim_body(name, names.CLASS_WHOLE)
+    request = body["spec"]["devices"]["requests"][0]
+    if sub:
+        exactly = request.pop("exactly")
+        request["firstAvailable"] = [{"name": "any", **exactly, "tolerations": [toleration]}]
+    else:
+        request["exactly"]["tolerations"] = [toleration]
+    return body
+
+
+def refused(api: Api, path: str, body: dict[str, Any]) -> str | None:
+    """The API server's refusal of `body`, or None when it was created (then deleted again): the policy
+    takes a moment to be in force after it is applied."""
+    try:
+        api.create(path, body)
+    except ApiError as exc:
+        if exc.status in (403, 422) and "gpunode.io/unhealthy" in exc.body:
+            return exc.body
+        raise
+    api.delete(f"{path}/{body['metadata']['name']}")
+    return None
+
+
+@pytest.mark.parametrize(
+    ("what", "body", "path"),
+    [
+        ("tolerates the taint", tolerating_claim("t-key", TOLERATE_UNHEALTHY), "resourceclaims"),
+        ("tolerates every taint", tolerating_claim("t-all", TOLERATE_EVERYTHING), "resourceclaims"),
+        (
+            "tolerates NoExecute by name",
+            tolerating_claim("t-ne", {"key": names.TAINT_KEY, "value": "xid-79", "effect": "NoExecute"}),
+            "resourceclaims",
+        ),
+        ("in a subrequest", tolerating_claim("t-sub", TOLERATE_UNHEALTHY, sub=True), "resourceclaims"),
+        (
+            "in a claim template",
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaimTemplate",
+                "metadata": {"name": "t-tpl"},
+                "spec": {"spec": tolerating_claim("x", TOLERATE_UNHEALTHY)["spec"]},
+            },
+            "resourceclaimtemplates",
+        ),
+    ],
+)
+def test_a_tenant_claim_that_would_keep_a_broken_gpu_is_refused(
+    dra: dict[str, Any], what: str, body: dict[str, Any], path: str
+) -> None:
+    """The attack: a tenant (no rights but creating claims) tolerates the NoExecute health taint, so that
+    its pod would be given a GPU that needs a reset and never be evicted. The chart's admission policy
+    refuses it, with one line saying what to do instead."""
+    tenant = dra["plane"].api("nobody")
+    message = eventually(
+        lambda: refused(tenant, f"{RESOURCE}/namespaces/{NAMESPACE}/{path}", body),
+        timeout_s=WAIT_S,
+        what=f"a claim that {what} refused",
+    )
+    print(f"{what}: {json.loads(message)['message']}")
+    assert "may not tolerate the NoExecute gpunode.io/unhealthy device taint" in message
+
+
+def test_tolerating_only_noschedule_or_in_an_exempt_namespace_is_allowed(dra: dict[str, Any]) -> None:
+    """A claim may accept a degraded GPU (NoSchedule); an operator's exempt namespace may tolerate all."""
+    tenant = dra["plane"].api("nobody")
+    eventually(
+        lambda: refused(
+            tenant,
+            f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaims",
+            tolerating_claim("probe", TOLERATE_EVERYTHING),
+        ),
+        timeout_s=WAIT_S,
+        what="the policy in force",
+    )
+    degraded = tolerating_claim(
+        "t-degraded", {"key": names.TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}
+    )
+    tenant.create(f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaims", degraded)
+    tenant.create(
+        f"{RESOURCE}/namespaces/{EXEMPT}/resourceclaims", tolerating_claim("t-ops", TOLERATE_EVERYTHING)
+    )
