@@ -370,6 +370,15 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--png", type=Path)
     parser.add_argument("--reuse", type=Path, help="a previous --json: its runs of other presets are kept")
+    parser.add_argument(
+        "--from",
+        dest="sources",
+        action="append",
+        default=[],
+        type=Path,
+        help="run nothing: summarize the runs of these --json files (later files' runs of the same "
+        "workload, seed and preset replace earlier ones)",
+    )
     args = parser.parse_args()
     try:
         seeds = parse_seeds(args.seeds)
@@ -399,18 +408,31 @@ def main() -> int:
             and r["workload"] in {w.index for w in chosen}
             and r["seed"] in seeds
         ]
-    tasks = [(w, s, p) for w in chosen for s in seeds for p in policies]
+    if args.sources:
+        merged: dict[tuple[int, int, str], dict[str, Any]] = {}
+        for path in args.sources:
+            for r in json.loads(path.read_text(encoding="utf-8"))["runs"]:
+                merged[(r["workload"], r["seed"], r["policy"])] = r
+        runs = list(merged.values())
+        seeds = tuple(sorted({r["seed"] for r in runs}))
+        overrides = {
+            str(path): json.loads(path.read_text(encoding="utf-8")).get("overrides", {})
+            for path in args.sources
+        }
+    tasks = [] if args.sources else [(w, s, p) for w in chosen for s in seeds for p in policies]
     started = time.perf_counter()
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         futures = [pool.submit(run_one, w, s, p, overrides) for w, s, p in tasks]
         for n, future in enumerate(as_completed(futures), 1):
-            runs.append(future.result())
-            if n % 20 == 0:
-                print(
-                    f"{n}/{len(tasks)} replays ({time.perf_counter() - started:.0f} s)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            r = future.result()
+            runs.append(r)
+            print(
+                f"{n}/{len(tasks)} w{r['workload']:02d} seed {r['seed']} {r['policy']}: {r['wall_s']:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+            if args.json and n % 10 == 0:  # what has finished so far, so a cut-short run keeps its replays
+                args.json.write_text(json.dumps({"partial": True, "runs": runs}) + "\n", encoding="utf-8")
     all_policies = tuple(p for p in POLICIES if any(r["policy"] == p for r in runs))
     summary = summarize(runs, workloads)
     doc = {

@@ -98,7 +98,7 @@ class PreemptionSettings:
     idle_minimum_s: float = 0.0  # how long a job must have been flagged idle before that counts
     # reclaim towards the fair share (preempt.py): from queues holding more than share_above x their
     # fair share, for a job of a queue below its own that has waited share_after_s; None: off
-    share_above: float | None = None
+    share_above: float | None = 1.25
     share_after_s: float = 3600.0
 
 
@@ -113,8 +113,22 @@ class BackfillSettings:
     reserve_after_s: float = 0.0  # a job gets a further reservation only once it has waited this long
     # the reservations' jobs together ask at most this share of the cluster's GPUs (the head of line's
     # reservation always counts; a further one that would pass it waits)
-    reserved_share: float = 1.0
+    reserved_share: float = 0.1
     learn_estimates: bool = False  # runtime estimates corrected from each queue's completed jobs (history.py)
+
+
+@dataclass(frozen=True)
+class OrderSettings:
+    """A job's place in its queue: its arrival moved back by its size, so small jobs pass big ones briefly.
+
+    shift = min(shift_per_gpu_hour_s x the GPU-hours it is planned to run, shift_max_s) (the runtime
+    backfill plans it with: its estimate, corrected or learned when backfill.learnEstimates is on, or
+    backfill.defaultRuntime). A big job is passed only by jobs that arrive less than its shift after it,
+    so none waits behind later arrivals for ever. Only the gpunode preset reads it.
+    """
+
+    shift_per_gpu_hour_s: float = 0.0
+    shift_max_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -125,6 +139,7 @@ class QueueConfig:
     fair_share: FairShareSettings = field(default_factory=FairShareSettings)
     preemption: PreemptionSettings = field(default_factory=PreemptionSettings)
     backfill: BackfillSettings = field(default_factory=BackfillSettings)
+    order: OrderSettings = field(default_factory=OrderSettings)
     gang_timeout_s: float = 1800.0
     energy_weight: float = 0.0
     placement_policy: str = "gpunode"
@@ -238,6 +253,12 @@ def parse_queue_config(data: object, where: str) -> QueueConfig:
         learn_estimates=back.flag("learnEstimates", BackfillSettings.learn_estimates),
     )
     back.finish()
+    sec = top.section("order")
+    order = OrderSettings(
+        shift_per_gpu_hour_s=sec.duration("shiftPerGpuHour", OrderSettings.shift_per_gpu_hour_s),
+        shift_max_s=sec.duration("shiftMax", OrderSettings.shift_max_s),
+    )
+    sec.finish()
     gang = top.section("gang")
     gang_timeout_s = _positive_duration(gang, "timeout", 1800.0)
     gang.finish()
@@ -254,6 +275,7 @@ def parse_queue_config(data: object, where: str) -> QueueConfig:
         fair_share=fair_share,
         preemption=preemption,
         backfill=backfill,
+        order=order,
         gang_timeout_s=gang_timeout_s,
         energy_weight=energy_weight,
         placement_policy=policy,
@@ -262,12 +284,13 @@ def parse_queue_config(data: object, where: str) -> QueueConfig:
 
 
 def _share_reclaim(pre: SectionReader) -> tuple[float | None, float]:
-    """preemption.shareReclaim: (above: a multiple of the fair share, after: a wait); absent: (None, 1h)."""
-    if not pre.has("shareReclaim"):
-        return None, 3600.0
+    """preemption.shareReclaim: (above: a multiple of the fair share, after: a wait); `false`: (None, 1h)."""
+    d = PreemptionSettings()
+    if pre.has("shareReclaim") and pre.raw("shareReclaim") is False:
+        return None, d.share_after_s
     sec = pre.section("shareReclaim")
-    above = sec.number("above", 1.25, minimum=1, maximum=100)
-    after = sec.duration("after", 3600.0)
+    above = sec.number("above", d.share_above, minimum=1, maximum=100)
+    after = sec.duration("after", d.share_after_s)
     sec.finish()
     return above, after
 

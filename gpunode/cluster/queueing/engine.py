@@ -356,13 +356,15 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
     # ----- state changes ---------------------------------------------------------------------------------
 
     def _enqueue(self, job: Job, now: float) -> None:
+        runtime = self._planned_runtime(job)
         p = Pending(
             job=job,
             demand=job_demand(job, self._memory_per_gpu),
             seq=next(self._seq),
             since=now,
             shape=self._shape_of(job.pods),
-            runtime=self._planned_runtime(job),
+            runtime=runtime,
+            shift=self._shift(job, runtime),
         )
         self._pending[job.name] = p
         lst = self._lists.setdefault(ALL if self.preset.order == "global" else job.queue, WaitList())
@@ -472,6 +474,14 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
         if self._history is not None:
             return self._history.estimate(job, self.default_runtime_s)
         return self.default_runtime_s if job.runtime_estimate is None else job.runtime_estimate
+
+    def _shift(self, job: Job, runtime: float) -> float:
+        """How far back the job's place in its queue moves for its size (config.OrderSettings)."""
+        order = self.config.order
+        if not self.preset.size_order or order.shift_max_s <= 0:
+            return 0.0
+        gpu_hours = job.gpu_milli / MILLI_PER_GPU * runtime / 3600.0
+        return min(order.shift_per_gpu_hour_s * gpu_hours, order.shift_max_s)
 
     def _shape_of(self, pods: tuple[object, ...]) -> int:
         shape = self._shapes.get(pods)

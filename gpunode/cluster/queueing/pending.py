@@ -31,12 +31,13 @@ class Pending:
     held: list[tuple[str, Job, Plan]] = field(default_factory=list)  # pods placed so far (no-gang mode)
     why: str = ""
     reported_why: str = ""
+    shift: float = 0.0  # seconds its place in its queue moves back for its size (config.OrderSettings)
 
     key: tuple[int, float, int] = field(init=False, repr=False)
-    # order within a queue: higher priority first, then earlier arrival, then submission order
+    # order within a queue: higher priority first, then earlier (shifted) arrival, then submission order
 
     def __post_init__(self) -> None:
-        self.key = (-self.job.priority, self.job.arrival, self.seq)
+        self.key = (-self.job.priority, self.job.arrival + self.shift, self.seq)
 
 
 @dataclass

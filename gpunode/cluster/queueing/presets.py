@@ -70,6 +70,7 @@ class Preset:
     notice_s: float | None = None
     min_runtime_s: float | None = None
     energy: bool = False
+    size_order: bool = False  # a job's place in its queue moves back by its size (config.OrderSettings)
     description: str = ""
 
 
@@ -85,6 +86,7 @@ GPUNODE = Preset(
     share_reclaim="configured",
     priority_preemption=True,
     energy=True,
+    size_order=True,
     description="hierarchical quotas with borrowing and reclaim, time-based fair share and DRF, gangs, "
     "priority preemption with a notice period, EASY backfill, energy-aware placement",
 )

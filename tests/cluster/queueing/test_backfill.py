@@ -191,7 +191,7 @@ def test_with_exact_estimates_every_reserved_job_starts_by_its_reservation(
     from tests.cluster.queueing.sched_helpers import job as queued
 
     queues = [{"name": q, "guarantee": {"gpu": 4}} for q in ("a", "b", "c")]
-    cfg = config(queues, backfill={"reservations": reservations, "reservationsPerQueue": per_queue},
+    cfg = config(queues, backfill={"reservations": reservations, "reservationsPerQueue": per_queue, "reservedShare": 1},
                  preemption={"reclaim": False, "priority": False})  # fmt: skip
     s = scheduler(cfg, nodes=nodes)
     arrivals = sorted((t, f"j{i}", q, g, p, rt) for i, (q, g, p, t, rt) in enumerate(specs))

@@ -436,8 +436,10 @@ def test_idle_first_is_off_by_default_and_read_with_its_minimum() -> None:
     assert (pre.idle_first, pre.idle_minimum_s) == (True, 900.0)
 
 
-def test_share_reclaim_is_off_unless_configured_and_read_with_its_defaults() -> None:
+def test_share_reclaim_is_on_unless_turned_off_and_read_with_its_defaults() -> None:
     pre = parse_queue_config(base(), "q.yaml").preemption
+    assert (pre.share_above, pre.share_after_s) == (1.25, 3600.0)
+    pre = parse_queue_config({**base(), "preemption": {"shareReclaim": False}}, "q.yaml").preemption
     assert pre.share_above is None
     pre = parse_queue_config({**base(), "preemption": {"shareReclaim": {}}}, "q.yaml").preemption
     assert (pre.share_above, pre.share_after_s) == (1.25, 3600.0)

@@ -209,7 +209,7 @@ def test_a_big_job_behind_another_queues_head_gets_a_reservation_and_starts_on_t
     # L0 (a) and L1 (b) leave 2 GPUs free on each node. X (a, 4 GPUs) is the head of line: its reservation
     # is n1 from t=1000 (L0's end). B (b, 8 GPUs) needs a whole node: with further reservations it gets
     # n0 from t=2000 (L1's end), the node X's reservation leaves; with one reservation it gets none.
-    s = scheduler(config(TWO_TEAMS, backfill={"reservations": reservations}))
+    s = scheduler(config(TWO_TEAMS, backfill={"reservations": reservations, "reservedShare": 1}))
     s.submit(job("L0", "a", 6, est=1000.0), 0.0)
     s.submit(job("L1", "b", 6, est=2000.0), 0.0)
     assert names(s.cycle(0.0).admit) == ["L0", "L1"]
@@ -262,7 +262,9 @@ def test_one_queue_holds_at_most_its_number_of_the_further_reservations(
     # With reserveAfter 3s no job that arrived at t=1 gets a further one before t=4 (the head's is not aged).
     queues = [{"name": "a", "guarantee": {"gpu": 8}}, {"name": "b", "guarantee": {"gpu": 8}}, {"name": "c"}]
     pre = {"reclaim": False, "priority": False}
-    s = scheduler(config(queues, backfill={"reservations": 8, **backfill}, preemption=pre), nodes=4)
+    s = scheduler(
+        config(queues, backfill={"reservations": 8, "reservedShare": 1, **backfill}, preemption=pre), nodes=4
+    )
     for i in range(4):
         s.submit(job(f"L{i}", "c", 6, est=1000.0 * (i + 1)), 0.0)
     assert len(s.cycle(0.0).admit) == 4

@@ -87,7 +87,31 @@ def test_reservations_hold_at_most_their_share_of_the_gpus(share: float, reserve
 def test_the_settings_are_read_and_checked() -> None:
     from gpunode.errors import QueueConfigError
 
+    default = config([{"name": "a"}])
+    assert default.backfill.reserved_share == 0.1 and not default.backfill.learn_estimates
     cfg = config([{"name": "a"}], backfill={"reservedShare": 0.3, "learnEstimates": True})
     assert cfg.backfill.reserved_share == 0.3 and cfg.backfill.learn_estimates
     with pytest.raises(QueueConfigError, match="reservedShare"):
         config([{"name": "a"}], backfill={"reservedShare": 1.5})
+
+
+@pytest.mark.parametrize(
+    ("order", "first"),
+    [
+        ({}, "B"),
+        ({"shiftPerGpuHour": "60s", "shiftMax": "1h"}, "S"),
+        ({"shiftPerGpuHour": "60s", "shiftMax": "50s"}, "B"),
+    ],
+)
+def test_a_small_job_passes_a_big_one_that_arrived_shortly_before_it(
+    order: dict[str, str], first: str
+) -> None:
+    # B (8 GPUs x 1 h: 8 GPU-hours) arrives at 0, S (1 GPU x 10 min) at 100 s. Shifted by 60 s per GPU-hour,
+    # B's place is 480 s, S's 110 s: S goes first. With the shift capped at 50 s, B's place is 50 s.
+    s = scheduler(config([{"name": "a", "guarantee": {"gpu": 8}}], order=order), nodes=1)
+    s.submit(job("L", "a", 8, est=1e6), 0.0)
+    s.cycle(0.0)
+    s.submit(job("B", "a", 8, t=0.0, est=3600.0), 0.0)
+    s.submit(job("S", "a", 1, t=100.0, est=600.0), 100.0)
+    s.cycle(100.0)
+    assert min(s.waiting(), key=lambda w: w.position).job == first

@@ -84,7 +84,7 @@ def run(
 ) -> list[Any]:
     """Drive one scheduler through the arrivals; every decision and waiting reason, cycle by cycle."""
     queues = [{"name": q, "guarantee": {"gpu": 4}} for q in ("a", "b", "c")]
-    cfg = config(queues, backfill={"reservations": reservations, "defaultRuntime": "30s"},
+    cfg = config(queues, backfill={"reservations": reservations, "reservedShare": 1, "defaultRuntime": "30s"},
                  preemption={"notice": "5s", "minRuntime": "0s"})  # fmt: skip
     cap = ClusterCapacity([node(f"n{i}", 4) for i in range(nodes)], policy=policy, seed=3,
                           workload=WORKLOAD, energy_weight=0.5 if policy == "gpunode" else 0.0)  # fmt: skip
