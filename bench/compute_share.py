@@ -206,8 +206,8 @@ def instructions(program: Path, env_with: dict[str, str], env_without: dict[str,
         "added_instructions_per_launch_call": round(hook_with - hook_without, 1),
         "added_instructions_per_launch_whole_process": round(process_with - process_without, 1),
         "library_own_instructions_per_launch_whole_process": round(own, 1),
-        "note": "against bench/null_driver.c: the launch call's count includes the bare cuCtxGetCurrent and two "
-        "cuEventRecord calls the hook makes; the whole-process count adds the watcher thread's reading of the events",
+        "note": "against bench/null_driver.c: the launch call's count includes the bare cuStreamIsCapturing, "
+        "cuCtxGetCurrent and two cuEventRecord calls the hook makes; the whole-process count adds the watcher thread's reading of the events",
     }
 
 

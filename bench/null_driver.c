@@ -74,6 +74,13 @@ API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
     return 0;
 }
 
+API CUresult cuStreamIsCapturing(CUstream stream, int *status)
+{
+    (void)stream;
+    *status = 0;
+    return 0;
+}
+
 API CUresult cuEventCreate(CUevent *event, unsigned int flags)
 {
     (void)flags;

@@ -40,6 +40,8 @@
 #define GN_SLEEP_MAX_NS 2000000
 #define GN_TICK_BUSY_NS 500000
 #define GN_TICK_IDLE_NS 2000000
+#define GN_TICK_SLEEPY_NS 20000000
+#define GN_IDLE_AFTER_NS 200000000ULL
 #define GN_CONTENDED_HOLD_NS 1000000000LL
 #define GN_CONTENDED_WAIT_NS 100000 /* a delay this long behind our own previous work means a neighbour ran */
 
@@ -62,7 +64,7 @@ _Atomic int64_t gn_estimate_ns = GN_INITIAL_ESTIMATE_NS;
 _Atomic int gn_compute_on;
 static _Atomic int gn_watcher_state; /* 0: not started, 1: starting, 2: running, 3: could not start */
 static pthread_t gn_watcher;
-static uint32_t gn_last_share, gn_last_mode; /* the last well-formed control word */
+static _Atomic uint32_t gn_last_share, gn_last_mode; /* the last well-formed control word */
 
 static uint64_t gn_mono_ns(void)
 {
@@ -83,11 +85,14 @@ static void gn_read_control(struct gpunode_compute *c, uint32_t *share, uint32_t
 {
     uint32_t s, m, g;
     if (gpunode_compute_unpack(atomic_load_explicit(&c->control, memory_order_relaxed), &s, &m, &g)) {
-        gn_last_share = s;
-        gn_last_mode = m;
+        atomic_store_explicit(&gn_last_share, s, memory_order_relaxed);
+        atomic_store_explicit(&gn_last_mode, m, memory_order_relaxed);
+        *share = s;
+        *mode = m;
+        return;
     }
-    *share = gn_last_share;
-    *mode = gn_last_mode;
+    *share = atomic_load_explicit(&gn_last_share, memory_order_relaxed);
+    *mode = atomic_load_explicit(&gn_last_mode, memory_order_relaxed);
 }
 
 static int gn_enforced(uint32_t share, uint32_t mode)
@@ -308,13 +313,18 @@ static void *gn_watch(void *arg)
     sigset_t all;
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, NULL);
+    uint64_t idle_since = gn_mono_ns();
     for (;;) {
         gn_refill_now(&gn_hot.usage->compute, NULL);
         uint64_t head = atomic_load_explicit(&gn_pairs_head, memory_order_relaxed);
         while (head != atomic_load_explicit(&gn_pairs_tail, memory_order_acquire) && gn_read_pair(head))
             head++;
         int busy = head != atomic_load_explicit(&gn_pairs_tail, memory_order_relaxed);
-        gn_sleep_ns(busy ? GN_TICK_BUSY_NS : GN_TICK_IDLE_NS);
+        uint64_t now = gn_mono_ns();
+        if (busy)
+            idle_since = now;
+        /* Long idle: tick slowly (a launch refills for itself when it must). */
+        gn_sleep_ns(busy ? GN_TICK_BUSY_NS : now - idle_since > GN_IDLE_AFTER_NS ? GN_TICK_SLEEPY_NS : GN_TICK_IDLE_NS);
     }
     return NULL;
 }
@@ -408,10 +418,28 @@ static void gn_wait_room(uint64_t t)
         gn_add_throttled(gn_mono_ns() - began);
 }
 
-/* Before the driver's launch: take a ring entry and record the start event.
- * Returns the entry's index + 1, or 0 if the launch goes unmeasured. */
+/* Whether work on `stream` is being captured into a graph rather than run:
+ * such launches are neither charged nor measured (the graph is, when it is
+ * launched), and an event recorded there would become part of the graph. */
+static int gn_capturing(CUstream stream, int ptsz)
+{
+    int status = CU_STREAM_CAPTURE_STATUS_NONE;
+    __typeof__(&cuStreamIsCapturing) is = ptsz ? GN_REAL(cuStreamIsCapturing_ptsz) : GN_REAL(cuStreamIsCapturing);
+    if (!is || is(stream, &status) != CUDA_SUCCESS)
+        return 0;
+    return status != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
+/* Before the driver's launch: charge the estimate and take a ring entry and
+ * record the start event. Returns the entry's index + 1, or 0 if the launch
+ * goes unmeasured (stream capture). */
 uint64_t gn_pair_open(CUstream stream, int ptsz, int64_t estimate)
 {
+    if (GN_UNLIKELY(gn_capturing(stream, ptsz)))
+        return 0;
+    struct gpunode_compute *c = &gn_hot.usage->compute;
+    if (GN_UNLIKELY(atomic_fetch_sub_explicit(&c->budget_ns, estimate, memory_order_relaxed) < estimate))
+        gn_compute_throttle();
     uint64_t t = atomic_fetch_add_explicit(&gn_pairs_tail, 1, memory_order_relaxed);
     gn_wait_room(t);
     struct gn_pair *p = &gn_pairs[t % GN_PAIRS];

@@ -52,6 +52,8 @@ enum {
 
 enum { CU_EVENT_DEFAULT = 0 };
 
+enum { CU_STREAM_CAPTURE_STATUS_NONE = 0 };
+
 enum {
     CU_GET_PROC_ADDRESS_DEFAULT = 0,
     CU_GET_PROC_ADDRESS_LEGACY_STREAM = 1,
@@ -258,6 +260,8 @@ CUresult cuEventRecord(CUevent event, CUstream stream);
 CUresult cuEventRecord_ptsz(CUevent event, CUstream stream);
 CUresult cuEventQuery(CUevent event);
 CUresult cuEventElapsedTime(float *ms, CUevent start, CUevent end);
+CUresult cuStreamIsCapturing(CUstream stream, int *status);
+CUresult cuStreamIsCapturing_ptsz(CUstream stream, int *status);
 CUresult cuCtxGetCurrent(CUcontext *ctx);
 CUresult cuCtxSetCurrent(CUcontext ctx);
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory);

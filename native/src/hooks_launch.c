@@ -3,7 +3,8 @@
  * cuLaunchKernelEx, cuLaunchCooperativeKernel, cuGraphLaunch, and their
  * per-thread-default-stream (_ptsz) variants. Each launch is charged against
  * the container's compute budget before the driver sees it and measured
- * with events around it (compute.c).
+ * with events around it (compute.c); a launch into a stream being captured
+ * into a graph is not (the graph's launch is).
  *
  * Every hook is
  *
@@ -12,7 +13,7 @@
  *     return gn_launch_end(&l, real(...));
  *
  * Must not: take a lock or make a system call while the budget is in credit
- * (gn_launch_begin's fast path is an atomic subtraction and a compare).
+ * (the fast path, in gn_pair_open, is an atomic subtraction and a compare).
  */
 #define _GNU_SOURCE
 #include "preload.h"
@@ -33,11 +34,7 @@ static inline void gn_launch_begin(struct gn_launch *l, CUstream stream, int pts
         return; /* no region slot: the launch passes unmeasured */
     if (GN_UNLIKELY(!atomic_load_explicit(&gn_compute_on, memory_order_acquire)) && !gn_compute_start())
         return;
-    int64_t estimate = atomic_load_explicit(&gn_estimate_ns, memory_order_relaxed);
-    if (GN_UNLIKELY(atomic_fetch_sub_explicit(&gn_hot.usage->compute.budget_ns, estimate, memory_order_relaxed) <
-                    estimate))
-        gn_compute_throttle();
-    l->ticket = gn_pair_open(stream, ptsz, estimate);
+    l->ticket = gn_pair_open(stream, ptsz, atomic_load_explicit(&gn_estimate_ns, memory_order_relaxed));
 }
 
 static inline CUresult gn_launch_end(const struct gn_launch *l, CUresult r)

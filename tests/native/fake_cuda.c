@@ -703,7 +703,8 @@ API CUresult cuGetErrorString(CUresult error, const char **text)
     X(cuLaunchKernel) X(cuLaunchKernel_ptsz) X(cuLaunchKernelEx) X(cuLaunchKernelEx_ptsz)                           \
     X(cuLaunchCooperativeKernel) X(cuLaunchCooperativeKernel_ptsz) X(cuGraphLaunch) X(cuGraphLaunch_ptsz)           \
     X(cuCtxSynchronize) X(cuStreamSynchronize) X(cuStreamSynchronize_ptsz) X(cuEventCreate) X(cuEventDestroy_v2)    \
-    X(cuEventRecord) X(cuEventRecord_ptsz) X(cuEventQuery) X(cuEventSynchronize) X(cuEventElapsedTime)
+    X(cuEventRecord) X(cuEventRecord_ptsz) X(cuEventQuery) X(cuEventSynchronize) X(cuEventElapsedTime)            \
+    X(cuStreamIsCapturing) X(cuStreamIsCapturing_ptsz)
 #define X(name) void name(void);
 TIMELINE_FUNCS(X)
 #undef X
@@ -775,6 +776,8 @@ static const struct proc {
     {"cuEventQuery", 2000, ANY, (void *)cuEventQuery},
     {"cuEventSynchronize", 2000, ANY, (void *)cuEventSynchronize},
     {"cuEventElapsedTime", 2000, ANY, (void *)cuEventElapsedTime},
+    {"cuStreamIsCapturing", 10000, LEGACY, (void *)cuStreamIsCapturing},
+    {"cuStreamIsCapturing", 10000, PTSZ, (void *)cuStreamIsCapturing_ptsz},
     {"cuGetProcAddress", 11030, ANY, NULL}, /* both resolved in lookup_proc */
     {"cuGetProcAddress", 12000, ANY, NULL},
 };

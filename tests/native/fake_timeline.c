@@ -18,7 +18,9 @@
  *     real until the model says the work is done;
  *   - events carry the model's timestamps: the time the device reached them;
  *   - per process, the device time it received is recorded (busy_ns): the
- *     ground truth the tests read from the file (layout: fake_timeline.py).
+ *     ground truth the tests read from the file (layout: fake_timeline.py);
+ *   - cuStreamIsCapturing says "capturing" when FAKE_CUDA_CAPTURING=1 (the
+ *     work still runs: only what the interposer is told changes).
  *
  * Without FAKE_CUDA_TIMELINE each process has a private timeline.
  *
@@ -395,6 +397,28 @@ API CUresult cuGraphLaunch(CUgraphExec graph, CUstream stream)
 API CUresult cuGraphLaunch_ptsz(CUgraphExec graph, CUstream stream)
 {
     return cuGraphLaunch(graph, stream);
+}
+
+/* FAKE_CUDA_CAPTURING=1: every stream says it is being captured into a graph. */
+static int tl_capture_status(int *status)
+{
+    if (!status)
+        return TL_E_INVALID_VALUE;
+    const char *v = getenv("FAKE_CUDA_CAPTURING");
+    *status = v && *v == '1';
+    return TL_OK;
+}
+
+API CUresult cuStreamIsCapturing(CUstream stream, int *status)
+{
+    (void)stream;
+    return tl_capture_status(status);
+}
+
+API CUresult cuStreamIsCapturing_ptsz(CUstream stream, int *status)
+{
+    (void)stream;
+    return tl_capture_status(status);
 }
 
 /* Wait until this process's queue holds no kernel. */

@@ -5,8 +5,9 @@ every window after warm-up. Windows here are 1 s after a 1.5 s warm-up to keep t
 suite short; bench/compute_share.py runs the same scenarios with 10 s windows.
 
 Tolerance: 5 percentage points, the issue's target. A client that synchronises after
-every kernel cannot keep the device busy while it is between launches, so containers
-whose share is large are given a few kernels per synchronisation (the scenario says so).
+every kernel cannot keep the device busy while it is between launches (on a loaded
+machine its host-side gaps alone cost several points), so containers whose share is
+large submit 32 kernels per synchronisation (the scenario says so).
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from gpunode.node.memcap.compute import ComputeMode, ShareWatch, read_compute
+from gpunode.node import memcap
+from gpunode.node.memcap.compute import ComputeMode, ShareWatch, read_compute, set_compute_share
 from tests.native import fake_timeline as ft
 from tests.native.fake_timeline import Container
+from tests.native.harness import FAKE_TOTAL_BYTES, GIB, fake_uuid, interposer_env, run
 from tests.native.toolchain import NativeBuild
 
 HARD = ComputeMode.HARD
@@ -67,7 +70,7 @@ def assert_shares(result: ft.Windows, targets: dict[str, float]) -> None:
         pytest.param([Container("a", 500), Container("b", 500)], id="50/50-1ms"),
         pytest.param(
             [
-                Container("a", 700, per_sync=8),
+                Container("a", 700, per_sync=32),
                 Container("b", 250, per_sync=8),
                 Container("c", 50, per_sync=8),
             ],
@@ -79,7 +82,7 @@ def assert_shares(result: ft.Windows, targets: dict[str, float]) -> None:
         ),
         pytest.param([Container("a", 300)], id="30-alone"),
         pytest.param(
-            [Container("a", 400, processes=3, per_sync=2), Container("b", 600, per_sync=8)],
+            [Container("a", 400, processes=3, per_sync=2), Container("b", 600, per_sync=32)],
             id="40(3-processes)/60",
         ),
     ],
@@ -132,6 +135,22 @@ def test_unthrottled_without_a_share_and_counted(
     assert abs(report.busy_ns - truth) < 0.05 * truth
 
 
+def test_launches_into_a_capturing_stream_are_not_charged(
+    native_build: NativeBuild, client: Path, tmp_path: Path
+) -> None:
+    """Work captured into a graph does not run then: charging it would throttle for nothing."""
+    container = Container("a", 100, per_sync=4)
+    timeline = tmp_path / "timeline"
+    ft.start(native_build, client, tmp_path, timeline, [container], extra_env={"FAKE_CUDA_CAPTURING": "1"})
+    try:
+        time.sleep(WARM_UP_S)
+        assert container.region is not None
+        report = read_compute(container.region)
+    finally:
+        ft.stop([container])
+    assert (report.launches, report.busy_ns, report.throttled_ns) == (0, 0, 0)
+
+
 def test_share_changed_by_the_agent_applies_within_a_second(
     native_build: NativeBuild, client: Path, tmp_path: Path
 ) -> None:
@@ -156,10 +175,29 @@ def test_work_conserving_uses_idle_time_and_yields_to_a_hard_neighbour(
     alone = [Container("a", 300, mode=WORK_CONSERVING, per_sync=8)]
     result = run_scenario(native_build, client, tmp_path / "alone", alone, windows=2)
     assert min(result.per_container["a"]) > 0.3 + TOLERANCE  # above its share: the GPU is idle otherwise
-    pair = [Container("a", 300, mode=WORK_CONSERVING), Container("b", 700, per_sync=8)]
+    pair = [Container("a", 300, mode=WORK_CONSERVING), Container("b", 700, per_sync=32)]
     result = run_scenario(native_build, client, tmp_path / "pair", pair)
     assert_shares(result, {"b": 0.7})
     assert min(result.device) >= 1.0 - TOLERANCE
+
+
+def test_work_conserving_gives_back_within_a_second_when_a_neighbour_arrives(
+    native_build: NativeBuild, client: Path, tmp_path: Path
+) -> None:
+    borrower = Container("a", 300, mode=WORK_CONSERVING, per_sync=8)
+    neighbour = Container("b", 700, per_sync=32)
+    timeline = tmp_path / "timeline"
+    ft.start(native_build, client, tmp_path, timeline, [borrower])
+    try:
+        time.sleep(WARM_UP_S)
+        alone = ft.measure(timeline, [borrower], WINDOW_S, 1)
+        ft.start(native_build, client, tmp_path, timeline, [neighbour])
+        time.sleep(1.0)  # the borrower must be back at its share by now
+        shared = ft.measure(timeline, [borrower, neighbour], WINDOW_S, 2)
+    finally:
+        ft.stop([borrower, neighbour])
+    assert alone.per_container["a"][0] > 0.3 + TOLERANCE
+    assert_shares(shared, {"b": 0.7})
 
 
 def test_work_conserving_pair_keeps_the_device_busy(
@@ -211,7 +249,7 @@ def test_tenant_writing_its_budget_or_share_is_held_or_flagged(
     its launches run; the neighbour with a hard 70% share keeps it, or the agent's cross-check
     against the driver's per-process figures flags the tenant."""
     tenant = Container("tenant", 300, per_sync=8)
-    neighbour = Container("neighbour", 700, per_sync=8)
+    neighbour = Container("neighbour", 700, per_sync=32)
     timeline = tmp_path / "timeline"
     ft.start(native_build, client, tmp_path, timeline, [tenant, neighbour])
     assert tenant.region is not None
@@ -303,3 +341,28 @@ def test_region_layout_offsets_match_the_header() -> None:
     from gpunode import _memcap  # type: ignore[attr-defined]
 
     assert _memcap.lib.gpunode_memcap_usage_size() == COMPUTE_OFFSET + 64
+
+
+@pytest.mark.parametrize(("lookup", "kind"), [("dlsym", "kernel"), ("procaddr-ptds", "graph")])
+def test_launch_hooks_under_address_sanitizer(
+    asan_build: tuple[NativeBuild, Path], client: Path, tmp_path: Path, lookup: str, kind: str
+) -> None:
+    build, runtime = asan_build
+    region = memcap.create_region(
+        tmp_path / "regions",
+        "asan",
+        gpu_uuid=fake_uuid(0),
+        limit_bytes=GIB,
+        device_total_bytes=FAKE_TOTAL_BYTES,
+    )
+    set_compute_share(region, 300, HARD)
+    env = interposer_env(
+        build, region.path, asan_runtime=runtime, extra={"FAKE_CUDA_TIMELINE": str(tmp_path / "timeline")}
+    )
+    result = run([str(client), lookup, kind, "500", "4", "2"], env, timeout_s=120)
+    assert "AddressSanitizer" not in result.stderr and "LeakSanitizer" not in result.stderr, result.stderr
+    assert result.returncode == 0 and result.stdout.splitlines()[-1].startswith("ok"), (
+        result.stdout + result.stderr
+    )
+    report = read_compute(region)
+    assert report.launches > 0 and report.throttled_ns > 0
