@@ -14,9 +14,11 @@
  *   SECONDS   how long to keep going (wall time); 0: until killed
  *
  * It prints "ready" once its context is up, and "ok launches=N" at the end.
+ * COMPUTE_CLIENT_THREADS=N (default 1): N threads do the launching at once.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -72,6 +74,60 @@ static double now_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
+struct worker {
+    void *fn;
+    const char *kind;
+    uint64_t kernel_ns;
+    long per_sync;
+    double seconds;
+    CUresult (*sync)(void);
+    CUresult (*set)(CUcontext);
+    CUcontext ctx;
+    unsigned long long launches;
+    int failed;
+};
+
+static void *work(void *arg)
+{
+    struct worker *w = arg;
+    const char *kind = w->kind;
+    void *fn = w->fn;
+    uint64_t kernel_ns = w->kernel_ns;
+    void *params[] = {&kernel_ns};
+    CUlaunchConfig config = {1, 1, 1, 1, 1, 1, 0, NULL, NULL, 0};
+    if (w->set(w->ctx)) {
+        printf("FAIL context in a thread\n");
+        w->failed = 1;
+        return NULL;
+    }
+    double end = now_s() + w->seconds;
+    while (w->seconds <= 0 || now_s() < end) {
+        for (long i = 0; i < w->per_sync; i++) {
+            CUresult r;
+            if (strcmp(kind, "kernel") == 0)
+                r = ((launch_fn)fn)(NULL, 1, 1, 1, 1, 1, 1, 0, NULL, params, NULL);
+            else if (strcmp(kind, "kernel-ex") == 0)
+                r = ((launch_ex_fn)fn)(&config, NULL, params, NULL);
+            else if (strcmp(kind, "cooperative") == 0)
+                r = ((coop_fn)fn)(NULL, 1, 1, 1, 1, 1, 1, 0, NULL, params);
+            else
+                r = ((graph_fn)fn)((CUgraphExec)(void *)&kernel_ns, NULL);
+            if (r != 0) {
+                printf("FAIL launch returned %d\n", r);
+                w->failed = 1;
+                return NULL;
+            }
+            w->launches++;
+        }
+        if (w->sync()) {
+            printf("FAIL synchronize\n");
+            w->failed = 1;
+            return NULL;
+        }
+    }
+    return NULL;
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 6) {
@@ -105,33 +161,25 @@ int main(int argc, char **argv)
                     : strcmp(kind, "kernel-ex") == 0   ? "cuLaunchKernelEx"
                     : strcmp(kind, "cooperative") == 0 ? "cuLaunchCooperativeKernel"
                                                        : "cuGraphLaunch");
-    void *params[] = {&kernel_ns};
-    CUlaunchConfig config = {1, 1, 1, 1, 1, 1, 0, NULL, NULL, 0};
+    struct worker w = {fn, kind, kernel_ns, per_sync, seconds, sync, set, ctx, 0, 0};
+    const char *t = getenv("COMPUTE_CLIENT_THREADS");
+    int threads = t && atoi(t) > 0 ? atoi(t) : 1;
+    if (threads > 64)
+        threads = 64;
+    struct worker workers[64];
+    pthread_t ids[64];
     printf("ready\n");
     fflush(stdout);
+    for (int i = 0; i < threads; i++) {
+        workers[i] = w;
+        pthread_create(&ids[i], NULL, work, &workers[i]);
+    }
     unsigned long long launches = 0;
-    double end = now_s() + seconds;
-    while (seconds <= 0 || now_s() < end) {
-        for (long i = 0; i < per_sync; i++) {
-            CUresult r;
-            if (strcmp(kind, "kernel") == 0)
-                r = ((launch_fn)fn)(NULL, 1, 1, 1, 1, 1, 1, 0, NULL, params, NULL);
-            else if (strcmp(kind, "kernel-ex") == 0)
-                r = ((launch_ex_fn)fn)(&config, NULL, params, NULL);
-            else if (strcmp(kind, "cooperative") == 0)
-                r = ((coop_fn)fn)(NULL, 1, 1, 1, 1, 1, 1, 0, NULL, params);
-            else
-                r = ((graph_fn)fn)((CUgraphExec)(void *)&kernel_ns, NULL);
-            if (r != 0) {
-                printf("FAIL launch returned %d\n", r);
-                return 1;
-            }
-            launches++;
-        }
-        if (sync()) {
-            printf("FAIL synchronize\n");
+    for (int i = 0; i < threads; i++) {
+        pthread_join(ids[i], NULL);
+        if (workers[i].failed)
             return 1;
-        }
+        launches += workers[i].launches;
     }
     printf("ok launches=%llu\n", launches);
     return 0;

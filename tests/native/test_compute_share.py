@@ -113,6 +113,20 @@ def test_every_launch_path_is_held_to_the_share(
     assert_shares(result, {"a": 0.25})
 
 
+def test_threads_launching_at_once_draw_on_one_budget(
+    native_build: NativeBuild, client: Path, tmp_path: Path
+) -> None:
+    container = Container("a", 350, per_sync=4)
+    timeline = tmp_path / "timeline"
+    ft.start(native_build, client, tmp_path, timeline, [container], extra_env={"COMPUTE_CLIENT_THREADS": "6"})
+    try:
+        time.sleep(WARM_UP_S)
+        result = ft.measure(timeline, [container], WINDOW_S, 2)
+    finally:
+        ft.stop([container])
+    assert_shares(result, {"a": 0.35})
+
+
 def test_unthrottled_without_a_share_and_counted(
     native_build: NativeBuild, client: Path, tmp_path: Path
 ) -> None:
@@ -343,9 +357,12 @@ def test_region_layout_offsets_match_the_header() -> None:
     assert _memcap.lib.gpunode_memcap_usage_size() == COMPUTE_OFFSET + 64
 
 
-@pytest.mark.parametrize(("lookup", "kind"), [("dlsym", "kernel"), ("procaddr-ptds", "graph")])
+@pytest.mark.parametrize(
+    ("lookup", "kind", "threads"),
+    [("dlsym", "kernel", "1"), ("procaddr-ptds", "graph", "1"), ("dlsym", "kernel", "6")],
+)
 def test_launch_hooks_under_address_sanitizer(
-    asan_build: tuple[NativeBuild, Path], client: Path, tmp_path: Path, lookup: str, kind: str
+    asan_build: tuple[NativeBuild, Path], client: Path, tmp_path: Path, lookup: str, kind: str, threads: str
 ) -> None:
     build, runtime = asan_build
     region = memcap.create_region(
@@ -357,7 +374,10 @@ def test_launch_hooks_under_address_sanitizer(
     )
     set_compute_share(region, 300, HARD)
     env = interposer_env(
-        build, region.path, asan_runtime=runtime, extra={"FAKE_CUDA_TIMELINE": str(tmp_path / "timeline")}
+        build,
+        region.path,
+        asan_runtime=runtime,
+        extra={"FAKE_CUDA_TIMELINE": str(tmp_path / "timeline"), "COMPUTE_CLIENT_THREADS": threads},
     )
     result = run([str(client), lookup, kind, "500", "4", "2"], env, timeout_s=120)
     assert "AddressSanitizer" not in result.stderr and "LeakSanitizer" not in result.stderr, result.stderr
