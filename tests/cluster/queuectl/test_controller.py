@@ -99,13 +99,16 @@ def test_a_gang_of_four_is_admitted_together_with_a_plan_for_each_member(api: Ap
             assert all(admission(api, f"g{i}") is None for i in range(3))  # an incomplete gang waits whole
             api.put_pod(pod("g3", gang="g", size=4))
             await until(lambda: all(admission(api, f"g{i}") for i in range(4)), "gang admitted")
+            # Events are the reconcile's stage after the marks: wait while the controller still runs.
+            await until(
+                lambda: len([e for e in api.events() if e["reason"] == "QueueAdmitted"]) == 4, "events"
+            )
         plans = [admission(api, f"g{i}") for i in range(4)]
         assert {p["job"] for p in plans if p} == {"ml/g"}
         places = {(p["node"], g) for p in plans if p for g in p["gpus"]}
         assert len(places) == 4 and {n for n, _ in places} == {"n1", "n2"}  # 2 GPUs per node: spread
         for i, p in enumerate(plans):
             assert p is not None and p["uid"] == api.pod("ml", f"g{i}")["metadata"]["uid"]
-        await until(lambda: len([e for e in api.events() if e["reason"] == "QueueAdmitted"]) == 4, "events")
         events = [e for e in api.events() if e["reason"] == "QueueAdmitted"]
         assert sorted(e["involvedObject"]["name"] for e in events) == ["g0", "g1", "g2", "g3"]
 
