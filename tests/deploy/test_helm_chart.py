@@ -152,6 +152,13 @@ TYPED = {
     ("rbac.authorization.k8s.io/v1", "Role"): "V1Role",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "V1RoleBinding",
     ("policy/v1", "PodDisruptionBudget"): "V1PodDisruptionBudget",
+    ("admissionregistration.k8s.io/v1", "MutatingWebhookConfiguration"): "V1MutatingWebhookConfiguration",
+    ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy"): "V1ValidatingAdmissionPolicy",
+    (
+        "admissionregistration.k8s.io/v1",
+        "ValidatingAdmissionPolicyBinding",
+    ): "V1ValidatingAdmissionPolicyBinding",
+    ("resource.k8s.io/v1", "DeviceClass"): "V1DeviceClass",
 }
 STRUCTURAL = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
