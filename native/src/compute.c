@@ -381,12 +381,10 @@ static int gn_pair_events(struct gn_pair *p, CUcontext ctx)
     if (p->events_ctx == ctx && p->start && p->end)
         return 1;
     __typeof__(&cuEventDestroy_v2) destroy = GN_REAL(cuEventDestroy_v2);
-    if (destroy && p->events_ctx) {
-        if (p->start)
-            destroy(p->start);
-        if (p->end)
-            destroy(p->end);
-    }
+    if (destroy && p->start)
+        destroy(p->start);
+    if (destroy && p->end)
+        destroy(p->end);
     p->start = p->end = NULL;
     p->events_ctx = NULL;
     __typeof__(&cuEventCreate) create = GN_REAL(cuEventCreate);
@@ -451,6 +449,8 @@ uint64_t gn_pair_open(CUstream stream, int ptsz, int64_t estimate)
         p->ctx = ctx;
         p->submit_ns = gn_mono_ns();
         p->measured = gn_record(p->start, stream, ptsz);
+        if (!p->measured)
+            p->events_ctx = NULL; /* e.g. a context made again at the same address: new events next time */
     }
     return t + 1;
 }

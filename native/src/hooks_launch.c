@@ -29,9 +29,11 @@ static inline void gn_launch_begin(struct gn_launch *l, CUstream stream, int pts
     l->ticket = 0;
     l->stream = stream;
     l->ptsz = ptsz;
-    if (GN_UNLIKELY(atomic_load_explicit(&gn_hot.phase, memory_order_acquire) != GN_PHASE_READY) &&
-        gn_enter_slow() != GN_TRACK)
-        return; /* no region slot: the launch passes unmeasured */
+    int phase = atomic_load_explicit(&gn_hot.phase, memory_order_acquire);
+    if (GN_UNLIKELY(phase != GN_PHASE_READY)) {
+        if (phase == GN_PHASE_OPEN || phase == GN_PHASE_CLOSED || gn_enter_slow() != GN_TRACK)
+            return; /* no usable region, or no slot in it: the launch passes unmeasured */
+    }
     if (GN_UNLIKELY(!atomic_load_explicit(&gn_compute_on, memory_order_acquire)) && !gn_compute_start())
         return;
     l->ticket = gn_pair_open(stream, ptsz, atomic_load_explicit(&gn_estimate_ns, memory_order_relaxed));

@@ -18,8 +18,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpunode.errors import GpunodeError
 from gpunode.node import memcap
-from gpunode.node.memcap.compute import ComputeMode, set_compute_share
+from gpunode.node.memcap.compute import ComputeMode, read_compute, set_compute_share
 from tests.native.harness import FAKE_TOTAL_BYTES, GIB, fake_uuid, interposer_env
 from tests.native.toolchain import NativeBuild, build_program
 
@@ -69,11 +70,13 @@ class Container:
 
 @dataclass(frozen=True)
 class Windows:
-    """Achieved share (fraction of the device) per container per window, and the device's own."""
+    """Achieved share (fraction of the device) per container per window, the device's own, and the
+    seconds each container's launches were held back in each window (from its region)."""
 
     seconds: float
     per_container: dict[str, list[float]]
     device: list[float]
+    throttled_s: dict[str, list[float]] = field(default_factory=dict)
 
 
 def start(build: NativeBuild, client: Path, root: Path, timeline: Path, containers: Sequence[Container],
@@ -124,23 +127,38 @@ def sample(timeline: Path, containers: Sequence[Container]) -> tuple[float, dict
     return time.monotonic(), {c.name: sum(busy.get(p.pid, 0) for p in c.procs) for c in containers}
 
 
+def throttled(containers: Sequence[Container]) -> dict[str, int]:
+    """Each container's held-back time so far (ns), as its region says (0 where it cannot be read)."""
+    out: dict[str, int] = {}
+    for c in containers:
+        try:
+            out[c.name] = read_compute(c.region).throttled_ns if c.region is not None else 0
+        except GpunodeError:
+            out[c.name] = 0
+    return out
+
+
 def measure(timeline: Path, containers: Sequence[Container], window_s: float, windows: int) -> Windows:
     """Achieved share of each container in `windows` consecutive windows of window_s seconds."""
     per: dict[str, list[float]] = {c.name: [] for c in containers}
+    held: dict[str, list[float]] = {c.name: [] for c in containers}
     device: list[float] = []
     t0, b0 = sample(timeline, containers)
+    h0 = throttled(containers)
     for _ in range(windows):
         time.sleep(window_s)
         t1, b1 = sample(timeline, containers)
+        h1 = throttled(containers)
         wall = (t1 - t0) * 1e9
         total = 0.0
         for c in containers:
             share = (b1[c.name] - b0[c.name]) / wall
             per[c.name].append(share)
+            held[c.name].append(max(0, h1[c.name] - h0[c.name]) / 1e9)
             total += share
         device.append(total)
-        t0, b0 = t1, b1
-    return Windows(window_s, per, device)
+        t0, b0, h0 = t1, b1, h1
+    return Windows(window_s, per, device, held)
 
 
 def set_share(container: Container, share_milli: int, mode: ComputeMode | None = None) -> None:
