@@ -296,6 +296,13 @@ class PlacementError(GpunodeError, ValueError):
     default_hint = "check the pod's GPU request and the node's published GPU state"
 
 
+class QuantityError(GpunodeError, ValueError):
+    """A Kubernetes resource quantity that does not read (grammar, size, sign); callers re-raise it as
+    their own error with the place named."""
+
+    default_hint = "write a Kubernetes quantity such as 500m, 2, 16Gi or 1e3 (at most 2^63-1, not negative)"
+
+
 class InvalidRequest(PlacementError):
     """A request that no GPU could ever satisfy as written (negative, mixed kinds, ...)."""
 

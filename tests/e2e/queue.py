@@ -361,6 +361,16 @@ def stop_queue_cluster(cluster: QueueCluster) -> None:
             admin.delete(
                 f"/api/v1/namespaces/{NAMESPACE}/pods/{pod['metadata']['name']}?gracePeriodSeconds=0"
             )
+    # What the controllers leave in the namespace, so that the next tier on this control plane (the same
+    # namespace, the same pod names) starts as on a fresh cluster: the pods' Events, the saved fair-share
+    # usage and the Lease.
+    for path in (
+        f"/api/v1/namespaces/{NAMESPACE}/events",
+        f"/api/v1/namespaces/{chart.NAMESPACE}/configmaps/{USAGE}",
+        f"/apis/coordination.k8s.io/v1/namespaces/{chart.NAMESPACE}/leases/{LEASE}",
+    ):
+        with contextlib.suppress(ApiError, OSError):
+            cluster.cp.api().delete(path)
 
 
 # ----- pods and what the API server says about them ----------------------------------------------------

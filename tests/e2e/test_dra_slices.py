@@ -24,6 +24,7 @@ import pytest
 from gpunode.config.health import HealthConfig
 from gpunode.contract import dra as names
 from gpunode.contract.names import GIB
+from gpunode.contract.quantity import parse_quantity
 from gpunode.infra.kube import KubeClient
 from gpunode.node.agent import Agent as NodeAgent
 from gpunode.node.devices.base import DeviceEvent, EventKind, Gpu
@@ -37,11 +38,17 @@ from tests.agentrunner import RunningAgent, make_config
 from tests.e2e import chart
 from tests.e2e.api import Api, ApiError, eventually
 from tests.e2e.conftest import E2E_USERS
-from tests.e2e.controlplane import ControlPlane
+from tests.e2e.controlplane import KUBE_MINOR, ControlPlane
 from tests.e2e.objects import create_fake_node, ensure_namespace
 from tests.fakes.kubelet import short_socket_dir
 
 DRIVER = names.DEFAULT_DRIVER
+# The driver uses what is beta from 1.36 (consumable capacity for shared GPUs, partitionable devices for
+# MIG, device taints, extended-resource mapping); 1.34 has them as alpha, with other API semantics (its
+# allocator refused these slices' claims). DRA mode needs 1.36 or newer (README); 1.34 runs the rest.
+pytestmark = pytest.mark.skipif(
+    KUBE_MINOR < 36, reason=f"DRA mode needs Kubernetes 1.36+ (this is 1.{KUBE_MINOR})"
+)
 NAMESPACE = "e2e-dra"
 RESOURCE = "/apis/resource.k8s.io/v1"
 WAIT_S = 120.0  # generous: two shared cores
@@ -260,6 +267,24 @@ def dra(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -
         scheduler.stop()
         for agent in agents:
             agent.stop()
+        # Leave nothing for later tiers on this control plane: the whole-GPU class maps nvidia.com/gpu,
+        # so a pod of another tier could otherwise be given a device of these fake nodes, and their
+        # schedulers would count the nodes.
+        for ns in (NAMESPACE, EXEMPT):
+            admin.delete(f"/api/v1/namespaces/{ns}/pods")
+            admin.delete(f"{RESOURCE}/namespaces/{ns}/resourceclaims")
+            admin.delete(f"{RESOURCE}/namespaces/{ns}/resourceclaimtemplates")
+        for node in (*NODES.values(), "e2e-dra-agent"):
+            admin.delete(f"/api/v1/nodes/{node}")  # their slices go with them (owner references)
+        admin.delete(f"{RESOURCE}/resourceslices/e2e-dra-too-many")
+        for c in classes:
+            admin.delete(f"{RESOURCE}/deviceclasses/{c['metadata']['name']}")
+        for kind, plural in (
+            ("ValidatingAdmissionPolicyBinding", "validatingadmissionpolicybindings"),
+            ("ValidatingAdmissionPolicy", "validatingadmissionpolicies"),
+        ):
+            (doc,) = [d for d in docs if d["kind"] == kind]
+            admin.delete(f"/apis/admissionregistration.k8s.io/v1/{plural}/{doc['metadata']['name']}")
 
 
 def test_the_api_server_accepts_the_slices_and_classes(dra: dict[str, Any]) -> None:
@@ -321,7 +346,9 @@ def test_two_claims_share_one_gpu_and_a_third_that_would_exceed_it_waits(dra: di
         assert wait_scheduled(api, f"pod-{claim}")["spec"]["nodeName"] == node
         result = allocation(api, claim)["devices"]["results"][0]
         assert (result["pool"], result["device"]) == (node, shared)
-        assert result["consumedCapacity"][names.CAPACITY_MEMORY] == claims[claim]
+        # Compared as quantities: 1.36 echoes "8Gi", 1.37 writes the same in bytes ("8589934592").
+        consumed = result["consumedCapacity"][names.CAPACITY_MEMORY]
+        assert parse_quantity(consumed, where=claim) == parse_quantity(claims[claim], where=claim)
     api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", pod_with_claim("pod-share-c", node, "share-c"))
     message = wait_unschedulable(api, "pod-share-c")
     print(f"share-c: {message}")

@@ -39,12 +39,16 @@ from tests.e2e.capped import (
     toolchain_missing_reason,
 )
 from tests.e2e.conftest import E2E_USERS, REAL_NODE
-from tests.e2e.controlplane import ControlPlane
+from tests.e2e.controlplane import KUBE_MINOR, ControlPlane
 from tests.e2e.node import RealNode, node_missing_reason
 from tests.e2e.objects import create_pod, ensure_namespace, get_pod, pod_body, pod_events
 from tests.e2e.procs import Proc
 from tests.ports import free_port
 
+# DRA mode needs Kubernetes 1.36+ (see tests/e2e/test_dra_slices.py).
+pytestmark = pytest.mark.skipif(
+    KUBE_MINOR < 36, reason=f"DRA mode needs Kubernetes 1.36+ (this is 1.{KUBE_MINOR})"
+)
 NAMESPACE = "e2e-realdra"
 RESOURCE = "/apis/resource.k8s.io/v1"
 DRIVER = names.DEFAULT_DRIVER
@@ -140,7 +144,15 @@ def dra_node(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFacto
             scheduler.stop()
         if agent is not None:
             agent.stop()
-        node.stop()
+        node.stop()  # deletes the Node (its slices go with it)
+        # The whole-GPU class maps nvidia.com/gpu: left behind, it would change how later tiers' pods that
+        # ask for nvidia.com/gpu are scheduled.
+        admin.delete(f"/api/v1/namespaces/{NAMESPACE}/pods")
+        admin.delete(f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaims")
+        admin.delete(f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaimtemplates")
+        for doc in docs:
+            if doc["kind"] == "DeviceClass":
+                admin.delete(f"{RESOURCE}/deviceclasses/{doc['metadata']['name']}")
 
 
 def _template(api: Api, name: str, memory: str, parameters: Any = None) -> None:

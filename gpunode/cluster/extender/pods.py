@@ -9,11 +9,11 @@ node selector key of the same name works too). No I/O.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
-from decimal import Context, Decimal, InvalidOperation, Overflow
+from decimal import Decimal
 from typing import Any
 
+from gpunode.contract import quantity
 from gpunode.contract.names import (
     GIB,
     GPU_MEMORY_RESOURCE,
@@ -22,69 +22,28 @@ from gpunode.contract.names import (
     GPU_RESOURCE,
     mig_profile_of,
 )
-from gpunode.errors import InvalidRequest
+from gpunode.errors import InvalidRequest, QuantityError
 from gpunode.placement import MILLI_PER_GPU, Request
 
-# Kubernetes' quantity grammar (k8s.io/apimachinery/pkg/api/resource): a signed decimal number, then
-# either a binary-SI suffix, a decimal-SI suffix (n u m "" k M G T P E) or an exponent e<int>/E<int>.
-_QUANTITY = re.compile(
-    r"(?P<sign>[+-]?)(?P<int>[0-9]*)(?:\.(?P<frac>[0-9]*))?"
-    r"(?:[eE](?P<exp>[+-]?[0-9]+)|(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])?)"
-)
-_BINARY = {"Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40, "Pi": 50, "Ei": 60}  # powers of two
-_DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
-MAX_QUANTITY_TEXT = 64  # characters; real quantities are a handful
-MAX_EXPONENT = 30  # |e| of the exponent form; anything beyond is refused before any arithmetic
-MAX_QUANTITY = 2**63 - 1  # Kubernetes' own ceiling for any quantity, in base units
 # Sane ceilings of a pod's totals, far above any node, so that nothing downstream (the learned
 # workload, the numpy tables) ever sees a number it cannot hold.
 MAX_GPUS = 1024
 MAX_CPU_MILLI = 2**40  # about 10^9 cores
 MAX_BYTES = 2**50  # 1 PiB of memory or GPU memory
 MAX_MODELS = 32  # GPU models one pod may accept
-_EXACT = Context(prec=200, Emax=999, Emin=-999, traps=[InvalidOperation, Overflow])
+_EXACT = quantity.EXACT
 
 
 def parse_quantity(value: object, *, where: str) -> Decimal:
-    """A Kubernetes resource quantity ("500m", "2", "1.5Gi", "1e3") as an exact Decimal.
-
-    Strict: Kubernetes' grammar only, at most MAX_QUANTITY_TEXT characters, an exponent within
-    ±MAX_EXPONENT, a value of at most 2^63-1 and not negative; anything else is InvalidRequest
-    naming `where`. The size is bounded before any arithmetic, so no input builds a huge number.
-    """
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise InvalidRequest(f"{where}: expected a quantity, got {_short(value)}")
-    text = value if isinstance(value, str) else repr(value)
-    if len(text) > MAX_QUANTITY_TEXT:
-        raise InvalidRequest(f"{where}: a quantity of {len(text)} characters is not plausible")
-    m = _QUANTITY.fullmatch(text)
-    if m is None or not (m["int"] or m["frac"]):
-        raise InvalidRequest(f"{where}: {text!r} is not a resource quantity (e.g. 500m, 2, 16Gi, 1e3)")
-    if m["sign"] == "-" and (m["int"] + (m["frac"] or "")).strip("0"):
-        raise InvalidRequest(f"{where}: a resource quantity cannot be negative, got {text!r}")
-    exponent = int(m["exp"]) if m["exp"] is not None else _DECIMAL.get(m["suffix"] or "", 0)
-    if abs(exponent) > MAX_EXPONENT:
-        raise InvalidRequest(f"{where}: {text!r} has an exponent beyond ±{MAX_EXPONENT}")
-    digits = m["int"].lstrip("0")
-    binary = _BINARY.get(m["suffix"] or "", 0)
-    # A value with d digits before the point is at least 10^(d-1) x 10^exponent x 2^binary: at 10^19
-    # or more it is over 2^63-1 for sure, refused before anything is computed.
-    if digits and len(digits) - 1 + exponent + binary * 3 // 10 >= 19:
-        raise InvalidRequest(f"{where}: {text!r} is larger than Kubernetes allows (2^63-1)")
-    mantissa = Decimal(f"{m['int'] or '0'}.{m['frac'] or '0'}")
-    number = _EXACT.multiply(_EXACT.scaleb(mantissa, exponent), Decimal(2**binary))
-    if number > MAX_QUANTITY:
-        raise InvalidRequest(f"{where}: {text!r} is larger than Kubernetes allows (2^63-1)")
-    return abs(number)
+    """A Kubernetes resource quantity as an exact Decimal (gpunode.contract.quantity); InvalidRequest
+    naming `where` for anything its strict, bounded grammar refuses."""
+    try:
+        return quantity.parse_quantity(value, where=where)
+    except QuantityError as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _ceil(d: Decimal) -> int:
-    return int(d.to_integral_value(rounding="ROUND_CEILING"))
+_ceil = quantity.ceil
 
 
 def _bounded(totals: Mapping[str, Decimal], name: str, scale: int, limit: int, unit: str) -> int:

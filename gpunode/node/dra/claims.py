@@ -14,12 +14,12 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from gpunode.contract import dra as names
+from gpunode.contract import quantity
 from gpunode.contract.reader import excerpt, format_bytes
-from gpunode.errors import ClaimRefused
+from gpunode.errors import ClaimRefused, QuantityError
 
 # A Kubernetes UID as the API server makes them (RFC 4122 text form). The CDI spec's file name,
 # the region key and the checkpoint record are derived from it, so it is checked before any use.
@@ -30,13 +30,6 @@ OPAQUE_API_VERSION = "gpunode.io/v1alpha1"
 OPAQUE_KIND = "GpuConfig"
 MEMORY_CAPACITY = names.CAPACITY_MEMORY  # the capacity a shared device's claims consume
 
-# Quantity suffixes (Kubernetes' resource.Quantity); memory is a whole number of bytes.
-_SUFFIX = {
-    "": 1,
-    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-}  # fmt: skip
-_QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]{1,2}|[kMGTPE]i?|)")
 MAX_QUANTITY_BYTES = 2**63 - 1
 
 
@@ -137,22 +130,14 @@ def check_uid(uid: str) -> str:
 
 
 def parse_memory(value: object, where: str) -> int:
-    """A memory quantity ("4Gi", "4294967296", "4.5G", "1e9") as whole bytes."""
-    if not isinstance(value, str) or len(value) > 64:
-        raise ClaimRefused(f"{where}: expected a quantity such as 4Gi, got {excerpt(value)}")
-    m = _QUANTITY.fullmatch(value)  # Kubernetes' grammar: no blanks
-    if m is None:
+    """A memory quantity ("4Gi", "4294967296", "4.5G", "1e9") as whole bytes (rounded up), read with
+    Kubernetes' grammar (gpunode.contract.quantity)."""
+    if not isinstance(value, str):
         raise ClaimRefused(f"{where}: expected a quantity such as 4Gi, got {excerpt(value)}")
     try:
-        number = Decimal(m.group(1))
-        suffix = m.group(2)
-        if suffix[:1] in ("e", "E"):
-            number = number.scaleb(int(suffix[1:]))
-        else:
-            number *= _SUFFIX[suffix]
-    except (InvalidOperation, KeyError):
-        raise ClaimRefused(f"{where}: expected a quantity such as 4Gi, got {excerpt(value)}") from None
-    size = int(number.to_integral_value(rounding="ROUND_CEILING"))
+        size = quantity.ceil(quantity.parse_quantity(value, where=where))
+    except QuantityError as exc:
+        raise ClaimRefused(str(exc)) from None
     if size <= 0 or size > MAX_QUANTITY_BYTES:
         raise ClaimRefused(f"{where}: a memory quantity is 1 byte or more, got {excerpt(value)}")
     return size
