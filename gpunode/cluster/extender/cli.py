@@ -219,8 +219,8 @@ def register_extender_cli(
         default=HOLD_ERROR,
         choices=HOLD_MODES,
         help="how filter holds a queued pod not yet admitted: error (an Error with the queue's reason: "
-        "kube-scheduler never preempts for it, on any version) or unschedulable (failed nodes: only for a "
-        "kube-scheduler that calls the preempt verb, 1.20.9+/1.21.3+); never error with ignorable: true",
+        "kube-scheduler never preempts for it) or unschedulable (failed nodes, also unresolvable: "
+        "kube-scheduler neither preempts nor nominates on them); never error with ignorable: true",
     )
     p.add_argument(
         "--admission-key-file",
@@ -443,7 +443,7 @@ def run_extender_cli(args: argparse.Namespace) -> int:
             api.attach(loop)  # the loop the server runs on: its worker threads' binds are sent here
         if refresh_s and api is not None:
             # Names-only mode: know the nodes before the first filter (a pod every node failed as
-            # unknown would wait for kube-scheduler's retry, a minute or more in 1.20).
+            # unknown would wait for kube-scheduler's backoff retry).
             await refresh_nodes_once(api=api, extender=extender)
         bound: list[int] = []
         serving = asyncio.Event()
