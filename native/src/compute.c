@@ -11,9 +11,9 @@
  * refill has paid it; the share and mode are read on every refill, so a
  * change by the agent applies within a tick.
  *
- * GPU time of a launch is the part of [start, end] not already charged to
- * the previous launch (work on several streams overlaps), so a container is
- * charged for the time its work occupied the GPU.
+ * GPU time of a launch is the part of [start, end] outside the latest block
+ * of time already charged (work on several streams, or several threads'
+ * launches on one stream, overlaps or finishes out of ticket order).
  *
  * Modes: hard (never above the share), work-conserving (refilled at the
  * whole GPU's rate while no process of the container has seen a neighbour's
@@ -196,9 +196,10 @@ static double gn_elapsed_ns(CUevent a, CUevent b, int *ok)
  * clocks) launches have been lately: the least lateness seen is taken as
  * "the device was free", anything well above it as waiting for a neighbour. */
 static struct {
-    CUevent start, end;
+    CUevent start;
     CUcontext ctx;
     uint64_t submit_ns;
+    double first, last; /* the latest block of GPU time charged, in ns after start */
     int valid;
 } gn_prev;
 static struct {
@@ -216,7 +217,8 @@ static void gn_contended(void)
 }
 
 /* Follow the lateness of pair p, started `since_prev_start` ns (device)
- * after the previous one began and `since_prev_end` after it ended. A start
+ * after the previous one began and `since_prev_end` after the latest end of
+ * the container's own earlier work. A start
  * later than both its submission and the end of the container's own
  * previous work waited for someone else's. */
 static void gn_track_lateness(const struct gn_pair *p, double since_prev_start, double since_prev_end)
@@ -267,24 +269,38 @@ static int gn_read_pair(uint64_t i)
         double dur = q == CUDA_SUCCESS ? gn_elapsed_ns(p->start, p->end, &ok) : 0;
         if (ok) {
             charge = dur > 0 ? (int64_t)dur : 0;
-            if (gn_prev.valid && gn_prev.ctx == p->ctx) {
-                int ok2 = 0, ok3 = 0, ok4 = 0;
-                double since_prev = gn_elapsed_ns(gn_prev.end, p->end, &ok2);
-                if (ok2 && since_prev < dur)
-                    charge = since_prev > 0 ? (int64_t)since_prev : 0; /* overlapped the previous launch */
-                double since_prev_end = gn_elapsed_ns(gn_prev.end, p->start, &ok3);
-                double since_prev_start = gn_elapsed_ns(gn_prev.start, p->start, &ok4);
-                if (ok3 && ok4)
-                    gn_track_lateness(p, since_prev_start, since_prev_end);
-                else
-                    gn_late.valid = 0;
+            /* The latest block of GPU time charged so far, [first, last], kept
+             * relative to the previous pair's start (whose entry is still
+             * intact), moved here to be relative to this pair's start (time 0;
+             * its end is dur). This pair is charged what lies outside it. */
+            double first = 1e18, last = -1e18;
+            int ok4 = 0;
+            double since_prev_start = 0;
+            if (gn_prev.valid && gn_prev.ctx == p->ctx)
+                since_prev_start = gn_elapsed_ns(gn_prev.start, p->start, &ok4);
+            if (ok4) {
+                first = gn_prev.first - since_prev_start;
+                last = gn_prev.last - since_prev_start;
+                double lo = first > 0 ? first : 0, hi = last < dur ? last : dur;
+                if (hi > lo)
+                    charge = (int64_t)(dur - (hi - lo));
+                gn_track_lateness(p, since_prev_start, -last);
             } else {
                 gn_late.valid = 0;
+            }
+            if (last >= 0 && first <= dur) { /* overlaps or touches the block: grow it */
+                gn_prev.first = first < 0 ? first : 0;
+                gn_prev.last = last > dur ? last : dur;
+            } else if (dur > last) { /* later than the block: the new block */
+                gn_prev.first = 0;
+                gn_prev.last = dur;
+            } else { /* wholly earlier (threads' launches out of ticket order): keep the block */
+                gn_prev.first = first;
+                gn_prev.last = last;
             }
             /* Keep this pair's events as the reference: the ring does not
              * hand this entry out again before the next pair is read. */
             gn_prev.start = p->start;
-            gn_prev.end = p->end;
             gn_prev.ctx = p->ctx;
             gn_prev.submit_ns = p->submit_ns;
             gn_prev.valid = 1;
