@@ -56,7 +56,12 @@ def test_registration_names_the_driver_its_socket_and_both_versions() -> None:
             assert info.name == DRIVER
             assert info.endpoint == str(w.config.dra.service_socket(w.config.kubelet_dir))
             assert info.endpoint.endswith(f"/plugins/{DRIVER}/dra.sock")
-            assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+            assert list(info.supported_versions) == [
+                "v1.DRAPlugin",
+                "v1beta1.DRAPlugin",
+                "v1.DRAResourceHealth",
+                "v1alpha1.DRAResourceHealth",
+            ]
             reg_path = w.plugin.registrar.path
             assert reg_path == w.root / "kubelet" / "plugins_registry" / f"{DRIVER}-reg.sock"
             for path in (reg_path, w.plugin.service.path):
@@ -601,5 +606,17 @@ def test_the_health_stream_follows_the_health_engine() -> None:
             assert sick["gpu-1"].message == "XID 79: GPU fell off the bus"
             assert sick["gpu-1"].health_check_timeout_seconds > 0
             stream.cancel()
+            # The same stream as DRAResourceHealth v1, the service kubelet 1.37+ asks for first.
+            v1_watch = w.channel.unary_stream(
+                "/v1.DRAResourceHealth/NodeWatchResources",
+                request_serializer=hpb.NodeWatchResourcesRequest.SerializeToString,
+                response_deserializer=hpb.NodeWatchResourcesResponse.FromString,
+            )
+            v1_stream = v1_watch(hpb.NodeWatchResourcesRequest(), timeout=10)
+            sick_v1 = {
+                d.device.device_name for d in (await v1_stream.read()).devices if d.health == hpb.UNHEALTHY
+            }
+            assert sick_v1 == {"gpu-1", "gpu-1-shared"}
+            v1_stream.cancel()
 
     run(scenario())

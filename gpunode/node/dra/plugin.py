@@ -195,19 +195,22 @@ def dra_handlers(preparer: Preparer, health: HealthServicer) -> list[Any]:
                 },
             )
         )
-    out.append(
-        _handlers(
-            "v1alpha1.DRAResourceHealth",
-            {
-                "NodeWatchResources": (
-                    stream,
-                    health.NodeWatchResources,
-                    hpb.NodeWatchResourcesRequest,
-                    hpb.NodeWatchResourcesResponse,
-                )
-            },
+    # DRAResourceHealth v1 (kubelet 1.37+) has v1alpha1's messages field for field, in another package:
+    # one servicer answers both, with the v1alpha1 classes (the wire format is the same).
+    for service in ("v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"):
+        out.append(
+            _handlers(
+                service,
+                {
+                    "NodeWatchResources": (
+                        stream,
+                        health.NodeWatchResources,
+                        hpb.NodeWatchResourcesRequest,
+                        hpb.NodeWatchResourcesResponse,
+                    )
+                },
+            )
         )
-    )
     return out
 
 

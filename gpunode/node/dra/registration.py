@@ -2,8 +2,10 @@
 
 The kubelet finds the socket (inotify on its plugins_registry directory, and a scan of it when it
 starts, so a restarted kubelet finds a running plugin again by itself), calls GetInfo and learns
-the driver's name, the DRA service's socket and the service versions served (`v1.DRAPlugin`,
-`v1beta1.DRAPlugin`); it then says with NotifyRegistrationStatus whether it took the plugin.
+the driver's name, the DRA service's socket and the gRPC services served (`v1.DRAPlugin`,
+`v1beta1.DRAPlugin`, and the health stream as `v1.DRAResourceHealth` and `v1alpha1.DRAResourceHealth`:
+kubelet 1.37 opens the health stream only for a plugin that lists it, 1.36 asks v1alpha1 regardless);
+it then says with NotifyRegistrationStatus whether it took the plugin.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from gpunode.node.kubelet._proto import pluginregistration_v1_pb2_grpc as pb_grp
 log = logging.getLogger(__name__)
 
 PLUGIN_TYPE = "DRAPlugin"
-SERVICE_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+SERVICE_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")
 
 
 class RegistrationServicer(pb_grpc.RegistrationServicer):
