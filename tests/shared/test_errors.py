@@ -57,6 +57,9 @@ CASES: dict[type[GpunodeError], tuple[Callable[[str], GpunodeError], int]] = {
     errors.NotLeader: (errors.NotLeader, 1),
     errors.RegionDamaged: (lambda m: errors.RegionDamaged(m, key="k", reason="truncated"), 1),
     errors.BodyRefused: (lambda m: errors.BodyRefused(m, status=413), 1),
+    errors.ClaimRefused: (errors.ClaimRefused, 1),
+    errors.InvalidComputeShare: (errors.InvalidComputeShare, 2),
+    errors.QuantityError: (errors.QuantityError, 1),
 }
 
 # classes whose message is built from their arguments (tested one by one below)
