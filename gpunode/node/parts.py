@@ -150,6 +150,7 @@ def build_dra_slices(
     serves, tainted by the health monitor's verdicts; None when DRA is off or the node has no name.
     `config` and `health` are read at each publication (a reload applies at once)."""
     from gpunode.infra.kube import KubeClient
+    from gpunode.node.dra.order import ClaimUsage
     from gpunode.node.dra.slices import Pool, SlicePublisher, build_pool
     from gpunode.node.dra.taints import device_taints
 
@@ -176,14 +177,21 @@ def build_dra_slices(
         return (await state.wait_for_change(version)).version
 
     rem_cfg = first.remediation
-    return SlicePublisher(
-        client_factory=lambda: KubeClient.from_environment(
+
+    def client() -> KubeClient:
+        return KubeClient.from_environment(
             kubeconfig=rem_cfg.kubeconfig, request_timeout_s=rem_cfg.request_timeout_s
-        ),
+        )
+
+    # The devices in gpunode's order of preference, from what the node's claims hold (gpunode.node.dra.order).
+    order = ClaimUsage(client_factory=client, node_name=first.node_name, driver=first.dra.driver_name)
+    return SlicePublisher(
+        client_factory=client,
         node_name=first.node_name,
         driver=first.dra.driver_name,
         pool=pool,
         changed=changed,
+        order=order,
     )
 
 

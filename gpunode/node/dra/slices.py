@@ -440,12 +440,16 @@ class SlicePublisher:
         debounce_s: float = DEBOUNCE_S,
         retry_initial_s: float = 1.0,
         retry_max_s: float = 30.0,
+        order: Any = None,
     ) -> None:
         self._client_factory = client_factory
         self._client: KubeClient | None = None
         self.node_name = node_name
         self.driver = driver
         self._pool = pool
+        # gpunode.node.dra.order.ClaimUsage (or None: GPU index order): lists the devices so that the
+        # allocator's first fit is gpunode's choice; its watch runs beside the publisher and pokes it.
+        self.order = order
         self._changed = changed
         self.interval_s = interval_s
         self.debounce_s = debounce_s
@@ -518,7 +522,7 @@ class SlicePublisher:
     async def publish_once(self, *, resync: bool = False) -> bool:
         """Make the server's slices equal to the pool now; True when something was written. `resync`
         reads the server's copy first (always done on the first call and after a failure)."""
-        pool = self._pool()
+        pool = self._pool() if self.order is None else self.order.order(self._pool())
         if pool.warnings != self._said:
             for warning in pool.warnings:
                 log.warning("DRA slices: %s", warning)
@@ -580,6 +584,9 @@ class SlicePublisher:
         delay = self.retry_initial_s
         next_resync = 0.0
         watcher = asyncio.ensure_future(self._watch_deletions())
+        if self.order is not None:
+            self.order.on_change = self.poke
+        follower = asyncio.ensure_future(self.order.run()) if self.order is not None else watcher
         try:
             while True:
                 resync = loop.time() >= next_resync
@@ -607,9 +614,10 @@ class SlicePublisher:
                     ready.set()
                 version = await self._wait(version, wait_s)
         finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+            for task in {watcher, follower}:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await self.close()
 
     async def _watch_deletions(self) -> None:
