@@ -36,6 +36,7 @@ from gpunode.node.parts import (
     StateDirWatch,
     add_gauge,
     build_assignments,
+    build_compute_shares,
     build_dra_plugin,
     build_dra_slices,
     build_health,
@@ -104,6 +105,9 @@ class Agent:
         self.publisher: Any = None  # gpunode.node.publish.NodeStatePublisher when publishing
         self.assignments: Any = None  # gpunode.node.assignments.AssignmentBook, with the publisher
         self.region_keeper: Any = None  # gpunode.node.memcap.gc.RegionKeeper when memory caps are in use
+        self.compute_shares: Any = (
+            None  # gpunode.node.allocation.shares.ComputeShares, with the region keeper
+        )
         self.checkpoint = Checkpoint(config.state_dir)
         self.gate: Any = None  # gpunode.node.drain.SharingGate: reloads and rediscovery go through it
         self.dra: Any = None  # gpunode.node.dra.plugin.DraPlugin when gpunode.dra.enabled
@@ -256,6 +260,11 @@ class Agent:
             gates["DRA plugin"] = asyncio.Event()
             sup.start("DRA plugin", self.dra.run(ready=gates["DRA plugin"]))
         self._start_region_keeper(sup)
+        if self.region_keeper is not None:  # capped containers: their compute shares too
+            self.compute_shares = build_compute_shares(
+                self.config, self.checkpoint, self.assignments, self.publisher
+            )
+            sup.start("compute shares", self.compute_shares.run())
         idle = build_idle_watch(self.config, self.backend, self.state, self.metrics)
         if idle is not None:
             sup.start("idle GPU watch", idle.run())

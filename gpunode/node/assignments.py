@@ -50,7 +50,7 @@ from lightkube.resources.core_v1 import Pod
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from gpunode.contract.names import ALLOCATED_ANNOTATION, ASSIGNMENT_ANNOTATION
+from gpunode.contract.names import ALLOCATED_ANNOTATION, ASSIGNMENT_ANNOTATION, GPU_MILLI_ANNOTATION
 from gpunode.errors import AllocationError, KubeError, KubeNotFound
 from gpunode.infra.kube import DELETED, SYNC, KubeClient, WatchEvent
 from gpunode.node.allocation.preferred import preferred_allocation
@@ -148,12 +148,20 @@ class AssignmentBook:
         self._changed = asyncio.Event()  # set by every step of the watch, for allocations waiting on it
         self._assignment_seen_at: float | None = None  # monotonic time a pod here last carried one
         self._caught_up_once = False  # an allocation waited CATCH_UP_S before any assignment was seen
+        # "namespace/name" -> its gpunode.io/gpu-milli text, for every pod here that has one and has not
+        # ended (read by gpunode.node.allocation.shares); on_compute_ask is called when it changes.
+        self.compute_asks: dict[str, str] = {}
+        self.on_compute_ask: Callable[[], None] | None = None
 
     # -- the pods, from the watch --------------------------------------------------------------
 
     def apply(self, event: WatchEvent[Pod]) -> None:
         """Take one step of the list+watch into the book."""
         self._changed.set()
+        asks = dict(self.compute_asks)
+        self._note_compute_ask(event)
+        if asks != self.compute_asks and self.on_compute_ask is not None:
+            self.on_compute_ask()
         if event.type == SYNC:
             before, self.pending = self.pending, {}
             present = {p.metadata.uid for p in event.items if p.metadata and p.metadata.uid}
@@ -172,6 +180,22 @@ class AssignmentBook:
             self.carried_out.pop(uid, None)
             return
         self._consider(pod, self.pending)
+
+    def _note_compute_ask(self, event: WatchEvent[Pod]) -> None:
+        pods = event.items if event.type == SYNC else [event.object] if event.object is not None else []
+        if event.type == SYNC:
+            self.compute_asks = {}
+        for pod in pods:
+            meta = pod.metadata
+            if meta is None or not meta.name:
+                continue
+            key = f"{meta.namespace or 'default'}/{meta.name}"
+            text = (meta.annotations or {}).get(GPU_MILLI_ANNOTATION)
+            phase = (pod.status.phase if pod.status else None) or "Pending"
+            if event.type == DELETED or text is None or phase in ("Succeeded", "Failed"):
+                self.compute_asks.pop(key, None)
+            else:
+                self.compute_asks[key] = str(text)[:64]
 
     def _consider(self, pod: Pod, before: dict[str, PendingPod]) -> None:
         meta = pod.metadata

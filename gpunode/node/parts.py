@@ -82,6 +82,8 @@ def build_metrics(
         health=unhealthy,
         attribution=attribution,
         regions_root=config.state_dir / "memcap",
+        dra_driver=config.dra.driver_name,
+        dra_root=config.state_dir / "dra" if config.dra.enabled else None,
     )
 
 
@@ -100,6 +102,28 @@ def build_region_keeper(config: Config, checkpoint: Checkpoint) -> Any:
         grace_s=frac.gc_grace_s,
         state_dir=config.state_dir,
     )
+
+
+def build_compute_shares(config: Config, checkpoint: Checkpoint, assignments: Any, publisher: Any) -> Any:
+    """The loop that writes each capped container's compute share (its pod's gpunode.io/gpu-milli, else its
+    memory share) into its region, and gives the shares pods asked for to the node-state publisher. The
+    pods' annotations come from the assignment book's watch; without API access only the defaults hold."""
+    from gpunode.node.allocation.shares import ComputeShares
+    from gpunode.node.kubelet.podresources import list_container_devices
+
+    socket_path = str(config.pod_resources_socket)
+    shares = ComputeShares(
+        checkpoint=checkpoint,
+        regions_root=config.state_dir / "memcap",
+        list_containers=lambda: list_container_devices(socket_path, timeout_s=5.0),
+        asks=(lambda: assignments.compute_asks) if assignments is not None else dict,
+    )
+    if assignments is not None:
+        assignments.on_compute_ask = shares.poke
+    if publisher is not None:
+        publisher.explicit_shares = shares.explicit
+        shares.on_change = publisher.poke
+    return shares
 
 
 def build_publisher(config: Config, state: DeviceState) -> Any:

@@ -34,7 +34,13 @@ FRESH_TTL_S = 30.0  # how long an allocated device counts held while the kubelet
 
 
 def node_gpu_state(
-    snapshot: Snapshot, *, node: str, holders: Mapping[str, str], generation: int = 0, updated: float = 0.0
+    snapshot: Snapshot,
+    *,
+    node: str,
+    holders: Mapping[str, str],
+    generation: int = 0,
+    updated: float = 0.0,
+    explicit: Mapping[tuple[str, str], int] | None = None,
 ) -> NodeGpuState:
     """The annotation content: per GPU capacity, assignment (device ID -> "namespace/pod"), health, topology.
 
@@ -42,7 +48,7 @@ def node_gpu_state(
     GetPreferredAllocation decides on.
     """
     return NodeGpuState(
-        node=node, updated=updated, generation=generation, gpus=gpu_records(snapshot, holders)
+        node=node, updated=updated, generation=generation, gpus=gpu_records(snapshot, holders, explicit)
     )
 
 
@@ -82,6 +88,8 @@ class NodeStatePublisher:
             str, tuple[str, float]
         ] = {}  # device ID -> (holder, until): allocated, not yet listed
         self._poked = asyncio.Event()
+        # (pod, GPU UUID) -> the compute share given to pods that asked for one (gpunode.node.allocation.shares)
+        self.explicit_shares: Callable[[], Mapping[tuple[str, str], int]] | None = None
 
     def note_allocation(self, device_ids: Sequence[str], holder: str) -> None:
         """An Allocate handed out these devices (to "namespace/pod", or "" when unknown): count them held
@@ -89,6 +97,10 @@ class NodeStatePublisher:
         until = time.monotonic() + self.fresh_ttl_s
         for dev in device_ids:
             self._fresh[dev] = (holder, until)
+        self._poked.set()
+
+    def poke(self) -> None:
+        """Something the annotation shows changed (a compute share): publish after the debounce."""
         self._poked.set()
 
     async def _refresh_holders(self) -> None:
@@ -113,7 +125,8 @@ class NodeStatePublisher:
         now = time.monotonic()
         fresh = {d: holder for d, (holder, until) in self._fresh.items() if until > now}
         holders = {**fresh, **self._holders}
-        return node_gpu_state(self.state.snapshot(), node=self.node_name, holders=holders)
+        explicit = self.explicit_shares() if self.explicit_shares is not None else None
+        return node_gpu_state(self.state.snapshot(), node=self.node_name, holders=holders, explicit=explicit)
 
     async def publish_once(self, *, force: bool = False) -> bool:
         """Publish if the content changed (or force); returns whether a PATCH was sent successfully."""

@@ -22,7 +22,8 @@ from gpunode.contract.names import (
     GPU_RESOURCE,
     mig_profile_of,
 )
-from gpunode.errors import InvalidRequest, QuantityError
+from gpunode.contract.share import parse_compute_share
+from gpunode.errors import InvalidComputeShare, InvalidRequest, QuantityError
 from gpunode.placement import MILLI_PER_GPU, Request
 
 # Sane ceilings of a pod's totals, far above any node, so that nothing downstream (the learned
@@ -122,14 +123,14 @@ def request_from_pod(pod: Mapping[str, Any], *, memory_unit_bytes: int = GIB) ->
     milli_text = annotations.get(GPU_MILLI_ANNOTATION)
     milli = 0
     if milli_text is not None:
-        try:
-            milli = int(str(milli_text))
-        except ValueError:
+        try:  # the node agent reads the same annotation with the same parser
+            milli = parse_compute_share(milli_text, what=f"annotation {GPU_MILLI_ANNOTATION}")
+        except InvalidComputeShare as exc:
+            raise InvalidRequest(f"{exc}; expected 1..999") from None
+        if milli >= MILLI_PER_GPU:
             raise InvalidRequest(
-                f"annotation {GPU_MILLI_ANNOTATION}: expected 1..999, got {milli_text!r}"
-            ) from None
-        if not 0 < milli < MILLI_PER_GPU:
-            raise InvalidRequest(f"annotation {GPU_MILLI_ANNOTATION}: expected 1..999, got {milli}")
+                f"annotation {GPU_MILLI_ANNOTATION}: expected 1..999, got {milli} (ask {GPU_RESOURCE}: 1 for a whole GPU)"
+            )
     if not gpus and not memory_units and not mig and not milli:
         return None
     if len(mig) > 1 or any(v != 1 for v in mig.values()):

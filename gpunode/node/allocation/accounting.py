@@ -14,7 +14,9 @@ The rules, per sharing mode of the GPU:
 - fractional: assigned memory is the held memory units' sizes (at most the GPU's
   memory); the compute share follows memory, rounded down;
 - time-sliced: the held share of the replicas is the compute share; memory is the
-  held replicas' caps when they are capped, else the same share of the memory.
+  held replicas' caps when they are capped, else the same share of the memory;
+- on both, a pod that asked for a compute share (gpunode.io/gpu-milli) counts with
+  the share the node gave it instead (with_explicit_shares), at most the whole GPU.
 A GPU serves whole-GPU requests (servesWhole) when the node advertises it whole,
 as one nvidia.com/gpu device: a fractional GPU, advertised only in memory units,
 does not.
@@ -69,16 +71,51 @@ def assigned_on(
     return Assigned(milli=MILLI_PER_GPU, memory_bytes=total) if held else Assigned(milli=0, memory_bytes=0)
 
 
+def with_explicit_shares(
+    gpu: Gpu,
+    mode: Sharing,
+    devices: Sequence[AdvertisedDevice],
+    held: Sequence[AdvertisedDevice],
+    holders: Mapping[str, str],
+    explicit: Mapping[tuple[str, str], int],
+    assigned: Assigned,
+) -> Assigned:
+    """The assignment with the compute shares pods asked for (gpunode.io/gpu-milli) in place of their
+    memory-proportional default, on a fractional or time-sliced GPU; at most the whole GPU."""
+    if mode not in (Sharing.FRACTIONAL, Sharing.TIME_SLICED) or not explicit:
+        return assigned
+    total = gpu.memory_total_bytes
+    by_pod: dict[str, list[AdvertisedDevice]] = {}
+    for d in held:
+        by_pod.setdefault(holders.get(d.id, ""), []).append(d)
+    if not any((pod, gpu.uuid) in explicit for pod in by_pod if pod):
+        return assigned
+    milli = 0
+    for pod, mine in by_pod.items():
+        if pod and (pod, gpu.uuid) in explicit:
+            milli += explicit[(pod, gpu.uuid)]
+        elif mode == Sharing.FRACTIONAL:
+            memory = sum(d.memory_cap_bytes or 0 for d in mine)
+            milli += memory * MILLI_PER_GPU // total if total else 0
+        else:
+            milli += round(len(mine) / len(devices) * MILLI_PER_GPU) if devices else 0
+    return Assigned(milli=min(MILLI_PER_GPU, milli), memory_bytes=assigned.memory_bytes, mig=assigned.mig)
+
+
 def offered_whole(devices: Sequence[AdvertisedDevice]) -> bool:
     """Whether one GPU's advertised devices offer it whole: as one nvidia.com/gpu device of its own."""
     return any(d.kind == "gpu" and d.resource == GPU_RESOURCE for d in devices)
 
 
-def gpu_records(snapshot: Snapshot, holders: Mapping[str, str]) -> tuple[GpuRecord, ...]:
+def gpu_records(
+    snapshot: Snapshot, holders: Mapping[str, str], explicit: Mapping[tuple[str, str], int] | None = None
+) -> tuple[GpuRecord, ...]:
     """One GpuRecord per GPU of the snapshot, in inventory order.
 
     holders: device ID -> "namespace/name" of the pod holding it; every device ID in it
-    counts as held, and the non-empty names become the GPU's pods.
+    counts as held, and the non-empty names become the GPU's pods. explicit: ("namespace/name",
+    GPU UUID) -> the compute share the node gave a pod that asked for one
+    (gpunode.node.allocation.shares), counted instead of its memory-proportional default.
     """
     inv = snapshot.inventory
     records: list[GpuRecord] = []
@@ -87,6 +124,8 @@ def gpu_records(snapshot: Snapshot, holders: Mapping[str, str]) -> tuple[GpuReco
         held = [d for d in devices if d.id in holders]
         mode = inv.mode_of(gpu.uuid) or Sharing.WHOLE
         assigned = assigned_on(gpu, mode, devices, held)
+        if explicit:
+            assigned = with_explicit_shares(gpu, mode, devices, held, holders, explicit, assigned)
         records.append(
             GpuRecord(
                 uuid=gpu.uuid,

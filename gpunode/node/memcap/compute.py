@@ -16,13 +16,13 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
 from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
-from gpunode.contract.names import GPU_MILLI_ANNOTATION, MILLI_PER_GPU
-from gpunode.errors import InvalidComputeShare, RegionDamaged
+from gpunode.contract.names import MILLI_PER_GPU
+from gpunode.contract.share import parse_compute_share
+from gpunode.errors import RegionDamaged
 from gpunode.node.memcap.problems import PROBLEMS
 from gpunode.node.memcap.region import Region, _native, _opened, _status_error
 
@@ -37,33 +37,6 @@ class ComputeMode(IntEnum):
 
 DEFAULT_MODE = ComputeMode.WORK_CONSERVING
 TAMPERED_MODE = 0xFFFFFFFF  # the report's mode when the control word is not one the agent wrote
-
-
-def parse_compute_share(value: object, *, what: str = GPU_MILLI_ANNOTATION) -> int:
-    """A compute share in thousandths of a GPU (1..1000), from an int or a decimal string.
-
-    Refused with InvalidComputeShare (one line): zero, negative, above one GPU, not a number,
-    or finer than the unit (a thousandth of a GPU).
-    """
-    if isinstance(value, bool):
-        raise InvalidComputeShare(f"{what}={value!r} is not a number of thousandths of a GPU")
-    if isinstance(value, int):
-        number = Decimal(value)
-    else:
-        text = str(value).strip()
-        try:
-            number = Decimal(text)
-        except InvalidOperation:
-            raise InvalidComputeShare(f"{what}={text!r} is not a number of thousandths of a GPU") from None
-        if not number.is_finite():
-            raise InvalidComputeShare(f"{what}={text!r} is not a number of thousandths of a GPU")
-    if number != number.to_integral_value():
-        raise InvalidComputeShare(f"{what}={value!r} is finer than the unit (one thousandth of a GPU)")
-    if number <= 0:
-        raise InvalidComputeShare(f"{what}={value!r} must be above zero")
-    if number > MILLI_PER_GPU:
-        raise InvalidComputeShare(f"{what}={value!r} is more than one GPU ({MILLI_PER_GPU})")
-    return int(number)
 
 
 def share_from_memory(memory_bytes: int, total_bytes: int) -> int:
