@@ -9,6 +9,8 @@ claim writes `device.attributes["gpu.gpunode.io"].productName`.
 
 from __future__ import annotations
 
+import re
+
 DEFAULT_DRIVER = "gpu.gpunode.io"
 
 # -- device attributes (qualified by the driver name) ---------------------------------------------
@@ -50,3 +52,35 @@ CLASS_MIG = "mig.gpunode.io"  # one MIG placement
 
 TAINT_KEY = "gpunode.io/unhealthy"  # value: what is wrong ("xid-79", "gpu-lost"); NoExecute or NoSchedule
 NO_EXECUTE, NO_SCHEDULE = "NoExecute", "NoSchedule"
+
+# -- what a prepared claim is called on the node ------------------------------------------------------
+#
+# The kubelet plugin names each allocation result of a claim a CDI device `<driver>/claim=<uid>-<n>`
+# and gives a capped claim the memory-cap region `claim-<uid>`; the kubelet's pod-resources API lists
+# the CDI devices of every container's claims, which is how the metrics find a claim's region.
+
+CDI_CLASS = "claim"
+CLAIM_REGION_PREFIX = "claim-"
+# A Kubernetes UID as the API server makes them (RFC 4122 text form).
+CLAIM_UID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def claim_cdi_id(driver: str, uid: str, n: int) -> str:
+    """The fully qualified CDI device ID of a claim's n-th allocation result: `<driver>/claim=<uid>-<n>`."""
+    return f"{driver}/{CDI_CLASS}={uid}-{n}"
+
+
+def claim_of_cdi_id(driver: str, cdi_id: str) -> tuple[str, int] | None:
+    """(claim UID, n) from a CDI device ID of this driver's claims; None for any other ID."""
+    prefix = f"{driver}/{CDI_CLASS}="
+    if not cdi_id.startswith(prefix):
+        return None
+    uid, sep, n = cdi_id[len(prefix) :].rpartition("-")
+    if not sep or not n.isascii() or not n.isdigit() or len(n) > 3 or not CLAIM_UID.fullmatch(uid):
+        return None
+    return uid, int(n)
+
+
+def claim_region_key(uid: str) -> str:
+    """The memory-cap region of a prepared claim."""
+    return f"{CLAIM_REGION_PREFIX}{uid}"

@@ -6,8 +6,9 @@ chart's DRA RBAC) publishes the node's ResourceSlices and registers its DRA plug
 kubelet's plugin watcher; kube-scheduler allocates a ResourceClaimTemplate's claim (4 GiB of a shared
 GPU, the chart's DeviceClass); the kubelet calls NodePrepareResources; containerd injects the CDI spec
 the agent wrote; the container runs tests/e2e/capprobe.c under the interposer and the tests' fake
-libcuda (the image of test_realnode_deviceplugin) and its allocations stop at 4 GiB; the kubelet shows
-the device's health, from the agent's DRAResourceHealth stream, in the pod's status. Deleting the pod
+libcuda (the image of test_realnode_deviceplugin) and its allocations stop at 4 GiB; the agent's metrics
+charge the 4 GiB to the pod and its claim (the kubelet's pod-resources API lists the claim's devices);
+the kubelet shows the device's health, from the agent's DRAResourceHealth stream, in the pod's status. Deleting the pod
 makes the kubelet unprepare the claim: the spec and the region go. An invalid opaque configuration is
 reported on the pod by the kubelet with the agent's reason; an agent restart and a kubelet restart
 between prepares leave nothing behind and prepare nothing twice.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import sys
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,7 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpunode.contract import dra as names
 from gpunode.contract.names import GPU_RESOURCE, NODE_STATE_ANNOTATION
@@ -35,6 +38,7 @@ from tests.e2e.capped import (
     PROBE_IN_IMAGE,
     ProbeReport,
     build_capped_image,
+    container_memory,
     probe_report,
     toolchain_missing_reason,
 )
@@ -68,6 +72,7 @@ class DraNode:
     cp: ControlPlane
     state: Path
     image: str
+    metrics_url: str
 
     @property
     def specs(self) -> list[str]:
@@ -112,6 +117,7 @@ def dra_node(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFacto
     try:
         node.start()
         node.import_image(build_capped_image(tmp / "image"))
+        metrics_port = free_port()
         config = {
             "version": "v1",
             "gpunode": {
@@ -121,7 +127,7 @@ def dra_node(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFacto
                 "stateDir": str(tmp / "agent-state"),
                 "podResourcesSocket": str(node.pod_resources_socket),
                 "nodeName": REAL_NODE,
-                "metrics": {"listen": f"127.0.0.1:{free_port()}"},
+                "metrics": {"listen": f"127.0.0.1:{metrics_port}"},
                 "remediation": {"kubeconfig": str(control_plane.kubeconfig("agent"))},
                 "dra": {
                     "enabled": True,
@@ -136,7 +142,15 @@ def dra_node(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFacto
         agent = Proc("gpunode-agent", argv, control_plane.logs).start()
         control_plane.procs.append(agent)
         scheduler = control_plane.start_scheduler(name="kube-scheduler-realdra")
-        dn = DraNode(node, agent, argv, control_plane, tmp / "agent-state", CAPPED_IMAGE)
+        dn = DraNode(
+            node,
+            agent,
+            argv,
+            control_plane,
+            tmp / "agent-state",
+            CAPPED_IMAGE,
+            f"http://127.0.0.1:{metrics_port}/metrics",
+        )
         yield dn
         agent = dn.agent
     finally:
@@ -207,6 +221,18 @@ def _delete_and_wait(api: Api, dn: DraNode, pod: str) -> None:
     eventually(gone, timeout_s=WAIT_S, what=f"{pod} deleted")
 
 
+def _series_labels(metrics_url: str, name: str, pod: str) -> dict[str, str]:
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    [labels] = [
+        s.labels
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and s.labels.get("pod") == pod
+    ]
+    return dict(labels)
+
+
 def _clean(dn: DraNode) -> bool:
     return dn.specs == [] and dn.regions == [] and dn.records == []
 
@@ -261,6 +287,23 @@ def test_a_claim_template_for_4gib_of_a_shared_gpu_runs_under_its_cap(dra_node: 
     env = dict(e.split("=", 1) for e in spec["containerEdits"]["env"])
     assert env["NVIDIA_VISIBLE_DEVICES"] == report.uuid
     assert len(dra_node.regions) == 1 and len(dra_node.records) == 1
+    # The agent reads the claim's region and the kubelet's list of the pod's claims: the pod is charged.
+    charged = eventually(
+        lambda: m if (m := container_memory(dra_node.metrics_url, "dra-capped")) and m[0] > 0 else None,
+        timeout_s=WAIT_S,
+        what="the claim's memory charged to the pod in the agent's metrics",
+    )
+    assert charged == (4 * GIB, 4 * GIB)
+    labels = _series_labels(dra_node.metrics_url, "gpunode_container_memory_used_bytes", "dra-capped")
+    claim = get_pod(admin, NAMESPACE, "dra-capped")["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+    assert {k: v for k, v in labels.items() if k.startswith("dra_")} == {
+        "dra_claim_name": claim,
+        "dra_claim_namespace": NAMESPACE,
+        "dra_driver_name": DRIVER,
+        "dra_pool_name": REAL_NODE,
+        "dra_device_name": f"{report.uuid.lower()}-shared",
+    }
+    assert (labels["namespace"], labels["container"], labels["UUID"]) == (NAMESPACE, "main", report.uuid)
 
     def device_health() -> list[dict[str, Any]] | None:
         statuses = get_pod(admin, NAMESPACE, "dra-capped")["status"].get("containerStatuses") or []

@@ -22,15 +22,25 @@ import grpc
 
 from gpunode.node.kubelet._proto import podresources_v1_pb2 as pb
 from gpunode.node.kubelet._proto import podresources_v1_pb2_grpc as pb_grpc
-from gpunode.node.kubelet.podresources import ContainerDevices
+from gpunode.node.kubelet.podresources import ClaimDevice, ContainerDevices
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A DRA claim a container uses, with its devices (listed as the kubelet's dynamic_resources)."""
+
+    name: str
+    namespace: str
+    devices: tuple[ClaimDevice, ...] = ()
 
 
 @dataclass(frozen=True)
 class Container:
-    """A container and its devices: resource name -> device IDs."""
+    """A container and its devices: resource name -> device IDs; and its DRA claims."""
 
     name: str
     devices: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    claims: tuple[Claim, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -69,6 +79,23 @@ def _pod_message(pod: Pod) -> pb.PodResources:
                     pb.ContainerDevices(resource_name=r, device_ids=[i])
                     for r, ids in c.devices.items()
                     for i in ids
+                ],
+                dynamic_resources=[
+                    pb.DynamicResource(
+                        claim_name=claim.name,
+                        claim_namespace=claim.namespace,
+                        claim_resources=[
+                            pb.ClaimResource(
+                                cdi_devices=[pb.CDIDevice(name=i) for i in d.cdi_ids],
+                                driver_name=d.driver,
+                                pool_name=d.pool,
+                                device_name=d.device,
+                                share_id=d.share_id,
+                            )
+                            for d in claim.devices
+                        ],
+                    )
+                    for claim in c.claims
                 ],
             )
             for c in pod.containers

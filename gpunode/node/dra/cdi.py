@@ -26,12 +26,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gpunode.contract import dra as names
 from gpunode.node.dra.claims import check_uid
 from gpunode.node.files import write_atomically
 from gpunode.node.memcap import ContainerSpec
 
 CDI_VERSION = "0.6.0"  # deviceNodes, mounts and env in device and spec edits; containerd 2 reads it
-CDI_CLASS = "claim"
+CDI_CLASS = names.CDI_CLASS
 SPEC_MODE = 0o644
 CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 
@@ -48,7 +49,7 @@ def device_name(uid: str, n: int) -> str:
 
 def device_id(driver: str, uid: str, n: int) -> str:
     """The fully qualified CDI device ID the kubelet hands to the runtime: `<driver>/claim=<uid>-<n>`."""
-    return f"{driver}/{CDI_CLASS}={device_name(uid, n)}"
+    return names.claim_cdi_id(driver, check_uid(uid), n)
 
 
 def _mount(container_path: str, host_path: str, read_only: bool) -> dict[str, Any]:

@@ -11,7 +11,6 @@ field is read strictly and bounded, and nothing from the claim but its UID names
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +22,7 @@ from gpunode.errors import ClaimRefused, QuantityError
 
 # A Kubernetes UID as the API server makes them (RFC 4122 text form). The CDI spec's file name,
 # the region key and the checkpoint record are derived from it, so it is checked before any use.
-_UID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+_UID = names.CLAIM_UID
 MAX_RESULTS = 32  # allocation results of one claim for this driver (the API allows 32 requests)
 MAX_OPAQUE_BYTES = 10 * 1024  # the API server's own bound on opaque parameters
 OPAQUE_API_VERSION = "gpunode.io/v1alpha1"
@@ -66,6 +65,7 @@ class PlannedDevice:
     share_id: str | None
     gpu_uuid: str
     memory_bytes: int | None  # the cap (consumed capacity); None: the whole GPU, uncapped
+    mig_uuid: str | None = None  # a MIG placement: the MIG device it is prepared as (set by prepare)
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,7 @@ class ClaimPlan:
                     "shareID": d.share_id,
                     "gpu": d.gpu_uuid,
                     "memory": d.memory_bytes,
+                    "mig": d.mig_uuid,
                 }
                 for d in self.devices
             ],
@@ -109,6 +110,7 @@ class ClaimPlan:
                     share_id=None if d["shareID"] is None else str(d["shareID"]),
                     gpu_uuid=str(d["gpu"]),
                     memory_bytes=None if d["memory"] is None else int(d["memory"]),
+                    mig_uuid=None if d.get("mig") is None else str(d["mig"]),
                 )
                 for d in data["devices"]
             ),

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gpunode.config.agent import Config
+from gpunode.contract import dra as names
 from gpunode.errors import ClaimRefused, KubeError, KubeNotFound, MemcapError
 from gpunode.node import memcap
 from gpunode.node.devices.base import Gpu
@@ -61,7 +62,7 @@ async def _to_completion(fn: Callable[..., T], *args: Any) -> T:
 
 def region_key(uid: str) -> str:
     """The memory-cap region of a claim."""
-    return f"claim-{check_uid(uid)}"
+    return names.claim_region_key(check_uid(uid))
 
 
 @dataclass

@@ -1,9 +1,13 @@
-"""Client of the kubelet pod-resources API v1: which container holds which device IDs.
+"""Client of the kubelet pod-resources API v1: which container holds which device IDs and DRA claims.
 
 The kubelet is the source of truth for device assignment. This module asks it
 (`List` over its Unix socket) and turns the answer into frozen records, and
 keeps a briefly cached device-ID -> container map for the parts that label
-things by pod (metrics) or act on pods (health remediation).
+things by pod (metrics) or act on pods (health remediation). Devices a
+container holds through DRA claims (`dynamic_resources`, listed by kubelets
+with the KubeletPodResourcesDynamicResources feature, on by default since
+1.34) are records of their own: the claim, and per device its driver, pool,
+name and CDI device IDs.
 
 It only reads: it never changes an assignment, never talks to the API server,
 and translates every gRPC failure into gpunode.errors.KubeError with a hint.
@@ -55,6 +59,29 @@ class ContainerDevices:
 
 
 @dataclass(frozen=True)
+class ClaimDevice:
+    """One device of a DRA claim as the kubelet lists it: the driver's pool and device, its CDI IDs."""
+
+    driver: str
+    pool: str
+    device: str
+    share_id: str | None
+    cdi_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ContainerClaim:
+    """A DRA ResourceClaim one container uses, with the claim's devices."""
+
+    namespace: str
+    pod: str
+    container: str
+    claim_name: str
+    claim_namespace: str
+    devices: tuple[ClaimDevice, ...]
+
+
+@dataclass(frozen=True)
 class PodRef:
     """The container that holds a device."""
 
@@ -73,10 +100,15 @@ class AttributionSnapshot:
     containers: tuple[ContainerDevices, ...]
     fetched_at_s: float
     by_device: Mapping[str, PodRef] = field(default_factory=lambda: MappingProxyType({}))
+    claims: tuple[ContainerClaim, ...] = ()  # the DRA claims of each container
 
     @classmethod
     def from_containers(
-        cls, containers: Iterable[ContainerDevices], *, fetched_at_s: float
+        cls,
+        containers: Iterable[ContainerDevices],
+        *,
+        fetched_at_s: float,
+        claims: Iterable[ContainerClaim] = (),
     ) -> AttributionSnapshot:
         """Index the containers by device ID (a device ID held twice keeps the first holder)."""
         items = tuple(containers)
@@ -93,7 +125,12 @@ class AttributionSnapshot:
                     )
                     continue
                 index[device_id] = ref
-        return cls(containers=items, fetched_at_s=fetched_at_s, by_device=MappingProxyType(index))
+        return cls(
+            containers=items,
+            fetched_at_s=fetched_at_s,
+            by_device=MappingProxyType(index),
+            claims=tuple(claims),
+        )
 
     def owner_of(self, device_id: str) -> PodRef | None:
         """The container holding device_id in this answer, or None."""
@@ -125,6 +162,37 @@ def flatten_list_response(response: pb.ListPodResourcesResponse) -> tuple[Contai
                         device_ids=tuple(ids),
                     )
                 )
+    return tuple(out)
+
+
+def flatten_claims(response: pb.ListPodResourcesResponse) -> tuple[ContainerClaim, ...]:
+    """One record per (container, DRA claim) of a List answer; claims without devices are left out."""
+    out: list[ContainerClaim] = []
+    for pod in response.pod_resources:
+        for container in pod.containers:
+            for dynamic in container.dynamic_resources:
+                devices = tuple(
+                    ClaimDevice(
+                        driver=r.driver_name,
+                        pool=r.pool_name,
+                        device=r.device_name,
+                        share_id=r.share_id if r.HasField("share_id") else None,
+                        cdi_ids=tuple(c.name for c in r.cdi_devices),
+                    )
+                    for r in dynamic.claim_resources
+                    if r.device_name
+                )
+                if devices:
+                    out.append(
+                        ContainerClaim(
+                            namespace=pod.namespace,
+                            pod=pod.name,
+                            container=container.name,
+                            claim_name=dynamic.claim_name,
+                            claim_namespace=dynamic.claim_namespace,
+                            devices=devices,
+                        )
+                    )
     return tuple(out)
 
 
@@ -189,6 +257,18 @@ async def list_container_devices(
     Raises KubeError when the socket is missing, the kubelet does not answer
     within timeout_s, or the call fails.
     """
+    return flatten_list_response(await _list(socket_path, timeout_s))
+
+
+async def list_pod_resources(
+    socket_path: str = DEFAULT_SOCKET_PATH, *, timeout_s: float = 5.0
+) -> tuple[tuple[ContainerDevices, ...], tuple[ContainerClaim, ...]]:
+    """The device IDs and the DRA claims of every container (one pod-resources v1 List); KubeError as above."""
+    response = await _list(socket_path, timeout_s)
+    return flatten_list_response(response), flatten_claims(response)
+
+
+async def _list(socket_path: str, timeout_s: float) -> pb.ListPodResourcesResponse:
     _check_socket(socket_path)
 
     async def ask() -> pb.ListPodResourcesResponse:
@@ -202,13 +282,12 @@ async def list_container_devices(
     # gRPC's own deadline, and an asyncio one over the whole exchange (channel set-up and close
     # included), so that a completion gRPC never reports cannot stall the caller.
     try:
-        response = await asyncio.wait_for(ask(), timeout_s + _CLOSE_MARGIN_S)
+        return await asyncio.wait_for(ask(), timeout_s + _CLOSE_MARGIN_S)
     except TimeoutError:
         raise KubeError(
             f"the kubelet did not answer pod-resources List on {socket_path} within {timeout_s:g} s",
             hint="check that the kubelet is running and healthy (systemctl status kubelet)",
         ) from None
-    return flatten_list_response(response)
 
 
 class PodAttribution:
@@ -262,11 +341,11 @@ class PodAttribution:
         """Ask the kubelet now, whatever the cache holds."""
         self.requests += 1
         try:
-            containers = await list_container_devices(self.socket_path, timeout_s=self.timeout_s)
+            containers, claims = await list_pod_resources(self.socket_path, timeout_s=self.timeout_s)
         except KubeError as err:
             self.last_error = err
             raise
-        snap = AttributionSnapshot.from_containers(containers, fetched_at_s=time.time())
+        snap = AttributionSnapshot.from_containers(containers, fetched_at_s=time.time(), claims=claims)
         self._last = snap
         self._last_fetch_mono = self._monotonic()
         self.last_error = None

@@ -12,6 +12,12 @@ when collections stop succeeding for longer than `stale_after_s`, the device
 series disappear altogether and only the agent's own metrics remain, which say
 how old the last good collection is.
 
+A node that is a DRA driver also has the regions of its prepared claims, under
+`<stateDir>/dra/memcap`, and the records of those claims (gpunode.node.dra.checkpoint):
+the kubelet lists which container uses which claim's devices, so a whole GPU or
+MIG instance held by a claim, and a claim's share of a GPU, are charged to the
+claim and its pod.
+
 XID events arrive from the agent's event fan-out through `record_event`, from
 any thread. This module does not serve HTTP (server.py does) and does not
 decide health (the health provider does).
@@ -39,9 +45,17 @@ from gpunode.node.inventory import Inventory
 from gpunode.node.metrics.own import OwnMetrics
 from gpunode.node.metrics.regions import ComputeHistory, read_regions
 from gpunode.node.metrics.render import XidState, render_body
-from gpunode.node.metrics.snapshot import EntityKey, LabelStyle, NodeSnapshot, build_snapshot
+from gpunode.node.metrics.snapshot import (
+    ClaimDeviceUse,
+    EntityKey,
+    LabelStyle,
+    NodeSnapshot,
+    build_snapshot,
+    claim_device_uses,
+)
 
 if TYPE_CHECKING:
+    from gpunode.node.dra.claims import ClaimPlan
     from gpunode.node.kubelet.podresources import AttributionSnapshot, PodAttribution
 
 log = logging.getLogger(__name__)
@@ -57,8 +71,9 @@ class MetricsCollector:
     advertised devices now, or None before the first discovery); a health
     provider (device ID -> reason for the unhealthy ones); a PodAttribution
     (None: no pod labels); the root of the memory-cap regions (None: no
-    per-container memory); the section's config; and the node's name for the
-    Hostname label.
+    per-container memory); the section's config; the node's name for the
+    Hostname label; and, on a DRA node, the driver's name and the DRA plugin's
+    state directory (`<stateDir>/dra`, holding the claims' regions and records).
     """
 
     def __init__(
@@ -71,6 +86,8 @@ class MetricsCollector:
         health: HealthProvider | None = None,
         attribution: PodAttribution | None = None,
         regions_root: Path | None = None,
+        dra_driver: str | None = None,
+        dra_root: Path | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config or MetricsConfig()
@@ -79,6 +96,8 @@ class MetricsCollector:
         self._health = health
         self._attribution = attribution if self.config.pod_labels else None
         self._regions_root = regions_root
+        self._dra_driver = dra_driver if dra_root is not None else None
+        self._dra_root = dra_root
         self._clock = clock
         # The Hostname label is never empty: the configured value, else the node name, else the host's name.
         self.hostname = self.config.hostname or hostname or socket.gethostname()
@@ -286,6 +305,10 @@ class MetricsCollector:
             raise
         samples, failed = self._read_samples(gpus)
         regions = read_regions(self._regions_root, self._own.region_errors, self._own.bad_regions)
+        claims: tuple[ClaimDeviceUse, ...] = ()
+        if self._dra_root is not None:
+            regions += read_regions(self._dra_root / "memcap", self._own.region_errors)
+            claims = claim_device_uses(attribution, self._dra_driver, self._claim_plans())
         now = self._clock()
         for uuid, s in samples.items():
             self._last_sample_times[uuid] = s.timestamp
@@ -303,6 +326,7 @@ class MetricsCollector:
             attribution=attribution,
             regions=[(r.key, r.device_uuid, r.used_bytes, r.limit_bytes) for r in regions],
             compute=self._compute.update(now, regions),
+            claims=claims,
         )
         # Rates need the previous sample of the same GPU; a GPU that failed loses its rate once.
         self._prev_samples = dict(samples)
@@ -317,6 +341,22 @@ class MetricsCollector:
         self._last_error = f"{failed} GPU(s) could not be read" if failed else None
         self._own.duration.observe(time.perf_counter() - started)
         return snap
+
+    def _claim_plans(self) -> dict[str, ClaimPlan]:
+        """The plans of the DRA claims prepared on this node, by claim UID (from the plugin's records)."""
+        from gpunode.node.dra.checkpoint import PREPARED, ClaimCheckpoint
+
+        assert self._dra_root is not None
+        records = ClaimCheckpoint(self._dra_root / "claims")
+        plans: dict[str, ClaimPlan] = {}
+        for uid in records.uids():
+            try:
+                record = records.load(uid)
+            except (ValueError, OSError):  # the plugin reports and removes a damaged record itself
+                continue
+            if record is not None and record.state == PREPARED:
+                plans[uid] = record.plan
+        return plans
 
     def _read_samples(self, gpus: tuple[Gpu, ...]) -> tuple[dict[str, GpuSample], int]:
         samples: dict[str, GpuSample] = {}

@@ -129,6 +129,8 @@ class _GpunodeFamilies(Collector):
                     pod=c.owner.pod,
                     container=c.owner.container,
                 )
+            elif c.claim is not None:  # a DRA claim's share: the claim, and its pod when it is one
+                labels.update(c.claim.labels())
             used.add_sample(used.name, labels, c.used_bytes)
             limit.add_sample(limit.name, labels, c.limit_bytes)
             if c.compute is not None:

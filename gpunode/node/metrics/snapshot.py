@@ -6,7 +6,10 @@ region usage) to a NodeSnapshot the renderer can print without further
 lookups. Labels follow dcgm-exporter's order and spelling: gpu, UUID,
 pci_bus_id, device, modelName, GPU_I_PROFILE and GPU_I_ID for a MIG instance,
 Hostname (or hostname), DCGM_FI_DRIVER_VERSION, then container, namespace and
-pod when a pod holds the device, never with empty values.
+pod when a pod holds the device, never with empty values. A device a pod holds
+through a DRA claim also carries dcgm-exporter's DRA labels (dra_claim_name,
+dra_claim_namespace, dra_device_name, dra_driver_name, dra_pool_name), sorted
+in among the pod labels as dcgm-exporter sorts them.
 
 This module reads nothing and renders nothing.
 """
@@ -16,7 +19,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from gpunode.contract import dra as dra_names
 from gpunode.node.devices.base import Gpu, GpuSample, MigDevice
+from gpunode.node.dra.claims import ClaimPlan
 from gpunode.node.inventory import Inventory, region_key
 from gpunode.node.kubelet.podresources import AttributionSnapshot, ContainerDevices, PodRef
 from gpunode.node.metrics.fields import FIELDS, format_value
@@ -51,6 +56,87 @@ class Entity:
     labels: str
     owner: PodRef | None
     values: Mapping[str, str]
+    claim: ClaimDeviceUse | None = None  # when a DRA claim holds the GPU or instance whole
+
+
+@dataclass(frozen=True)
+class ClaimDeviceUse:
+    """One device of a DRA claim this node prepared, and the containers the kubelet lists using it."""
+
+    claim_uid: str
+    claim_name: str
+    claim_namespace: str
+    driver: str
+    pool: str
+    device: str
+    gpu_uuid: str
+    mig_uuid: str | None  # the MIG device a placement was prepared as
+    capped: bool  # a share of the GPU, charged through the claim's memory-cap region
+    holders: tuple[PodRef, ...]  # sorted; a claim may be shared by several containers and pods
+
+    def labels(self) -> list[tuple[str, str]]:
+        """dcgm-exporter's DRA labels with the pod labels, sorted by name as dcgm-exporter prints them.
+
+        `pod` and `container` are given when they are one (a claim used by several pods or containers
+        is charged once, to the claim, not once per user)."""
+        pairs = [
+            ("dra_claim_name", self.claim_name),
+            ("dra_claim_namespace", self.claim_namespace),
+            ("dra_device_name", self.device),
+            ("dra_driver_name", self.driver),
+            ("dra_pool_name", self.pool),
+            ("namespace", self.claim_namespace),  # a pod uses claims of its own namespace only
+        ]
+        pods = {(h.namespace, h.pod) for h in self.holders}
+        if len(pods) == 1:
+            pairs.append(("pod", self.holders[0].pod))
+            if len(self.holders) == 1:
+                pairs.append(("container", self.holders[0].container))
+        return sorted(pairs)
+
+
+def claim_device_uses(
+    attribution: AttributionSnapshot | None, driver: str | None, plans: Mapping[str, ClaimPlan]
+) -> tuple[ClaimDeviceUse, ...]:
+    """The devices of the DRA claims this node prepared (plans, by claim UID) that the kubelet lists
+    for a container, joined by the CDI device IDs the kubelet was given (`<driver>/claim=<uid>-<n>`:
+    result n of the claim's plan). Devices of other drivers, and IDs that are not of a prepared claim,
+    are left out."""
+    if attribution is None or driver is None or not plans:
+        return ()
+    found: dict[tuple[str, int], tuple[str, str, set[PodRef]]] = {}
+    for c in attribution.claims:
+        for d in c.devices:
+            if d.driver != driver:
+                continue
+            for cdi_id in d.cdi_ids:
+                parsed = dra_names.claim_of_cdi_id(driver, cdi_id)
+                plan = plans.get(parsed[0]) if parsed is not None else None
+                if parsed is None or plan is None or parsed[1] >= len(plan.devices):
+                    continue
+                planned = plan.devices[parsed[1]]
+                if (planned.pool, planned.device) != (d.pool, d.device):
+                    continue  # not what this node prepared under that ID
+                entry = found.setdefault(parsed, (c.claim_name, c.claim_namespace, set()))
+                entry[2].add(PodRef(c.namespace, c.pod, c.container))
+    out = []
+    for (uid, n), (name, namespace, holders) in sorted(found.items()):
+        planned = plans[uid].devices[n]
+        out.append(
+            ClaimDeviceUse(
+                claim_uid=uid,
+                claim_name=name,
+                claim_namespace=namespace,
+                driver=driver,
+                pool=planned.pool,
+                device=planned.device,
+                gpu_uuid=planned.gpu_uuid,
+                mig_uuid=planned.mig_uuid,
+                capped=planned.memory_bytes is not None,
+                holders=tuple(sorted(holders, key=lambda h: (h.namespace, h.pod, h.container))),
+            )
+        )
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -75,6 +161,7 @@ class ContainerMemory:
     limit_bytes: int
     owner: ContainerDevices | None  # None when the kubelet lists no container for the region
     compute: ContainerCompute | None = None
+    claim: ClaimDeviceUse | None = None  # the region of a DRA claim: the claim's device on this GPU
 
 
 @dataclass(frozen=True)
@@ -213,6 +300,7 @@ def build_snapshot(
     attribution: AttributionSnapshot | None = None,
     regions: Sequence[tuple[str, str, int, int]] = (),
     compute: Mapping[str, ContainerCompute] | None = None,
+    claims: Sequence[ClaimDeviceUse] = (),
 ) -> NodeSnapshot:
     """Assemble one snapshot.
 
@@ -220,9 +308,15 @@ def build_snapshot(
     be read is missing, and so are its values); previous_samples the one
     before, for rates. regions holds (region key, device UUID, used bytes,
     limit bytes) per device of each memory-cap region; the device is a GPU or
-    a MIG device. compute holds each region's compute share and use, by region key.
+    a MIG device. compute holds each region's compute share and use, by region key. claims holds the
+    devices of prepared DRA claims in use (claim_device_uses): a whole GPU or a MIG placement labels its
+    entity with the claim; a share labels the claim's region.
     """
     owners = find_owners(gpus, inventory, attribution)
+    held: dict[EntityKey, ClaimDeviceUse] = {}
+    for use in claims:
+        if not use.capped:
+            held.setdefault((use.gpu_uuid, use.mig_uuid), use)
     entities: list[Entity] = []
     for g in gpus:
         sample = samples.get(g.uuid)
@@ -230,7 +324,8 @@ def build_snapshot(
             key: EntityKey = (g.uuid, mig.uuid if mig else None)
             base = _base_labels(g, mig, style)
             owner = owners.get(key)
-            full = base + owner_labels(owner) if owner else base
+            claim = held.get(key) if owner is None else None
+            full = base + (owner_labels(owner) if owner else claim.labels() if claim else [])
             values = (
                 _gpu_values(sample, previous_samples.get(g.uuid))
                 if mig is None
@@ -245,6 +340,7 @@ def build_snapshot(
                     labels=render_labels(full),
                     owner=owner,
                     values=values,
+                    claim=claim,
                 )
             )
     index_of = {g.uuid: g.index for g in gpus}
@@ -256,7 +352,7 @@ def build_snapshot(
         collected_at_s=collected_at_s,
         entities=tuple(entities),
         sample_times=sample_times,
-        containers=_container_memory(regions, attribution, inventory, gpus, compute or {}),
+        containers=_container_memory(regions, attribution, inventory, gpus, compute or {}, claims),
         devices=_device_states(inventory, unhealthy or {}, attribution, index_of),
     )
 
@@ -267,7 +363,13 @@ def _container_memory(
     inventory: Inventory | None,
     gpus: Sequence[Gpu],
     compute: Mapping[str, ContainerCompute],
+    claims: Sequence[ClaimDeviceUse] = (),
 ) -> tuple[ContainerMemory, ...]:
+    by_region: dict[tuple[str, str], ClaimDeviceUse] = {}
+    for use in claims:
+        if use.capped:
+            key = dra_names.claim_region_key(use.claim_uid)
+            by_region.setdefault((key, use.mig_uuid or use.gpu_uuid), use)
     where: dict[str, tuple[Gpu, MigDevice | None]] = {g.uuid: (g, None) for g in gpus}
     where.update({m.uuid: (g, m) for g in gpus for m in g.mig_devices})
     holders: dict[str, ContainerDevices] = {}
@@ -289,6 +391,7 @@ def _container_memory(
                 limit_bytes=limit,
                 owner=holders.get(key),
                 compute=compute.get(key),
+                claim=by_region.get((key, device_uuid)),
             )
         )
     return tuple(out)

@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class PodResourcesListerStub:
-    """Missing associated documentation comment in .proto file."""
+    """PodResourcesLister is a service provided by the kubelet that provides information about the
+    node resources consumed by pods and containers on the node
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -52,7 +54,9 @@ class PodResourcesListerStub:
 
 
 class PodResourcesListerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """PodResourcesLister is a service provided by the kubelet that provides information about the
+    node resources consumed by pods and containers on the node
+    """
 
     def List(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -99,7 +103,9 @@ def add_PodResourcesListerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class PodResourcesLister:
-    """Missing associated documentation comment in .proto file."""
+    """PodResourcesLister is a service provided by the kubelet that provides information about the
+    node resources consumed by pods and containers on the node
+    """
 
     @staticmethod
     def List(request,
