@@ -158,12 +158,31 @@ def parse_config(data: object, source: str) -> Config:
             f"({cfg.plugin.replica_placement} vs {cfg.replica_placement})",
             hint="keep one of them (packed is pack, distributed is spread)",
         )
+    _check_mps(cfg)
     top.finish()
     return cfg
 
 
+def _check_mps(cfg: Config) -> None:
+    """sharing.mps: what NVIDIA's plugin refuses with it (migStrategy mixed), and a replica memory cap other
+    than MPS's own (an equal part of the GPU per replica)."""
+    if not cfg.time_slicing.mps:
+        return
+    if cfg.mig_strategy == "mixed":
+        raise ConfigError(
+            f"{cfg.source}: flags.migStrategy: using migStrategy mixed is not supported with MPS (as NVIDIA's plugin)",
+            hint="set migStrategy none (or single, on GPUs without MIG), or share MIG devices with timeSlicing",
+        )
+    if cfg.replica_memory_cap not in (None, "equal"):
+        raise ConfigError(
+            f"{cfg.source}: gpunode.replicaMemoryCap: MPS replicas are each capped at 1/replicas of the GPU's "
+            "memory (MPS's pinned memory limit); another cap contradicts sharing.mps",
+            hint="remove gpunode.replicaMemoryCap (or set it to equal), or use sharing.timeSlicing",
+        )
+
+
 def _parse_flags(flags: SectionReader, cfg: Config) -> Config:
-    """The NVIDIA `flags` section: MIG strategy, driver root and `flags.plugin`; GPUDirect and MPS are refused."""
+    """The NVIDIA `flags` section: MIG strategy, driver roots and `flags.plugin`; GPUDirect is refused."""
     cfg = replace(
         cfg,
         mig_strategy=flags.choice("migStrategy", MIG_STRATEGIES, "none"),
@@ -181,7 +200,7 @@ def _parse_flags(flags: SectionReader, cfg: Config) -> Config:
                 "GDRCopy support into containers",
                 hint=f"remove {unsupported} or set it to false",
             )
-    flags.raw("mpsRoot", None)  # where NVIDIA's MPS daemons keep their files; no effect without sharing.mps
+    flags.raw("mpsRoot", None)  # where NVIDIA's MPS daemons keep their files; gpunode runs none (sharing.mps)
     flags.finish()
     return cfg
 

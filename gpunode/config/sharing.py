@@ -165,11 +165,14 @@ class SharedResource:
 
 @dataclass(frozen=True)
 class TimeSlicing:
-    """NVIDIA `sharing.timeSlicing`: GPUs and MIG devices advertised several times each."""
+    """NVIDIA `sharing.timeSlicing` or `sharing.mps`: GPUs (and, time-sliced, MIG devices) advertised several
+    times each. With mps, each replica is a memory cap of 1/replicas of the GPU and a hard compute share of
+    1/replicas, enforced by gpunode's interposer (no MPS control daemon runs)."""
 
     rename_by_default: bool = False
     fail_requests_greater_than_one: bool = False
     resources: tuple[SharedResource, ...] = ()
+    mps: bool = False  # the resources came from sharing.mps
 
 
 @dataclass(frozen=True)
@@ -229,8 +232,10 @@ def _allocation_policy(r: SectionReader) -> str | None:
     return ALLOCATION_POLICIES[policy]
 
 
-def parse_time_slicing(r: SectionReader) -> TimeSlicing:
-    """Validate `sharing.timeSlicing`: at least 2 replicas per resource, each resource once."""
+def parse_time_slicing(r: SectionReader, *, mps: bool = False) -> TimeSlicing:
+    """Validate `sharing.timeSlicing` (or, with mps, `sharing.mps`, which has the same fields): at least 2
+    replicas per resource, each resource once; MPS shares whole GPUs only, as NVIDIA's plugin."""
+    section = "mps" if mps else "timeSlicing"
     rename_by_default = r.get("renameByDefault", bool, False)
     fail_gt_one = r.get("failRequestsGreaterThanOne", bool, False)
     items = r.raw("resources", [])
@@ -254,6 +259,12 @@ def parse_time_slicing(r: SectionReader) -> TimeSlicing:
                 hint="write the MIG resource as `gpunode devices` lists it",
             )
         name = parse_resource_name(raw_name, ir.key_path("name"))
+        if mps and name != GPU_RESOURCE:
+            raise ConfigError(
+                f"{ir.key_path('name')}: sharing using MPS is not supported for MIG devices or other resources "
+                f"than {GPU_RESOURCE} (as NVIDIA's plugin), got {name}",
+                hint=f"share {GPU_RESOURCE} with mps, or MIG devices with sharing.timeSlicing",
+            )
         if name != GPU_RESOURCE and mig_profile_of(name) is None:
             raise ConfigError(
                 f"{ir.key_path('name')}: {name} is not a resource gpunode advertises, so there is nothing "
@@ -266,7 +277,7 @@ def parse_time_slicing(r: SectionReader) -> TimeSlicing:
             raise ConfigError(
                 f"{ir.key_path('replicas')}: must be at least {MIN_REPLICAS} to share a GPU "
                 f"(allowed {MIN_REPLICAS}..{MAX_REPLICAS}), got {replicas}",
-                hint="leave the resource out of timeSlicing to advertise each GPU once",
+                hint=f"leave the resource out of {section} to advertise each GPU once",
             )
         if replicas > MAX_REPLICAS:
             raise ConfigError(
@@ -288,16 +299,16 @@ def parse_time_slicing(r: SectionReader) -> TimeSlicing:
         devices = ir.parse("devices", parse_device_selector, DeviceSelector(where=ir.key_path("devices")))
         ir.finish()
         if any(res.name == name for res in resources):
-            raise ConfigError(f"{ir.key_path('name')}: {name} is listed twice under timeSlicing.resources")
+            raise ConfigError(f"{ir.key_path('name')}: {name} is listed twice under {section}.resources")
         resources.append(SharedResource(name=name, replicas=replicas, rename=rename, devices=devices))
     r.finish()
-    if not items:  # as NVIDIA's parser: a timeSlicing section shares something
+    if not items:  # as NVIDIA's parser: a timeSlicing (or mps) section shares something
         raise ConfigError(
-            f"{r.key_path('resources')}: no resources listed, so nothing would be time-sliced",
+            f"{r.key_path('resources')}: no resources listed, so nothing would be shared",
             hint="list the resources to share (e.g. - {name: nvidia.com/gpu, replicas: 4}), or remove "
-            "the timeSlicing section",
+            f"the {section} section",
         )
-    return TimeSlicing(rename_by_default, fail_gt_one, tuple(resources))
+    return TimeSlicing(rename_by_default, fail_gt_one, tuple(resources), mps)
 
 
 def parse_replica_cap(value: object, where: str) -> str | int | None:
@@ -387,20 +398,26 @@ def _refuse_decimal_unit(r: SectionReader) -> None:
 
 
 def parse_sharing(sharing: SectionReader) -> TimeSlicing:
-    """Validate the `sharing` section: time-slicing only (MPS is refused: gpunode runs no MPS daemon)."""
-    if sharing.raw("mps", None) is not None:
+    """Validate the `sharing` section: timeSlicing, or mps (carried by gpunode's own enforcement), not both."""
+    given = {key: sharing.has(key) for key in ("timeSlicing", "mps")}
+    for key, present in given.items():
+        if sharing.raw(key, None) is None and present:  # (raw also marks the key known, for typos)
+            raise ConfigError(
+                f"{sharing.key_path(key)}: the key is present but empty, so nothing would be shared",
+                hint=f"list its resources ({key}: {{resources: [{{name: nvidia.com/gpu, replicas: 4}}]}}) or "
+                "remove the key",
+            )
+    if given["timeSlicing"] and given["mps"]:
         raise ConfigError(
-            f"{sharing.key_path('mps')}: MPS sharing is not supported by gpunode (it runs no MPS control "
-            "daemon, so MPS replicas would have no enforced limits)",
-            hint="use gpunode.fractional for memory-capped sharing, or sharing.timeSlicing",
+            f"{sharing.key_path('mps')}: timeSlicing and mps are both given; a GPU is shared one way, and "
+            "NVIDIA's plugin uses mps and silently ignores timeSlicing",
+            hint="keep one of the two sections",
         )
-    given = sharing.has("timeSlicing")
-    if given and sharing.raw("timeSlicing", None) is None:  # (raw also marks the key known, for typos)
-        raise ConfigError(
-            f"{sharing.key_path('timeSlicing')}: the key is present but empty, so nothing would be time-sliced",
-            hint="list its resources (resources: [{name: nvidia.com/gpu, replicas: 4}]) or remove the key",
-        )
-    section = sharing.section("timeSlicing")
-    time_slicing = parse_time_slicing(section) if given else TimeSlicing()
+    if given["mps"]:
+        result = parse_time_slicing(sharing.section("mps"), mps=True)
+    elif given["timeSlicing"]:
+        result = parse_time_slicing(sharing.section("timeSlicing"))
+    else:
+        result = TimeSlicing()
     sharing.finish()
-    return time_slicing
+    return result

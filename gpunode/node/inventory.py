@@ -154,6 +154,8 @@ def _base_id(gpu: Gpu, mig: MigDevice | None = None) -> str:
 
 
 def _replica_cap(cfg: Config, total_bytes: int, replicas: int) -> int | None:
+    if cfg.time_slicing.mps:  # MPS's pinned memory limit: an equal part of the GPU per replica
+        return total_bytes // replicas
     cap = cfg.replica_memory_cap
     if cap is None:
         return None
@@ -203,7 +205,8 @@ def _emit(
     total = mig.memory_total_bytes if mig else gpu.memory_total_bytes
     cap = _replica_cap(cfg, total, sharing.replicas)
     name = shared_resource_name(cfg, sharing)
-    why = f"{reason}; time-sliced into {sharing.replicas} replicas ({sharing.devices.where or 'all'})"
+    how = "MPS-shared (hard compute share of 1/replicas)" if cfg.time_slicing.mps else "time-sliced"
+    why = f"{reason}; {how} into {sharing.replicas} replicas ({sharing.devices.where or 'all'})"
     if cap is not None:
         why += f", each capped at {cap / GIB:.1f} GiB"
     out.extend(
@@ -352,6 +355,12 @@ def _advertise_mig_devices(
     for mig in gpu.mig_devices:
         resource = GPU_RESOURCE if cfg.mig_strategy == "single" else mig_resource_name(mig.profile)
         sliced_mig = _slicing_for(cfg, resource, gpu, mig)
+        if sliced_mig is not None and cfg.time_slicing.mps:
+            raise ConfigError(  # as NVIDIA's plugin, at start and on rediscovery alike
+                f"{cfg.source}: sharing.mps: sharing using MPS is not supported for MIG devices (GPU {gpu.index} "
+                f"has MIG enabled and migStrategy single advertises its MIG devices as {resource})",
+                hint="disable MIG on the GPU, set migStrategy none, or narrow sharing.mps.resources[].devices",
+            )
         if sliced_mig is not None:
             count(sliced_mig.devices)
         _emit(

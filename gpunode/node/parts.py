@@ -108,8 +108,10 @@ def build_compute_shares(config: Config, checkpoint: Checkpoint, assignments: An
     """The loop that writes each capped container's compute share (its pod's gpunode.io/gpu-milli, else its
     memory share) into its region, and gives the shares pods asked for to the node-state publisher. The
     pods' annotations come from the assignment book's watch; without API access only the defaults hold."""
+    from gpunode.node.allocation.allocator import mps_region
     from gpunode.node.allocation.shares import ComputeShares
     from gpunode.node.kubelet.podresources import list_container_devices
+    from gpunode.node.memcap.compute import DEFAULT_MODE, ComputeMode
 
     socket_path = str(config.pod_resources_socket)
     shares = ComputeShares(
@@ -117,6 +119,8 @@ def build_compute_shares(config: Config, checkpoint: Checkpoint, assignments: An
         regions_root=config.state_dir / "memcap",
         list_containers=lambda: list_container_devices(socket_path, timeout_s=5.0),
         asks=(lambda: assignments.compute_asks) if assignments is not None else dict,
+        mode_of=lambda rec: ComputeMode.HARD if mps_region(config, rec.resource) else DEFAULT_MODE,
+        fixed=lambda rec: mps_region(config, rec.resource),
     )
     if assignments is not None:
         assignments.on_compute_ask = shares.poke

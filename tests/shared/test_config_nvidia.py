@@ -118,14 +118,6 @@ def test_imex_channels_nvidia_refuses_are_refused_as_invalid() -> None:
     refused({"imex": {"channelIDs": [2]}}, "imex.channelIDs: expected [] or [0]")
 
 
-@pytest.mark.parametrize("fail_gt_one", [None, False], ids=["default", "explicit-false"])
-def test_mps_is_refused_in_one_line_with_its_reason(fail_gt_one: bool | None) -> None:
-    mps: dict[str, Any] = {"resources": [{"name": "nvidia.com/gpu", "replicas": 2}]}
-    if fail_gt_one is not None:
-        mps["failRequestsGreaterThanOne"] = fail_gt_one
-    refused({"sharing": {"mps": mps}}, "sharing.mps: MPS sharing is not supported", "no MPS control daemon")
-
-
 def test_resource_patterns_are_refused_with_their_reason() -> None:
     doc = {"resources": {"mig": [{"pattern": "1g.24gb+me.all", "name": "mig-1g.24gb.me.all"}]}}
     refused(doc, "resources: custom resource patterns are not supported", "NVIDIA's plugin ignores them too")

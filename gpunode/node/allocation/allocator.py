@@ -29,7 +29,7 @@ from gpunode.node.devices.base import Gpu
 from gpunode.node.inventory import AdvertisedDevice, Inventory, region_key
 from gpunode.node.memcap import MountSpec
 from gpunode.node.memcap.checkpoint import CapRecord, Checkpoint
-from gpunode.node.memcap.compute import set_compute_share, share_from_memory
+from gpunode.node.memcap.compute import DEFAULT_MODE, ComputeMode, set_compute_share, share_from_memory
 from gpunode.node.state import Snapshot
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def validate_request(
     if cfg.time_slicing.fail_requests_greater_than_one and len(devices) > 1 and shared:
         raise AllocationError(
             f"{resource}: request for {len(devices)} shared devices refused "
-            "(sharing.timeSlicing.failRequestsGreaterThanOne is set)",
+            f"(sharing.{'mps' if cfg.time_slicing.mps else 'timeSlicing'}.failRequestsGreaterThanOne is set)",
             hint="ask for 1 replica, or turn failRequestsGreaterThanOne off",
         )
     capped = [d for d in devices if d.memory_cap_bytes is not None]
@@ -97,6 +97,16 @@ def validate_request(
             hint="the kubelet follows GetPreferredAllocation; ask for no more units than one GPU has",
         )
     return devices
+
+
+def compute_mode(cfg: Config, device: AdvertisedDevice) -> ComputeMode:
+    """How a capped device's compute share is enforced: hard for an MPS replica, else the default."""
+    return ComputeMode.HARD if cfg.time_slicing.mps and device.kind == "replica" else DEFAULT_MODE
+
+
+def mps_region(cfg: Config, resource: str) -> bool:
+    """Whether the regions of `resource` are MPS replicas (their share is fixed at 1/replicas, hard)."""
+    return cfg.time_slicing.mps and resource != cfg.fractional.resource_name
 
 
 def _mig_minors(path: Path) -> dict[str, int]:
@@ -300,8 +310,11 @@ class Allocator:
                 devices=(memcap.DeviceCap(devices[0].target_uuid, limit, total or limit),),
                 fail_open=self.config.fractional.fail_open,
             )
-            # The compute share, until the pod says otherwise: proportional to its memory share.
-            set_compute_share(region, share_from_memory(limit, total or limit))
+            # The compute share, until the pod says otherwise: proportional to its memory share. An MPS
+            # replica keeps it, hard: 1/replicas of the GPU, as MPS's active-thread percentage would give.
+            set_compute_share(
+                region, share_from_memory(limit, total or limit), compute_mode(self.config, devices[0])
+            )
             spec = memcap.container_spec(
                 region,
                 preload_lib=self.preload_lib,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,26 +102,28 @@ def plan_shares(
     *,
     now: float,
     fresh_s: float = FRESH_S,
+    fixed: Collection[str] = (),
 ) -> tuple[list[Planned], list[Refusal]]:
     """The share of every region that counts on its GPU, and the asks refused.
 
     owners: region key -> pod (pods_of_regions); asks: pod -> its valid gpu-milli; current: region key ->
     the share it holds now (absent: the default). A region counts when the kubelet lists its container,
     or within fresh_s of its Allocate; the others belong to containers that have ended. A pod with
-    several capped containers on one GPU has its share split among them.
+    several capped containers on one GPU has its share split among them. The regions in `fixed` (MPS
+    replicas) keep their memory-proportional share whatever their pod asks.
     """
     counted = [r for r in records if r.key in owners or now - r.created < fresh_s]
     per_pod_gpu: dict[tuple[str, str], int] = {}
     for r in counted:
         pod = owners.get(r.key, "")
-        if pod in asks:
+        if pod in asks and r.key not in fixed:
             per_pod_gpu[(pod, r.gpu_uuid)] = per_pod_gpu.get((pod, r.gpu_uuid), 0) + 1
     wanted: dict[str, Planned] = {}
     defaults: dict[str, int] = {}
     for r in counted:
         pod = owners.get(r.key, "")
         default = defaults[r.key] = share_from_memory(r.limit_bytes, r.device_total_bytes)
-        if pod in asks:
+        if pod in asks and r.key not in fixed:
             share = max(1, asks[pod] // per_pod_gpu[(pod, r.gpu_uuid)])
             wanted[r.key] = Planned(r.key, pod, r.gpu_uuid, share, True)
         else:
@@ -167,6 +169,7 @@ class ComputeShares:
         list_containers: Callable[[], Awaitable[Sequence[ContainerDevices]]],
         asks: Callable[[], Mapping[str, str]],
         mode_of: Callable[[CapRecord], ComputeMode] = lambda _: DEFAULT_MODE,
+        fixed: Callable[[CapRecord], bool] = lambda _: False,
         tick_s: float = TICK_S,
         fresh_s: float = FRESH_S,
     ) -> None:
@@ -175,6 +178,7 @@ class ComputeShares:
         self._list = list_containers
         self._asks = asks
         self._mode_of = mode_of
+        self._fixed = fixed
         self.tick_s = tick_s
         self.fresh_s = fresh_s
         self.planned: dict[str, Planned] = {}  # region key -> what it holds after the last tick
@@ -246,7 +250,10 @@ class ComputeShares:
         # What the agent last wrote is what a region holds; a share the container wrote itself is not.
         current = {k: self.planned[k].share_milli for k in held if k in self.planned}
         current.update({k: v[0] for k, v in held.items() if k not in self.planned})
-        planned, refused = plan_shares(records, owners, asks, current, now=time.time(), fresh_s=self.fresh_s)
+        fixed = {r.key for r in records if self._fixed(r)}
+        planned, refused = plan_shares(
+            records, owners, asks, current, now=time.time(), fresh_s=self.fresh_s, fixed=fixed
+        )
         for refusal in refused:
             self._say(f"over:{refusal.pod}:{refusal.asked_milli}", refusal.line())
         by_key = {r.key: r for r in records}
