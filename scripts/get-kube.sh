@@ -32,6 +32,14 @@
 # the assembled directory and does nothing else (it may need the Go version: see go_env).
 # Builds run under nice with `go build -p 2`; each component's cold build time is printed and kept in
 # <component dir>/BUILD_SECONDS.
+#
+# `scripts/get-kube.sh --jobset` builds the JobSet controller instead (sigs.k8s.io/jobset, its main package
+# at the module root, from scripts/kube/mod/jobset/: CGO_ENABLED=0, -trimpath, its version through
+# ldflags), the same way and cached the same way, and copies beside the binary what the tests install
+# with it, taken from that module's own source: the CRD (jobset.x-k8s.io_jobsets.yaml), the manager's
+# RBAC (rbac-role.yaml, rbac-leader-election-role.yaml) and its webhook configurations
+# (webhook-manifests.yaml with the objectSelector patches webhook-{mutating,validating}-patch.yaml).
+# Linked at .tools/jobset (GPUNODE_JOBSET_LINK overrides); tests/e2e/jobset.py runs it.
 set -Eeuo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
@@ -81,6 +89,7 @@ ETCD_VERSION="$(mod_version etcd go.etcd.io/etcd/server/v3)"
 CONTAINERD_VERSION="$(mod_version containerd github.com/containerd/containerd/v2)"
 RUNC_VERSION="$(mod_version runc github.com/opencontainers/runc)"
 CNI_VERSION="$(mod_version cni github.com/containernetworking/plugins)"
+JOBSET_VERSION="$(mod_version jobset sigs.k8s.io/jobset)"
 
 # -- Go ------------------------------------------------------------------------------------------------
 
@@ -89,7 +98,7 @@ version_ge() { [ "$(printf '%s\n%s\n' "$1" "$2" | sort -V | head -n1)" = "$2" ];
 # Sets GO (the go command to run) and GOENV_ARGS (env assignments: GOTOOLCHAIN, GOFLAGS, ...).
 go_env() {
   local need have="" sys_go
-  need="$(awk '$1 == "go" { print $2 }' "$MODS"/{etcd,containerd,runc,cni,$KUBE_MOD}/go.mod | sort -V | tail -n1)"
+  need="$(awk '$1 == "go" { print $2 }' "$MODS"/{etcd,containerd,runc,cni,jobset,$KUBE_MOD}/go.mod | sort -V | tail -n1)"
   sys_go="$(command -v go || true)"
   [ -z "$sys_go" ] && [ -x /usr/local/go/bin/go ] && sys_go=/usr/local/go/bin/go
   if [ -n "$sys_go" ]; then
@@ -218,6 +227,29 @@ component_recipe() {
         "CGO_ENABLED=0||-s -w -X github.com/containernetworking/plugins/pkg/utils/buildversion.BuildVersion=$CNI_VERSION|loopback|github.com/containernetworking/plugins/plugins/main/loopback"
       )
       OUTPUTS=(loopback) ;;
+    jobset)
+      local v=sigs.k8s.io/jobset/pkg/version
+      RECIPE=(
+        "CGO_ENABLED=0||-s -w -X $v.GitVersion=$JOBSET_VERSION -X $v.GitCommit=|jobset-controller|sigs.k8s.io/jobset"
+      )
+      OUTPUTS=(jobset-controller) ;;
+  esac
+}
+
+# Files a component ships beside its binaries, copied from its module's source in the module cache:
+# "<path in the module> <name in the cache directory>" (checked by SHA256SUMS like the binaries).
+component_files() {
+  case "$1" in
+    jobset)
+      FILES=(
+        "config/components/crd/bases/jobset.x-k8s.io_jobsets.yaml jobset.x-k8s.io_jobsets.yaml"
+        "config/components/rbac/role.yaml rbac-role.yaml"
+        "config/components/rbac/leader_election_role.yaml rbac-leader-election-role.yaml"
+        "config/components/webhook/manifests.yaml webhook-manifests.yaml"
+        "config/components/webhook/patches/mutating-patch.yaml webhook-mutating-patch.yaml"
+        "config/components/webhook/patches/validating-patch.yaml webhook-validating-patch.yaml"
+      ) ;;
+    *) FILES=() ;;
   esac
 }
 
@@ -231,7 +263,15 @@ module_time() {
 component_version() {
   case "$1" in
     kubernetes) echo "$KUBE_VERSION" ;; etcd) echo "$ETCD_VERSION" ;; containerd) echo "$CONTAINERD_VERSION" ;;
-    runc) echo "$RUNC_VERSION" ;; cni) echo "$CNI_VERSION" ;;
+    runc) echo "$RUNC_VERSION" ;; cni) echo "$CNI_VERSION" ;; jobset) echo "$JOBSET_VERSION" ;;
+  esac
+}
+
+main_module() {
+  case "$1" in
+    kubernetes) echo k8s.io/kubernetes ;; etcd) echo go.etcd.io/etcd/server/v3 ;;
+    containerd) echo github.com/containerd/containerd/v2 ;; runc) echo github.com/opencontainers/runc ;;
+    cni) echo github.com/containernetworking/plugins ;; jobset) echo sigs.k8s.io/jobset ;;
   esac
 }
 
@@ -241,7 +281,8 @@ component_dir() {
   key="$(
     {
       cat "$(moddir "$c")/go.mod" "$(moddir "$c")/go.sum" "$(moddir "$c")/tools.go"
-      printf '%s\n' "$RECIPE_REV" "$GOVERSION" "${RECIPE[@]}"
+      component_files "$c"
+      printf '%s\n' "$RECIPE_REV" "$GOVERSION" "${RECIPE[@]}" "${FILES[@]}"
     } | sha256sum | cut -c1-12
   )"
   echo "$CACHE_ROOT/build/$c-$(component_version "$c")-$key"
@@ -276,8 +317,21 @@ build_component() {
         "see $LOG; 'module lookup disabled' or a network error: let this machine reach the Go module proxy (GOPROXY); 'missing go.sum entry' or 'verifying': run scripts/kube/update-mods.sh"
   done
   for o in "${OUTPUTS[@]}"; do [ -x "$out/$o" ] || fail "building $c produced no $o" "see $LOG"; done
+  component_files "$c"
+  local f src names=() mod
+  if [ "${#FILES[@]}" -gt 0 ]; then
+    mod="$(cd "$(moddir "$c")" && env "${GOENV_ARGS[@]}" "$GO" list -m -f '{{.Dir}}' "$(main_module "$c")")"
+    for f in "${FILES[@]}"; do
+      src="${f%% *}"
+      [ -f "$mod/$src" ] || fail "$c's module ($mod) has no $src" \
+        "its layout changed: update component_files in scripts/get-kube.sh for $(component_version "$c")"
+      cp "$mod/$src" "$out/${f#* }"
+      chmod 0644 "$out/${f#* }"
+      names+=("${f#* }")
+    done
+  fi
   echo "$((SECONDS - start))" >"$out/BUILD_SECONDS"
-  (cd "$out" && sha256sum "${OUTPUTS[@]}" >SHA256SUMS)
+  (cd "$out" && sha256sum "${OUTPUTS[@]}" "${names[@]}" >SHA256SUMS)
   rm -rf "$dir"
   mv "$out" "$dir"
   echo ">> $c $(component_version "$c") built in $((SECONDS - start))s"
@@ -334,6 +388,16 @@ go_env
 GOVERSION="$(env "${GOENV_ARGS[@]}" "$GO" env GOVERSION 2>/dev/null)" ||
   fail "the Go toolchain did not start ($GO with ${GOENV_ARGS[*]})" \
     "check that this machine reaches the Go module proxy (GOPROXY) or install Go >= 1.21"
+if [ "${1:-}" = --jobset ]; then
+  JOBSET_LINK="${GPUNODE_JOBSET_LINK:-$ROOT/.tools/jobset}"
+  build_component jobset
+  dir="$(component_dir jobset)"
+  mkdir -p "$(dirname "$JOBSET_LINK")"
+  ln -sfn "$dir" "$JOBSET_LINK"
+  echo "JobSet controller $JOBSET_VERSION (built in $(cat "$dir/BUILD_SECONDS")s when cold) ready at" \
+    "$JOBSET_LINK -> $dir in $((SECONDS - START))s"
+  exit 0
+fi
 dirs=()
 for c in "${COMPONENTS[@]}"; do dirs+=("$(component_dir "$c")"); done
 KEY="$(printf '%s\n' "${dirs[@]}" "$IMAGE_REF" "$BUSYBOX_SHA" | sha256sum | cut -c1-12)"

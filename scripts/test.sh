@@ -8,6 +8,8 @@ echo ">> helm (for the chart tests)"
 bash "$ROOT/scripts/get-helm.sh" || echo "!! no helm: the chart tests will be skipped" >&2
 echo ">> Kubernetes 1.36, etcd, containerd, runc (for the end-to-end tests in tests/e2e; built once from Go modules, then cached)"
 bash "$ROOT/scripts/get-kube.sh" || echo "!! no Kubernetes binaries: the e2e tests will be skipped" >&2
+echo ">> the JobSet controller (for the e2e JobSet tests; built once from Go modules, then cached)"
+bash "$ROOT/scripts/get-kube.sh" --jobset || echo "!! no JobSet controller: the e2e JobSet tests will be skipped" >&2
 cd "$ROOT"
 echo ">> ruff"; "$VENV/bin/ruff" check gpunode tests bench protos native
 "$VENV/bin/ruff" format --check gpunode tests bench protos native

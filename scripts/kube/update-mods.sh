@@ -4,6 +4,7 @@
 # cluster to other versions, then commit scripts/kube/mod/; scripts/get-kube.sh builds what is pinned.
 #
 #   scripts/kube/update-mods.sh [kubernetes=v1.36.3] [etcd=v3.6.16] [containerd=v2.2.9] [runc=v1.4.4] [cni=v1.10.0]
+#                               [jobset=v0.12.0]
 #   GPUNODE_KUBE_VERSION=1.34 scripts/kube/update-mods.sh kubernetes=v1.34.4
 #
 # The second form writes the wrapper module of another minor (mod/kubernetes-1.34/, copied from
@@ -21,6 +22,7 @@ declare -A PATHS=(
   [containerd]=github.com/containerd/containerd/v2
   [runc]=github.com/opencontainers/runc
   [cni]=github.com/containernetworking/plugins
+  [jobset]=sigs.k8s.io/jobset
 )
 
 current() {  # the version the module pins now

@@ -14,6 +14,8 @@ import pytest
 
 from tests.e2e import chart
 from tests.e2e.controlplane import ControlPlane, StartError, User, missing_reason, service_account_user
+from tests.e2e.jobset import JOBSET_USER, JOBSET_USER_KEY, JobSetController, jobset_controller_for
+from tests.e2e.jobset import missing_reason as jobset_missing_reason
 from tests.e2e.node import node_user
 
 # The chart's service accounts for its release in tests.e2e.chart (the tests check the names against the
@@ -25,6 +27,7 @@ E2E_USERS: dict[str, User] = {
     "queue": service_account_user(chart.NAMESPACE, f"{chart.RELEASE}-gpunode-queue"),
     "nobody": User("e2e-nobody"),
     "node": node_user(REAL_NODE),
+    JOBSET_USER_KEY: JOBSET_USER,  # the JobSet controller (tests/e2e/jobset.py)
 }
 
 
@@ -43,6 +46,21 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
         yield cp
     finally:
         cp.stop()
+
+
+@pytest.fixture(scope="session")
+def jobset_controller(
+    control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[JobSetController]:
+    """The JobSet controller with its CRD and webhooks on the session's control plane (tests/e2e/jobset.py),
+    started on first use; skipped with the reason when `scripts/get-kube.sh --jobset` has not built it."""
+    reason = jobset_missing_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    try:
+        yield from jobset_controller_for(control_plane, tmp_path_factory.mktemp("jobset"))
+    except StartError as exc:
+        pytest.fail(f"the JobSet controller did not start (logs in {control_plane.logs}): {exc}")
 
 
 _PLANES: list[ControlPlane] = []
