@@ -73,6 +73,8 @@ class DraNode:
     state: Path
     image: str
     metrics_url: str
+    config: dict[str, Any]
+    config_path: Path
 
     @property
     def specs(self) -> list[str]:
@@ -87,6 +89,13 @@ class DraNode:
     def records(self) -> list[str]:
         root = self.state / "dra" / "claims"
         return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+    def restart_agent_as(self, profile: str, devices: list[int]) -> None:
+        """Restart the agent on another simulated node (profile), DRA serving the GPUs `devices`."""
+        self.config["gpunode"]["simProfile"] = profile
+        self.config["gpunode"]["dra"]["devices"] = devices
+        self.config_path.write_text(yaml.safe_dump(self.config))
+        self.restart_agent()
 
     def restart_agent(self) -> None:
         self.agent.stop()
@@ -150,6 +159,8 @@ def dra_node(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFacto
             tmp / "agent-state",
             CAPPED_IMAGE,
             f"http://127.0.0.1:{metrics_port}/metrics",
+            config,
+            tmp / "agent.yaml",
         )
         yield dn
         agent = dn.agent
@@ -385,3 +396,77 @@ def test_a_claim_for_more_memory_than_a_gpu_has_says_why_and_nothing_is_prepared
     for pod in ("dra-too-big", "dra-fits"):
         _delete_and_wait(admin, dra_node, pod)
     eventually(lambda: _clean(dra_node), timeout_s=WAIT_S, what="the claim unprepared")
+
+
+def _environ_of(marker: str) -> dict[str, str] | None:
+    """The environment of the node's process whose argv holds `marker` (the probe's pod name)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes().split(b"\0"):
+                    pairs = (entry / "environ").read_bytes().split(b"\0")
+                    return dict(p.decode(errors="replace").split("=", 1) for p in pairs if b"=" in p)
+            except OSError:
+                continue
+    return None
+
+
+def test_a_mig_profile_claim_on_an_a100_mig_node_gets_the_mig_device(dra_node: DraNode) -> None:
+    """The agent restarted on the simulated a100-mig node, DRA serving GPU 4 (two 3g.40gb instances, at
+    memory slices 0 and 4): a claim for 3g.40gb at slice 4 runs with that MIG device, and a claim for a
+    placement no instance sits at (4g.40gb) is refused with the agent's one line on the pod. Last in the
+    module: it ends by restarting the agent as the T4 node it was."""
+    from gpunode.node.devices.simnode.backend import SimBackend
+
+    admin = dra_node.cp.api()
+    gpu = SimBackend.from_profile("a100-mig").gpus()[4]
+    [at4] = [m for m in gpu.mig_devices if m.gi_id == 2]  # gi 2: the 3g.40gb instance at memory slice 4
+    try:
+        dra_node.restart_agent_as("a100-mig", [4])
+
+        def mig_devices() -> list[dict[str, Any]] | None:
+            found = [d for d in _slice_devices(admin) if d["name"].startswith(f"{gpu.uuid.lower()}-mig-")]
+            return found or None
+
+        eventually(mig_devices, timeout_s=WAIT_S, what="GPU 4's MIG placements in the node's slice")
+
+        def template(name: str, cel: str) -> None:
+            exactly = {"deviceClassName": names.CLASS_MIG, "selectors": [{"cel": {"expression": cel}}]}
+            spec = {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}
+            body = {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaimTemplate",
+                "metadata": {"name": name},
+                "spec": {"spec": spec},
+            }
+            admin.apply(f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaimtemplates", body)
+
+        attrs = f'device.attributes["{DRIVER}"]'
+        template("mig-3g-4", f'{attrs}.profile == "3g.40gb" && {attrs}.memorySliceStart == 4')
+        _claim_pod(admin, "dra-mig", "mig-3g-4")
+        report = _report(dra_node, "dra-mig")
+        assert report.allocated > 0  # the container ran with the claim's CDI device
+        [spec_name] = dra_node.specs
+        spec = json.loads((dra_node.node.cdi_dir / spec_name).read_text())
+        assert spec["containerEdits"]["env"] == [f"NVIDIA_VISIBLE_DEVICES={at4.uuid}"]
+        assert dra_node.regions == []  # a MIG device is not capped: its memory is its own
+        environ = eventually(lambda: _environ_of("dra-mig"), timeout_s=WAIT_S, what="the probe's process")
+        assert environ.get("NVIDIA_VISIBLE_DEVICES") == at4.uuid
+
+        # 4g.40gb at slice 0 is a placement of the GPU's model, but no instance sits there.
+        template("mig-4g", f'{attrs}.profile == "4g.40gb"')
+        _claim_pod(admin, "dra-mig-absent", "mig-4g")
+
+        def refused() -> str | None:
+            for e in pod_events(admin, NAMESPACE, "dra-mig-absent"):
+                if "has no such instance" in (e.get("message") or ""):
+                    return str(e["message"])
+            return None
+
+        message = eventually(refused, timeout_s=WAIT_S, what="the agent's reason on the pod")
+        assert "4g.40gb at memory slice 0" in message and "3g.40gb at 0, 3g.40gb at 4" in message
+        for pod in ("dra-mig", "dra-mig-absent"):
+            _delete_and_wait(admin, dra_node, pod)
+        eventually(lambda: _clean(dra_node), timeout_s=WAIT_S, what="the MIG claim unprepared")
+    finally:
+        dra_node.restart_agent_as("t4", [0, 1])

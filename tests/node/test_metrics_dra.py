@@ -249,3 +249,34 @@ def test_an_unprepared_claim_is_no_longer_charged(tmp_path: Path, kubelet: PodRe
     asyncio.run(collector.collect_once())
     # The kubelet may still list the pod a moment after unprepare: only what this node holds is charged.
     assert "pod" not in scrape(collector).one("DCGM_FI_DEV_GPU_TEMP", UUID=node.gpus[4].uuid).labels
+
+
+def test_a_mig_placement_held_by_a_claim_labels_its_instance(
+    tmp_path: Path, kubelet: PodResourcesStandIn
+) -> None:
+    from gpunode.node.kubelet.podresources import PodAttribution
+    from tests.node.test_dra_mig import MigNode
+
+    node = MigNode(tmp_path, with_device_nodes=False)
+    gpu = node.gpus[4]
+    [mig] = [m for m in gpu.mig_devices if m.gi_id == 2]  # 3g.40gb at memory slice 4
+    ref = node.claim("mig", gpu, "3g.40gb", 4)
+    prepared = asyncio.run(node.preparer.prepare(ref))
+    device = prepared.plan.devices[0]
+    held = ClaimDevice(DRIVER, device.pool, device.device, None, prepared.cdi_ids)
+    kubelet.set_pods([Pod("team-a", "infer", (Container("c", {}, (Claim("mig", "team-a", (held,)),)),))])
+    collector = MetricsCollector(
+        backend=node.backend,
+        hostname=HOST,
+        attribution=PodAttribution(kubelet.socket_path),
+        dra_driver=DRIVER,
+        dra_root=node.config.state_dir / "dra",
+    )
+    asyncio.run(collector.collect_once())
+    out = scrape(collector)
+    [used] = out.named("DCGM_FI_DEV_FB_USED", UUID=gpu.uuid, GPU_I_ID="2")
+    assert (used.labels["pod"], used.labels["dra_claim_name"]) == ("infer", "mig")
+    assert used.labels["dra_device_name"] == device.device and used.labels["GPU_I_PROFILE"] == "3g.40gb"
+    # the GPU's other instance and the GPU itself are not the claim's
+    assert "pod" not in out.one("DCGM_FI_DEV_FB_USED", UUID=gpu.uuid, GPU_I_ID="1").labels
+    assert mig.uuid == device.mig_uuid

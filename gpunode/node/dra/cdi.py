@@ -4,10 +4,11 @@ One spec file per claim, `<cdiDir>/<driver>-<claim UID>.json`, mode 0644, kind
 `<driver>/claim`, one CDI device per allocation result named `<claim UID>-<n>`. The container
 runtime (containerd with CDI on) injects what the devices of the claim list:
 
-- each device: its GPU's device node (/dev/nvidia<minor>);
+- each device: its GPU's device node (/dev/nvidia<minor>) and, for a MIG device, its GPU and
+  compute instances' capability nodes (/dev/nvidia-caps/nvidia-cap<minor>);
 - the spec's own edits, applied once whichever of its devices a container gets: the control
   device nodes (nvidiactl, nvidia-uvm, nvidia-uvm-tools), NVIDIA_VISIBLE_DEVICES with the claim's
-  GPU UUIDs and, when a device is capped, the interposer: LD_PRELOAD and its library mount, and
+  GPU UUIDs (a MIG device's `MIG-<uuid>`) and, when a device is capped, the interposer: LD_PRELOAD and its library mount, and
   the region's files at the fixed container path (the limit file read-only, as the device plugin
   mounts them; gpunode.node.memcap.container_spec decides both).
 
@@ -69,8 +70,11 @@ def build_spec(
     device_root: str = "/",
     with_device_nodes: bool = True,
     cap: ContainerSpec | None = None,
+    extra_nodes: Sequence[Sequence[str]] = (),
 ) -> dict[str, Any]:
-    """The CDI spec of one claim: one device per allocation result (gpu_minors[n] is result n's GPU)."""
+    """The CDI spec of one claim: one device per allocation result (gpu_minors[n] is result n's GPU,
+    gpu_uuids[n] what it is visible as: its GPU's UUID, or a MIG device's `MIG-...`; extra_nodes[n]
+    further device nodes of result n, a MIG device's capability nodes)."""
     root = device_root.rstrip("/")
 
     def node(path: str) -> dict[str, str]:
@@ -84,7 +88,8 @@ def build_spec(
     for n, minor in enumerate(gpu_minors):
         device_edits: dict[str, Any] = {"env": [visible]}
         if with_device_nodes:
-            device_edits["deviceNodes"] = [node(f"/dev/nvidia{minor}")]
+            extra = extra_nodes[n] if n < len(extra_nodes) else ()
+            device_edits["deviceNodes"] = [node(p) for p in (f"/dev/nvidia{minor}", *extra)]
         devices.append({"name": device_name(uid, n), "containerEdits": device_edits})
     edits: dict[str, Any] = {"env": [visible]}
     if cap is not None:

@@ -53,6 +53,8 @@ class DeviceInfo:
     gpu_uuid: str
     kind: str  # "gpu" | "mig"
     sharing: str  # "whole" | "shared" | "mig"
+    profile: str | None = None  # a MIG placement: its profile ("3g.40gb")
+    start: int | None = None  # a MIG placement: its first memory slice
 
 
 @dataclass(frozen=True)
@@ -202,11 +204,14 @@ def plan_claim(
     driver: str,
     device: Any,
     gpu_memory: Any,
+    mig_device: Any = None,
 ) -> ClaimPlan:
     """What to prepare for the claim the kubelet named `ref`, read from the API server's `claim`.
 
     device(pool, name) -> DeviceInfo | None: this node's published device of that name;
-    gpu_memory(uuid) -> int | None: the memory of a GPU this node serves through DRA (None: not one).
+    gpu_memory(uuid) -> int | None: the memory of a GPU this node serves through DRA (None: not one);
+    mig_device(gpu uuid, profile, start) -> str: the UUID of the MIG device at that placement, or
+    ValueError saying why there is none (None: MIG placements are refused).
     Raises ClaimRefused with the reason for the claim."""
     meta = _mapping(claim.get("metadata"), "metadata")
     if meta.get("uid") != ref.uid:
@@ -260,11 +265,9 @@ def plan_claim(
                 f"{where}: device {pool}/{name} is not one of this node's {driver} devices",
                 hint="the claim was allocated for another node, or the node's ResourceSlice changed since",
             )
-        if info.kind != names.TYPE_GPU:
+        if info.kind not in (names.TYPE_GPU, names.TYPE_MIG):
             raise ClaimRefused(
-                f"{where}: device {pool}/{name} is a MIG placement; gpunode's kubelet plugin prepares whole "
-                "and shared GPUs only",
-                hint="request a device of the whole or shared GPU class",
+                f"{where}: device {pool}/{name} is of type {excerpt(info.kind, 20)}, not a GPU"
             )
         total = gpu_memory(info.gpu_uuid)
         if total is None:
@@ -272,6 +275,11 @@ def plan_claim(
                 f"{where}: GPU {info.gpu_uuid} is not served through DRA on this node",
                 hint="gpunode.dra.devices lists the GPUs DRA serves; the device plugin serves the others",
             )
+        if info.kind == names.TYPE_MIG:
+            mig = _mig_placement(info, mig_device, where)
+            planned.append(PlannedDevice(request, pool, name, share, info.gpu_uuid, None, mig))
+            fail_open = _config(configs, request, ref, fail_open)
+            continue
         shared = info.sharing == names.SHARING_SHARED
         memory = _consumed(result, driver, where) if shared else None
         if shared and memory is None:
@@ -285,15 +293,40 @@ def plan_claim(
                 f"{format_bytes(total)}",
                 hint="ask for at most the GPU's memory, or for the whole GPU",
             )
-        for j, config in configs:
-            if _applies(config, request):
-                opaque = _mapping(config.get("opaque"), "opaque")
-                fail_open = parse_opaque(
-                    opaque.get("parameters"),
-                    f"claim {ref}: status.allocation.devices.config[{j}].opaque.parameters",
-                )
+        fail_open = _config(configs, request, ref, fail_open)
         planned.append(PlannedDevice(request, pool, name, share, info.gpu_uuid, memory))
     return ClaimPlan(ref, tuple(planned), fail_open)
+
+
+def _config(configs: list[tuple[int, Any]], request: str, ref: ClaimRef, fail_open: bool) -> bool:
+    """The failOpen of the opaque configurations that apply to the request (the last one wins)."""
+    for j, config in configs:
+        if _applies(config, request):
+            opaque = _mapping(config.get("opaque"), "opaque")
+            fail_open = parse_opaque(
+                opaque.get("parameters"),
+                f"claim {ref}: status.allocation.devices.config[{j}].opaque.parameters",
+            )
+    return fail_open
+
+
+def _mig_placement(info: DeviceInfo, mig_device: Any, where: str) -> str:
+    """The MIG device a placement is prepared as; ClaimRefused naming why there is none."""
+    what = f"{where}: MIG placement {info.pool}/{info.name}"
+    if info.profile is None or info.start is None:
+        raise ClaimRefused(
+            f"{what} has no profile or memorySliceStart attribute in this node's ResourceSlice"
+        )
+    if mig_device is None:
+        raise ClaimRefused(f"{what}: this node does not prepare MIG placements")
+    try:
+        return str(mig_device(info.gpu_uuid, info.profile, info.start))
+    except ValueError as exc:
+        raise ClaimRefused(
+            f"{what} ({info.profile} at memory slice {info.start}): {exc}",
+            hint="gpunode does not create MIG instances: partition the GPU so that the instance exists "
+            "(nvidia-smi mig -cgi ... -C), or select a placement of an existing instance",
+        ) from None
 
 
 def _consumed(result: Mapping[str, Any], driver: str, where: str) -> int | None:

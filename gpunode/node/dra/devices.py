@@ -31,6 +31,14 @@ def _attribute(attrs: Mapping[str, Any], driver: str, name: str) -> str | None:
     return None
 
 
+def _int_attribute(attrs: Mapping[str, Any], driver: str, name: str) -> int | None:
+    for key in (name, f"{driver}/{name}"):
+        value = attrs.get(key)
+        if isinstance(value, Mapping) and type(value.get("int")) is int:
+            return int(value["int"])
+    return None
+
+
 def devices_of(slices: list[dict[str, Any]], driver: str, node: str) -> dict[tuple[str, str], DeviceInfo]:
     """(pool, device name) -> DeviceInfo for every GPU device of this driver and node in the slices."""
     out: dict[tuple[str, str], DeviceInfo] = {}
@@ -53,7 +61,13 @@ def devices_of(slices: list[dict[str, Any]], driver: str, node: str) -> dict[tup
             sharing = _attribute(attrs, driver, names.ATTR_SHARING) or (
                 names.SHARING_MIG if kind == names.TYPE_MIG else names.SHARING_WHOLE
             )
-            out[(pool_name, dev["name"])] = DeviceInfo(pool_name, dev["name"], uuid, kind, sharing)
+            profile = start = None
+            if kind == names.TYPE_MIG:
+                profile = _attribute(attrs, driver, names.ATTR_MIG_PROFILE)
+                start = _int_attribute(attrs, driver, names.ATTR_MIG_START)
+            out[(pool_name, dev["name"])] = DeviceInfo(
+                pool_name, dev["name"], uuid, kind, sharing, profile, start
+            )
     return out
 
 

@@ -28,11 +28,14 @@ from gpunode.config.agent import Config
 from gpunode.contract import dra as names
 from gpunode.errors import ClaimRefused, KubeError, KubeNotFound, MemcapError
 from gpunode.node import memcap
+from gpunode.node.allocation.allocator import MIG_MINORS_FILE
+from gpunode.node.allocation.allocator import _mig_minors as mig_minors
 from gpunode.node.devices.base import Gpu
 from gpunode.node.dra import cdi
 from gpunode.node.dra.checkpoint import PREPARED, PREPARING, ClaimCheckpoint, ClaimRecord
 from gpunode.node.dra.claims import ClaimPlan, ClaimRef, check_uid, plan_claim
 from gpunode.node.dra.devices import DeviceDirectory
+from gpunode.node.dra.slices import mig_instance_slices, mig_table
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,26 @@ async def _to_completion(fn: Callable[..., T], *args: Any) -> T:
         raise
 
 
+def mig_device(gpu: Gpu, profile: str, start: int) -> str:
+    """The UUID of the GPU's MIG device of `profile` whose memory slices start at `start`; ValueError
+    naming what the GPU has instead. (gpunode does not create MIG instances: the GPU is partitioned by
+    its operator, and the ResourceSlice offers each placement.)"""
+    if not gpu.mig_enabled:
+        raise ValueError(f"GPU {gpu.uuid} is not in MIG mode")
+    table = mig_table(gpu)
+    if table is None:
+        raise ValueError(f"GPU {gpu.uuid} ({gpu.model}) has no known MIG profile table")
+    have = []
+    for uuid, cells in sorted(mig_instance_slices(gpu, table).items(), key=lambda kv: kv[1].start):
+        mig = gpu.mig_by_uuid(uuid)
+        if mig is None:
+            continue
+        if mig.profile == profile and cells.start == start:
+            return uuid
+        have.append(f"{mig.profile} at {cells.start}")
+    raise ValueError(f"GPU {gpu.uuid} has no such instance (its instances: {', '.join(have) or 'none'})")
+
+
 def region_key(uid: str) -> str:
     """The memory-cap region of a claim."""
     return names.claim_region_key(check_uid(uid))
@@ -75,6 +98,7 @@ class Preparer:
     gpus: Callable[[], Sequence[Gpu]]
     preload_lib: Path | None = None  # the host copy of the interposer; None: the package's own
     with_device_nodes: bool = True  # False on the simulated backend, whose /dev/nvidia* do not exist
+    mig_minors_file: Path = MIG_MINORS_FILE  # the driver's MIG capability minors
     _locks: dict[str, tuple[asyncio.Lock, list[int]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -182,15 +206,19 @@ class Preparer:
             driver=self.driver,
             device=lambda pool, name: known.get((pool, name)),
             gpu_memory=memory,
+            mig_device=lambda uuid, profile, start: mig_device(gpus[uuid], profile, start),
         )
 
     def _caps(self, plan: ClaimPlan) -> tuple[memcap.DeviceCap, ...]:
-        """One cap per GPU of the claim (shares of one GPU add up); none when nothing is capped."""
+        """One cap per GPU of the claim (shares of one GPU add up); none when nothing is capped. A MIG
+        device is never capped: its memory is its own, in hardware."""
         if all(d.memory_bytes is None for d in plan.devices):
             return ()
         totals = {g.uuid: g.memory_total_bytes for g in self.gpus()}
         limits: dict[str, int] = {}
         for d in plan.devices:
+            if d.mig_uuid is not None:
+                continue
             total = totals[d.gpu_uuid]
             used = limits.get(d.gpu_uuid, 0) + (d.memory_bytes if d.memory_bytes is not None else total)
             limits[d.gpu_uuid] = min(total, used)
@@ -213,15 +241,16 @@ class Preparer:
                     visible_device=",".join(c.uuid for c in caps),
                     ld_so_preload=self.config.fractional.ld_so_preload,
                 )
-            minors = {g.uuid: g.minor for g in self.gpus()}
+            gpus = {g.uuid: g for g in self.gpus()}
             spec = cdi.build_spec(
                 driver=self.driver,
                 uid=uid,
-                gpu_minors=[minors[d.gpu_uuid] for d in plan.devices],
-                gpu_uuids=[d.gpu_uuid for d in plan.devices],
+                gpu_minors=[gpus[d.gpu_uuid].minor for d in plan.devices],
+                gpu_uuids=[d.mig_uuid or d.gpu_uuid for d in plan.devices],
                 device_root=self.config.device_root,
                 with_device_nodes=self.with_device_nodes,
                 cap=cap_spec,
+                extra_nodes=self._mig_nodes(plan, gpus) if self.with_device_nodes else (),
             )
             cdi.write_spec(self.cdi_dir, self.driver, uid, spec)
             self.checkpoint.write(ClaimRecord(PREPARED, plan, key, ids))
@@ -246,6 +275,27 @@ class Preparer:
             ),
         )
         return Prepared(plan, ids)
+
+    def _mig_nodes(self, plan: ClaimPlan, gpus: dict[str, Gpu]) -> list[tuple[str, ...]]:
+        """Per result, the capability device nodes of its MIG device (none for a GPU)."""
+        if not any(d.mig_uuid for d in plan.devices):
+            return []
+        minors = mig_minors(self.mig_minors_file)
+        out: list[tuple[str, ...]] = []
+        for d in plan.devices:
+            gpu = gpus[d.gpu_uuid]
+            mig = gpu.mig_by_uuid(d.mig_uuid) if d.mig_uuid else None
+            nodes = []
+            if mig is not None:
+                for cap in (
+                    f"gpu{gpu.minor}/gi{mig.gi_id}/access",
+                    f"gpu{gpu.minor}/gi{mig.gi_id}/ci{mig.ci_id}/access",
+                ):
+                    if cap not in minors:
+                        raise OSError(0, f"no MIG capability minor for {cap} in {self.mig_minors_file}")
+                    nodes.append(f"/dev/nvidia-caps/nvidia-cap{minors[cap]}")
+            out.append(tuple(nodes))
+        return out
 
     def _intact(self, record: ClaimRecord) -> bool:
         """Whether a prepared claim's spec and region are still there."""

@@ -321,7 +321,7 @@ def _mig_counters(gpu: Gpu) -> dict[str, Any]:
     return {"name": gpu_device_name(gpu.uuid), "counters": counters}
 
 
-def _mig_instance_slices(gpu: Gpu, table: str) -> dict[str, range]:
+def mig_instance_slices(gpu: Gpu, table: str) -> dict[str, range]:
     """MIG UUID -> the memory slices of each instance the GPU has now (from its GPU instance ID)."""
     first_gi = {8: 0, 4: 1, 2: 3, 1: 7}  # GPU instance IDs by placement size (simnode.mig numbers them so)
     out: dict[str, range] = {}
@@ -337,7 +337,7 @@ def _mig_instance_slices(gpu: Gpu, table: str) -> dict[str, range]:
 def _mig_devices(
     gpu: Gpu, table: str, driver_version: str | None, domain: int | None, taints: Mapping[str, DeviceTaint]
 ) -> list[dict[str, Any]]:
-    instances = _mig_instance_slices(gpu, table)
+    instances = mig_instance_slices(gpu, table)
     out: list[dict[str, Any]] = []
     for spec in MIG_TABLES[table].values():
         for start in spec.starts:
