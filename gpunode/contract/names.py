@@ -48,6 +48,12 @@ QUEUE_REASON_ANNOTATION = "gpunode.io/queue-reason"  # Pod: why it waits (also a
 ADMISSION_GATE = "gpunode.io/admission"
 # The webhook's path on `gpunode queue --webhook-listen` (the chart's MutatingWebhookConfiguration calls it)
 ADMISSION_WEBHOOK_PATH = "/mutate-pods"
+# Pod, Job, JobSet: Kueue's queue label, read as gpunode.io/queue when kueue.queueNameLabel is true
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+# JobSet (sigs.k8s.io/jobset): the API the queue controller reads, and the label its controller puts on
+# each Job it makes: the replicated job the Job is a replica of
+JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
+REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
 
 # -- labels -------------------------------------------------------------------------------------
 

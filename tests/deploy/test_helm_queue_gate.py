@@ -51,12 +51,17 @@ def test_the_webhook_is_called_for_governed_pod_creations_only_and_fails_open() 
         assert entry["failurePolicy"] == "Ignore" and entry["sideEffects"] == "None"
         assert entry["rules"] == [
             {
-                "apiGroups": [""],
-                "apiVersions": ["v1"],
+                "apiGroups": [group],
+                "apiVersions": [version],
                 "operations": ["CREATE"],
-                "resources": ["pods"],
+                "resources": [resource],
                 "scope": "Namespaced",
             }
+            for group, version, resource in (
+                ("", "v1", "pods"),
+                ("batch", "v1", "jobs"),
+                ("jobset.x-k8s.io", "v1alpha2", "jobsets"),
+            )
         ]
         svc = entry["clientConfig"]["service"]
         assert (svc["name"], svc["namespace"], svc["path"], svc["port"]) == (
@@ -97,6 +102,39 @@ def test_the_policy_exempts_the_controllers_service_account_alone() -> None:
     binding = docs.named("ValidatingAdmissionPolicyBinding", f"{NAME}-admission-gate")
     assert binding["spec"] == {"policyName": f"{NAME}-admission-gate", "validationActions": ["Deny"]}
     assert not render(with_gate(policy=False)).kinds("ValidatingAdmissionPolicy")
+
+
+def test_the_suspension_policy_exempts_the_controller_and_a_jobsets_jobs_and_kueue_labels_are_opt_in() -> (
+    None
+):
+    docs = render(ON)
+    name = f"{NAME}-suspension"
+    policy = docs.named("ValidatingAdmissionPolicy", name)
+    conditions = {c["name"]: c["expression"] for c in policy["spec"]["matchConditions"]}
+    user = f"system:serviceaccount:{NAMESPACE}:{NAME}"
+    assert conditions["not-the-queue-controller"] == f"request.userInfo.username != '{user}'"
+    assert "JobSet" in conditions["not-a-jobsets-job"]
+    rules = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert [(r["apiGroups"], r["resources"], r["operations"]) for r in rules] == [
+        (["batch"], ["jobs"], ["UPDATE"]),
+        (["jobset.x-k8s.io"], ["jobsets"], ["UPDATE"]),
+    ]
+    assert docs.named("ValidatingAdmissionPolicyBinding", name)["spec"]["validationActions"] == ["Deny"]
+    labels = {v["name"]: v["expression"] for v in policy["spec"]["variables"]}["queueLabels"]
+    assert "kueue" not in labels
+    assert len(docs.named("MutatingWebhookConfiguration", HOOK)["webhooks"]) == 1
+    config = "queues:\n  - name: a\nkueue: {queueNameLabel: true}\n"
+    kueue = render({"queue": {"enabled": True, "config": config, "gate": {"enabled": True}}})
+    (_, aliased) = kueue.named("MutatingWebhookConfiguration", HOOK)["webhooks"]
+    assert aliased["objectSelector"]["matchExpressions"] == [
+        {"key": QUEUE_LABEL, "operator": "DoesNotExist"},
+        {"key": "kueue.x-k8s.io/queue-name", "operator": "Exists"},
+    ]
+    policy = kueue.named("ValidatingAdmissionPolicy", name)
+    assert (
+        "kueue.x-k8s.io/queue-name"
+        in {v["name"]: v["expression"] for v in policy["spec"]["variables"]}["queueLabels"]
+    )
 
 
 def test_the_network_policy_opens_the_webhook_port() -> None:

@@ -41,7 +41,12 @@ from gpunode.cluster.extender.reservations import Reservations, apply_reservatio
 from gpunode.cluster.queueing.config import MAX_FILE_BYTES, load_queue_config
 from gpunode.cluster.queuemark import UNSIGNED_WARNING, MarkKey, mark_accepted
 from gpunode.config.files import read_regular
-from gpunode.contract.names import QUEUE_ADMITTED_ANNOTATION, QUEUE_LABEL, QUEUE_REASON_ANNOTATION
+from gpunode.contract.names import (
+    KUEUE_QUEUE_LABEL,
+    QUEUE_ADMITTED_ANNOTATION,
+    QUEUE_LABEL,
+    QUEUE_REASON_ANNOTATION,
+)
 from gpunode.errors import InvalidState, QueueConfigError
 from gpunode.placement import NodeState, Request, apply_request
 
@@ -110,14 +115,21 @@ def read_admitted(text: object, uid: str, key: MarkKey | None, *, where: str = "
 
 
 def queue_of(pod: Mapping[str, Any], namespaces: Mapping[str, str]) -> str | None:
-    """The queue a pod names (label first, then its namespace's mapping), or None."""
+    """The queue a pod (or a Job, a JobSet) names, or None: its label gpunode.io/queue first, then, when
+    the configuration's kueue.queueNameLabel is true (`namespaces` is its NamespaceMap), the label
+    kueue.x-k8s.io/queue-name, then its namespace's mapping."""
     meta = pod.get("metadata") or {}
     if not isinstance(meta, Mapping):
         return None
     labels = meta.get("labels") or {}
-    queue = labels.get(QUEUE_LABEL) if isinstance(labels, Mapping) else None
+    labels = labels if isinstance(labels, Mapping) else {}
+    queue = labels.get(QUEUE_LABEL)
     if isinstance(queue, str) and queue:
         return queue
+    if getattr(namespaces, "kueue_label", False):
+        queue = labels.get(KUEUE_QUEUE_LABEL)
+        if isinstance(queue, str) and queue:
+            return queue
     return namespaces.get(str(meta.get("namespace") or "default"))
 
 

@@ -2,14 +2,16 @@
 
 QueueController runs on one asyncio loop with one gpunode.infra.kube.KubeClient:
 
-- two list+watch streams (all pods, all Nodes) feed QueueCore; every replica
+- list+watch streams (all pods, all Nodes, and for governed workloads all Jobs, JobSets and
+  PriorityClasses: JobSets only where their CRD is served) feed QueueCore; every replica
   watches, so a standby that takes over has the cluster in memory already;
 - with an elector (a LeaderElector on a coordination.k8s.io Lease), only the
   leader reconciles and writes, and each write is preceded by a leadership check;
   losing the lead forgets the Scheduler, and the next leader rebuilds it from the
   pods (their admission and notice annotations), so nothing is admitted twice;
 - a reconcile runs after changes (batched for `settle_s`), when a notice runs out,
-  and every `resync_s`; its writes: annotations on pods, then the release of gated
+  and every `resync_s`; its writes: patches of Jobs and JobSets (admission with `spec.suspend: false`,
+  suspension, notices: suspension.py), annotations on pods, then the release of gated
   pods whose whole job's marks were written (their node pinned and the scheduling gate
   removed in one update: gates.py), then the Events, then evictions through the Eviction API (policy/v1: KubeClient.evict_pod), each stage
   with up to `max_in_flight` requests under way at once (one pod's writes stay in order). A failed admission write makes the core
@@ -38,16 +40,21 @@ from typing import Any
 import msgspec
 from lightkube.resources.core_v1 import Node, Pod
 
+from gpunode.cluster.queuectl import kinds
 from gpunode.cluster.queuectl.core import Actions, Annotate, PodRef, QueueCore
 from gpunode.cluster.queuectl.metrics import QueueMetrics
 from gpunode.cluster.queuectl.usagestore import UsageKeeper, UsageStore
-from gpunode.cluster.queuectl.writes import Release
+from gpunode.cluster.queuectl.workloads import JOB, JOBSET
+from gpunode.cluster.queuectl.writes import Patch, Release
 from gpunode.cluster.queueing.config import MAX_FILE_BYTES, load_queue_config
 from gpunode.config.files import read_regular
-from gpunode.errors import EvictionBlocked, GpunodeError, KubeError, KubeNotFound
+from gpunode.errors import EvictionBlocked, GpunodeError, KubeApiError, KubeError, KubeNotFound
 from gpunode.infra.kube import DELETED, SYNC, KubeClient, LeaderElector, ObjectRef
+from gpunode.infra.kube.client import STRATEGIC_MERGE_PATCH
 
 log = logging.getLogger(__name__)
+WATCHED = frozenset({"pods", "nodes", "jobs", "jobsets", "priorityclasses"})  # each listed before a reconcile
+ABSENT_RETRY_S = 60.0  # a kind not served (JobSet without its CRD) or not allowed: listed again after this
 
 
 def _json(obj: Any) -> dict[str, Any]:
@@ -113,6 +120,9 @@ class QueueController:
         tasks = [
             asyncio.create_task(self._watch(Pod, "pods")),
             asyncio.create_task(self._watch(Node, "nodes")),
+            asyncio.create_task(self._watch_optional(kinds.Job, "jobs")),
+            asyncio.create_task(self._watch_optional(kinds.JobSet, "jobsets")),
+            asyncio.create_task(self._watch_optional(kinds.PriorityClass, "priorityclasses")),
         ]
         if self.config_path is not None:
             tasks.append(asyncio.create_task(self._reload_loop()))
@@ -137,16 +147,51 @@ class QueueController:
                     items = [_json(o) for o in event.items]
                     if what == "pods":
                         self.core.replace_all(items, None)
-                    else:
+                    elif what == "nodes":
                         self.core.replace_all(None, items)
+                    elif what == "priorityclasses":
+                        self.core.priorities.clear()
+                        for o in items:
+                            self.core.priority_class_changed(o)
+                    else:
+                        self.core.replace_workloads(JOB if what == "jobs" else JOBSET, items)
                     self._synced.add(what)
                 elif event.object is not None:
                     obj = _json(event.object)
+                    gone = event.type == DELETED
                     if what == "pods":
-                        self.core.pod_changed(obj, deleted=event.type == DELETED)
+                        self.core.pod_changed(obj, deleted=gone)
+                    elif what == "nodes":
+                        self.core.node_changed(obj, deleted=gone)
+                    elif what == "priorityclasses":
+                        self.core.priority_class_changed(obj, deleted=gone)
                     else:
-                        self.core.node_changed(obj, deleted=event.type == DELETED)
+                        self.core.workload_changed(JOB if what == "jobs" else JOBSET, obj, deleted=gone)
                 self._changed.set()
+
+    async def _watch_optional(self, resource: type[Any], what: str) -> None:
+        """Watch a kind the controller can do without: not served (no JobSet CRD) or not allowed (a chart
+        without its rule), it counts as listed and empty, is logged once, and is listed again later."""
+        told = False
+        while True:
+            try:
+                await self._watch(resource, what)
+                return
+            except (KubeNotFound, KubeApiError) as exc:
+                if isinstance(exc, KubeApiError) and not isinstance(exc, KubeNotFound) and exc.status != 403:
+                    raise
+                if not told:  # not served (JobSets without their CRD) is normal; not allowed is not
+                    log.log(
+                        logging.INFO if isinstance(exc, KubeNotFound) else logging.WARNING,
+                        "queue controller: %s are not queued: %s (hint: %s)",
+                        what,
+                        exc,
+                        "install the JobSet CRD, or give the controller list and watch on them (the chart does)",
+                    )
+                    told = True
+                self._synced.add(what)
+                self._changed.set()
+            await asyncio.sleep(ABSENT_RETRY_S)
 
     async def _loop(self) -> None:
         while True:
@@ -172,7 +217,7 @@ class QueueController:
             if self.usage is not None:
                 self.usage.lost_lead()
         self._was_leading = leading
-        if not leading or self._synced != {"pods", "nodes"}:
+        if not leading or self._synced != WATCHED:
             return None
         if self.usage is not None:
             await self.usage.on_lead()  # the saved usage, before this leadership's first cycle
@@ -193,9 +238,14 @@ class QueueController:
                 self.metrics.admissions.labels(j.queue).inc()
                 since = min((m.created for m in j.members), default=now)
                 self.metrics.wait.labels(j.queue).observe(max(0.0, now - since))
+            elif (w := self.core.last_workloads.get(name)) is not None:  # a Job or JobSet
+                self.metrics.admissions.labels(w.queue).inc()
+                since = self.core.waiting_since.get(name, now)
+                self.metrics.wait.labels(w.queue).observe(max(0.0, now - since))
         for victim, reason in actions.preempted_jobs:
             j = self.core.last_jobs.get(victim)
-            self.metrics.preemptions.labels(j.queue if j else "", reason).inc()
+            wl = self.core.last_workloads.get(victim)
+            self.metrics.preemptions.labels(j.queue if j else wl.queue if wl else "", reason).inc()
         for _, outcome in actions.repairs:
             self.metrics.gang_repairs.labels(outcome).inc()
         by_pod: dict[str, list[Annotate]] = {}  # one pod's writes stay in order; pods go in parallel
@@ -203,6 +253,7 @@ class QueueController:
             by_pod.setdefault(a.pod.key, []).append(a)
         told: dict[str, list[Annotate]] = {}  # the Events of the annotations written, by pod
         self._failed_jobs = set()
+        await self._bounded(self._patch(p) for p in actions.patch)
         await self._bounded(self._annotate_pod(writes, told) for writes in by_pod.values())
         await self._bounded(self._release(r) for r in actions.release)
         await self._bounded(self._tell_pod(events) for events in told.values())
@@ -243,6 +294,63 @@ class QueueController:
                 continue
             if a.event is not None:
                 told.setdefault(a.pod.key, []).append(a)
+
+    async def _patch(self, p: Patch) -> None:
+        """One patch of a Job or JobSet (suspend and annotations in one write), then its Event and condition."""
+        if not self.leading():
+            if p.job:
+                self._failed_jobs.add(p.job)
+                self.core.write_failed(p.job)
+            return
+        resource = kinds.Job if p.target.kind == JOB else kinds.JobSet
+        body: dict[str, Any] = {"metadata": {"uid": p.target.uid, "annotations": dict(p.annotations)}}
+        if p.suspend is not None:
+            body["spec"] = {"suspend": p.suspend}
+        try:
+            await self.client.patch_json(resource, p.target.name, body, namespace=p.target.namespace)
+        except KubeError as exc:
+            self.metrics.api_errors.labels("patch").inc()
+            log.warning("queue controller: %s (hint: %s)", exc, exc.hint)
+            if p.job:
+                self._failed_jobs.add(p.job)
+                self.core.write_failed(p.job)
+            return
+        if p.event is not None:
+            try:
+                await self.client.post_event(
+                    ObjectRef(
+                        p.target.kind, p.target.name, p.target.namespace, p.target.uid, p.target.api_version
+                    ),
+                    reason=p.event[0],
+                    message=p.event[1],
+                    event_type="Warning" if p.warning else "Normal",
+                    host=self.identity,
+                )
+            except KubeError as exc:
+                self.metrics.api_errors.labels("event").inc()
+                log.warning("queue controller: %s (hint: %s)", exc, exc.hint)
+        if p.condition is not None:
+            now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            condition = {
+                "type": p.condition[0],
+                "status": "True",
+                "reason": p.condition[0],
+                "message": p.condition[1][:1024],
+                "lastProbeTime": now,
+                "lastTransitionTime": now,
+            }
+            try:  # strategic merge: the Job controller's conditions stay (merged by type)
+                await self.client.patch_json(
+                    resource,
+                    p.target.name,
+                    {"status": {"conditions": [condition]}},
+                    namespace=p.target.namespace,
+                    subresource="status",
+                    content_type=STRATEGIC_MERGE_PATCH,
+                )
+            except KubeError as exc:
+                self.metrics.api_errors.labels("condition").inc()
+                log.warning("queue controller: %s (hint: %s)", exc, exc.hint)
 
     async def _release(self, r: Release) -> None:
         """Pin a gated pod to its planned node and remove the admission gate, unless a mark of its job

@@ -18,6 +18,10 @@ running: their notice is removed), jobs admitted by someone else adopted. A job 
 notice ran out is "stopping": it is evicted (again at every reconcile while its pods
 remain, for a PodDisruptionBudget may refuse) and neither admitted nor counted. A
 gang admitted part-way is completed or undone before the cycle (repair.GangRepair).
+
+Governed Jobs and JobSets (workloads.py) are jobs too, admitted by resuming them and preempted by
+suspending them (suspension.WorkloadQueue); their pods are placed on their admission's slots, and are
+not queued as pods.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ from gpunode.cluster.queuectl.jobs import (
 from gpunode.cluster.queuectl.nodes import ClusterView, cluster_view
 from gpunode.cluster.queuectl.repair import GangRepair, partly_marked
 from gpunode.cluster.queuectl.sched import Running, adopt, build, follow_idle, settle_heap
+from gpunode.cluster.queuectl.suspension import WorkloadQueue
 from gpunode.cluster.queuectl.usage import Outcome, SavedUsage, seed, snapshot
+from gpunode.cluster.queuectl.workloads import JOB, JOBSET, Owned, Slot, Workload, pod_group, workloads
 from gpunode.cluster.queuectl.writes import Actions, Annotate, PodRef, Release, ref
 from gpunode.cluster.queueing.config import QueueConfig
 from gpunode.cluster.queueing.engine import Scheduler
@@ -62,7 +68,7 @@ def _ref(m: QueuedPod) -> PodRef:
     return ref(m)
 
 
-class QueueCore(GangRepair):
+class QueueCore(GangRepair, WorkloadQueue):
     """The controller's state and decisions (see the module docstring)."""
 
     def __init__(
@@ -99,6 +105,13 @@ class QueueCore(GangRepair):
         self._usage_seed: tuple[SavedUsage, str] | None = None  # saved usage for the next Scheduler
         self._usage_seeded: Outcome | None = None
         self.released: set[str] = set()  # UIDs of gated pods whose release was sent (until it fails)
+        self.workload_objects: dict[str, dict[str, Mapping[str, Any]]] = {JOB: {}, JOBSET: {}}  # by UID
+        self.priorities: dict[str, int] = {}  # PriorityClass name -> value (a pod template's priority)
+        self.last_workloads: dict[str, Workload] = {}
+        self._suspend_sent: set[str] = set()  # workloads whose suspension (or mark removal) was sent
+        self._pod_slots: dict[str, tuple[str, Slot]] = {}  # pod UID -> (workload, slot) marked, not yet seen
+        self._workload_pod_keys: frozenset[str] = frozenset()
+        self._wpods: dict[str, list[tuple[Mapping[str, Any], str]]] = {}
 
     # ----- inputs --------------------------------------------------------------------------------------
 
@@ -111,6 +124,7 @@ class QueueCore(GangRepair):
         self.written.pop(job, None)
         self.noticed.pop(job, None)
         self._undoing.pop(job, None)
+        self._forget_pod_slots(job)
         self._stale = True
 
     def release_failed(self, uid: str) -> None:
@@ -132,6 +146,8 @@ class QueueCore(GangRepair):
         self.noticed.clear()
         self._undoing.clear()
         self.released.clear()
+        self._pod_slots.clear()
+        self._suspend_sent.clear()
 
     def seed_usage(self, state: SavedUsage, where: str) -> None:
         """Saved fair-share usage (checked by usage.decode): into the Scheduler now, or the next one built."""
@@ -175,6 +191,29 @@ class QueueCore(GangRepair):
         else:
             self.nodes[name] = node
 
+    def workload_changed(self, kind: str, obj: Mapping[str, Any], *, deleted: bool = False) -> None:
+        """A Job or JobSet (kind JOB or JOBSET) added, changed or deleted."""
+        uid = str((obj.get("metadata") or {}).get("uid") or "")
+        if deleted:
+            self.workload_objects[kind].pop(uid, None)
+        else:
+            self.workload_objects[kind][uid] = obj
+
+    def replace_workloads(self, kind: str, items: Sequence[Mapping[str, Any]]) -> None:
+        """A fresh list of Jobs or JobSets."""
+        self.workload_objects[kind] = {}
+        for obj in items:
+            self.workload_changed(kind, obj)
+
+    def priority_class_changed(self, obj: Mapping[str, Any], *, deleted: bool = False) -> None:
+        """A PriorityClass added, changed or deleted (a Job's pod template names one)."""
+        name = str((obj.get("metadata") or {}).get("name") or "")
+        value = obj.get("value")
+        if deleted or not isinstance(value, int) or isinstance(value, bool):
+            self.priorities.pop(name, None)
+        else:
+            self.priorities[name] = value
+
     def replace_all(
         self, pods: Sequence[Mapping[str, Any]] | None, nodes: Sequence[Mapping[str, Any]] | None
     ) -> None:
@@ -198,15 +237,32 @@ class QueueCore(GangRepair):
         """Bring the Scheduler in step with the pods, run one cycle, and say what to write."""
         now = self._now = max(now, self._now)  # the wall clock may step back; the scheduler's time may not
         out = Actions()
-        queued = [
-            q
-            for pod in self.pods.values()
-            if (
+        wls, owners = workloads(
+            self.workload_objects[JOB].values(),
+            self.workload_objects[JOBSET].values(),
+            self.config,
+            self.priorities,
+            memory_unit_bytes=self.memory_unit_bytes,
+            mark_key=self.mark_key,
+        )
+        wpods: dict[str, list[tuple[Mapping[str, Any], str]]] = {}
+        queued = []
+        for pod in self.pods.values():
+            owned = pod_group(pod, owners) if owners or self.workload_objects[JOB] else None
+            if isinstance(owned, Owned):
+                wpods.setdefault(owned.workload, []).append((pod, owned.group))
+            elif owned is None and (
                 q := queued_pod(
                     pod, self.config, memory_unit_bytes=self.memory_unit_bytes, mark_key=self.mark_key
                 )
-            )
-        ]
+            ):
+                queued.append(q)
+        self._wpods = wpods
+        self._workload_pod_keys = frozenset(
+            f"{(p.get('metadata') or {}).get('namespace') or 'default'}/{(p.get('metadata') or {}).get('name')}"
+            for ps in wpods.values()
+            for p, _ in ps
+        )
         for q in queued:
             if q.request is not None and q.uid not in self._observed:
                 self._observed.add(q.uid)
@@ -252,25 +308,31 @@ class QueueCore(GangRepair):
             elif j.complete:
                 waiting[name] = j.job(self.config)
                 self.waiting_since.setdefault(name, now)
+        w_running, w_waiting, w_stopping = self._workload_step(wls, wpods, now, out)
+        running.update(w_running)
+        waiting.update(w_waiting)
+        stopping |= w_stopping
         self._undoing = {n: sent for n, sent in self._undoing.items() if n in partial}
         for gone in set(self.waiting_since) - set(waiting):
             del self.waiting_since[gone]
-        for gone in (set(self.written) | set(self.noticed)) - set(jobs):
+        for gone in (set(self.written) | set(self.noticed)) - set(jobs) - set(wls):
             self.written.pop(gone, None)
             self.noticed.pop(gone, None)
         self._sync(running, waiting, now, out)
         self._repair(partial, now, out)
+        self._undo_lost(w_running, wpods, out)
         if self.sched is None:
             return out
         follow_idle(self.sched, jobs)
         d = self.sched.cycle(now)
         self._act(d, jobs, stopping, now, out)
+        self._workload_decisions(d, wpods, out)
         return out
 
     def _sync(self, running: dict[str, Running], waiting: dict[str, Job], now: float, out: Actions) -> None:
         view = cluster_view(
             self.nodes.values(),
-            frozenset(m.key for j in self.last_jobs.values() for m in j.members),
+            frozenset(m.key for j in self.last_jobs.values() for m in j.members) | self._workload_pod_keys,
             self._node_views,
         )
         self.view = view
@@ -324,6 +386,9 @@ class QueueCore(GangRepair):
         self._pending.discard(name)
         for victim in self.sched.withdraw(name, now):
             self.noticed.pop(victim, None)
+            if (wl := self.last_workloads.get(victim)) is not None:
+                self._lift_workload_notice(wl, self._wpods.get(victim, ()), name, out)
+                continue
             j = self.last_jobs.get(victim)
             for m in j.members if j is not None else ():
                 out.annotate.append(
@@ -344,6 +409,13 @@ class QueueCore(GangRepair):
             self._withdraw(name, now, out)
         for a in d.admit:
             self._pending.discard(a.job.name)
+            if (wl := self.last_workloads.get(a.job.name)) is not None:
+                if a.job.name in killed or a.job.name in stopping or wl.mark is not None or wl.problem:
+                    assert self.sched is not None
+                    self.sched.finished(a.job.name, now)
+                else:
+                    self._admit_workload(wl, a.job, a.plan, now, out)
+                continue
             j = jobs.get(a.job.name)
             if j is None or a.job.name in killed or a.job.name in stopping or j.admitted:
                 assert self.sched is not None
@@ -364,6 +436,9 @@ class QueueCore(GangRepair):
             out.admitted_jobs.append(a.job.name)
             self.written[a.job.name] = Running(job=a.job, plan=a.plan, start=now, notice=None)
         for n in d.notices:
+            if (wl := self.last_workloads.get(n.victim)) is not None:
+                self._notice_workload(wl, self._wpods.get(n.victim, ()), n, out)
+                continue
             j = jobs.get(n.victim)
             if j is None:
                 continue

@@ -7,6 +7,12 @@ queue: a queue by label or namespace, and a request for GPUs, as jobs.queued_pod
 gate it carries a JSON patch adding gpunode.io/admission (gates.add_gate_patch). Every replica serves
 it, leader or not: the answer depends on the pod and the queue configuration's namespaces only.
 
+The same webhook takes the creation of `batch/v1` Jobs and of JobSets (jobset.x-k8s.io): a governed one
+(workloads.workload_of: a queue named, GPUs asked by a pod template) is created suspended
+(`spec.suspend: true`; the controller admits it by resuming it) and each of its pod templates that names
+no queue gets the label gpunode.io/queue with its queue, so its pods are gated as governed pods. A Job
+that a JobSet owns is left as it comes (its JobSet is the one queued).
+
 The server is the HTTP layer's (gpunode.infra.http) over TLS. The certificate and key files are read
 again when they change (checked every `reload_s`; cert-manager renews them in place): a connection
 takes the newest good pair at its handshake, and a pair that cannot be used is logged, one line, and
@@ -33,6 +39,14 @@ from aiohttp import web
 from gpunode.cluster.extender.pods import request_from_pod
 from gpunode.cluster.extender.queued import queue_of
 from gpunode.cluster.queuectl.gates import add_gate_patch
+from gpunode.cluster.queuectl.workloads import (
+    JOB,
+    JOBSET,
+    controller_owner,
+    template_label_patch,
+    workload_of,
+)
+from gpunode.cluster.queueing.config import NamespaceMap, QueueConfig
 from gpunode.contract.names import ADMISSION_WEBHOOK_PATH
 from gpunode.errors import GpunodeError, InvalidRequest, TlsConfigError
 from gpunode.infra.http import HttpServer, server_tls_context
@@ -55,6 +69,26 @@ def governed(pod: Mapping[str, Any], namespaces: Mapping[str, str]) -> bool:
         return True
 
 
+WORKLOAD_KINDS = {("batch", JOB): JOB, ("jobset.x-k8s.io", JOBSET): JOBSET}
+
+
+def suspend_patch(obj: Mapping[str, Any], kind: str, namespaces: Mapping[str, str]) -> list[dict[str, Any]]:
+    """The JSON patch that creates a governed Job or JobSet suspended, its pod templates labelled with its
+    queue; [] when it is not governed (or is a JobSet's Job)."""
+    if kind == JOB and controller_owner(obj, JOBSET) is not None:
+        return []
+    routing = NamespaceMap(namespaces)
+    routing.kueue_label = bool(getattr(namespaces, "kueue_label", False))
+    probe = QueueConfig(queues={}, namespaces=routing)  # which queue it names is all that is read here
+    w = workload_of(obj, kind, probe, {})
+    if w is None:
+        return []
+    ops: list[dict[str, Any]] = []
+    if (obj.get("spec") or {}).get("suspend") is not True:
+        ops.append({"op": "add", "path": "/spec/suspend", "value": True})
+    return ops + template_label_patch(obj, kind, w.queue)
+
+
 def review_response(review: Any, namespaces: Mapping[str, str]) -> dict[str, Any]:
     """The AdmissionReview answering `review`; InvalidRequest (one line) when it is not one."""
     if not isinstance(review, Mapping) or review.get("apiVersion") != REVIEW_VERSION:
@@ -71,6 +105,17 @@ def review_response(review: Any, namespaces: Mapping[str, str]) -> dict[str, Any
         meta.setdefault("namespace", request.get("namespace") or "default")  # absent at creation
         seen = {**pod, "metadata": meta}
         if governed(seen, namespaces) and (patch := add_gate_patch(pod)):
+            response["patchType"] = "JSONPatch"
+            response["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
+    workload = (
+        WORKLOAD_KINDS.get((str(kind.get("group")), str(kind.get("kind"))))
+        if isinstance(kind, Mapping)
+        else None
+    )
+    if workload and request.get("operation") == "CREATE" and isinstance(pod, Mapping):
+        meta = dict(pod.get("metadata") or {})
+        meta.setdefault("namespace", request.get("namespace") or "default")
+        if patch := suspend_patch({**pod, "metadata": meta}, workload, namespaces):
             response["patchType"] = "JSONPatch"
             response["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
     return {"apiVersion": REVIEW_VERSION, "kind": "AdmissionReview", "response": response}

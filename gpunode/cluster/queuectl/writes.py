@@ -1,5 +1,5 @@
-"""What a reconcile asks the API server for: annotations (with their Events), releases of gated pods and
-evictions, by pod. No I/O."""
+"""What a reconcile asks the API server for: patches of Jobs and JobSets (admission by resuming, suspension,
+notices), annotations (with their Events), releases of gated pods and evictions, by pod. No I/O."""
 
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ class Release:
 class Actions:
     """What one reconcile asks the API server for, in this order."""
 
+    patch: list[Patch] = field(default_factory=list)  # Jobs and JobSets: first, each alone
     annotate: list[Annotate] = field(default_factory=list)
     release: list[Release] = field(default_factory=list)  # after every annotation of the same job is written
     evict: list[PodRef] = field(default_factory=list)
@@ -60,3 +61,34 @@ class Actions:
 def ref(m: QueuedPod) -> PodRef:
     """The pod to write to for a queued pod."""
     return PodRef(m.namespace, m.name, m.uid)
+
+
+@dataclass(frozen=True)
+class WorkloadRef:
+    """One Job or JobSet to write to."""
+
+    kind: str  # "Job" | "JobSet"
+    api_version: str
+    namespace: str
+    name: str
+    uid: str
+
+    @property
+    def key(self) -> str:
+        """Kind namespace/name."""
+        return f"{self.kind} {self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One merge patch of a Job or JobSet: annotations (None removes one) and spec.suspend (None: left as it
+    is), in one write; then an Event about it when given, and for a Job the condition `condition`
+    (type QueueRefused: reason, message) on its status."""
+
+    target: WorkloadRef
+    annotations: Mapping[str, str | None]
+    suspend: bool | None = None
+    event: tuple[str, str] | None = None
+    warning: bool = False
+    job: str = ""
+    condition: tuple[str, str] | None = None

@@ -8,7 +8,8 @@ API:
     QueueConfig.ancestors(name), .leaves_under(name), .limit(name)
     QueueConfig.fair_share (FairShareSettings), .preemption (PreemptionSettings), .backfill
     (BackfillSettings), .gang_timeout_s, .energy_weight, .placement_policy
-    QueueConfig.namespaces: dict[str, str]          namespace -> the leaf queue its unlabelled pods wait in
+    QueueConfig.namespaces: NamespaceMap            namespace -> the leaf queue its unlabelled pods wait in
+                                                    (.kueue_label: kueue.queueNameLabel, see NamespaceMap)
     QueueSpec: name, parent, children, guarantee (Amounts), weight, borrow_limit (Amounts | None),
     priority, where
 
@@ -131,6 +132,15 @@ class OrderSettings:
     shift_max_s: float = 0.0
 
 
+class NamespaceMap(dict[str, str]):
+    """`namespaces:` (namespace -> leaf queue), and `kueue.queueNameLabel`: whether the label
+    kueue.x-k8s.io/queue-name on a pod, Job or JobSet names the gpunode queue of that name (gpunode's own
+    label wins when both are there). Both say which queue an object waits in, so every reader of the map
+    (the controller, its webhook, the extender's QueueNamespaces) reads them together."""
+
+    kueue_label: bool = False
+
+
 @dataclass(frozen=True)
 class QueueConfig:
     """A validated queue configuration (see the module docstring)."""
@@ -143,7 +153,7 @@ class QueueConfig:
     gang_timeout_s: float = 1800.0
     energy_weight: float = 0.0
     placement_policy: str = "gpunode"
-    namespaces: dict[str, str] = field(default_factory=dict)
+    namespaces: NamespaceMap = field(default_factory=NamespaceMap)
 
     @cached_property
     def leaves(self) -> tuple[str, ...]:
@@ -268,7 +278,10 @@ def parse_queue_config(data: object, where: str) -> QueueConfig:
     placement = top.section("placement")
     policy = placement.choice("policy", BATCH_POLICIES, "gpunode")
     placement.finish()
-    namespaces = read_namespaces(top, {n: q.children for n, q in queues.items()})
+    namespaces = NamespaceMap(read_namespaces(top, {n: q.children for n, q in queues.items()}))
+    kueue = top.section("kueue")
+    namespaces.kueue_label = kueue.flag("queueNameLabel", False)
+    kueue.finish()
     top.finish()
     return QueueConfig(
         queues=queues,

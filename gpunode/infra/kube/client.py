@@ -260,6 +260,29 @@ class KubeClient:
             what=f"delete {resource.__name__.lower()} {name}",
         )
 
+    async def patch_json(
+        self,
+        resource: type[Any],
+        name: str,
+        body: Mapping[str, Any],
+        *,
+        namespace: str | None = None,
+        subresource: str = "",
+        content_type: str = MERGE_PATCH,
+    ) -> None:
+        """Patch an object (a JSON merge patch unless `content_type` says otherwise; `subresource`: status)."""
+        path = f"{resource_path(resource, namespace)}/{quote(name, safe='')}"
+        if subresource:
+            path += f"/{subresource}"
+        where = f"{namespace}/{name}" if namespace else name
+        await self.transport.request(
+            "PATCH",
+            path,
+            body=dict(body),
+            content_type=content_type,
+            what=f"patch {resource.__name__.lower()}{f' {subresource}' if subresource else ''} {where}",
+        )
+
     # -- pods ------------------------------------------------------------------------------
 
     async def get_pod(self, namespace: str, name: str) -> PodInfo:

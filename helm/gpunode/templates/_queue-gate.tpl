@@ -1,7 +1,8 @@
 {{/*
 One webhook entry of the MutatingWebhookConfiguration <fullname>-queue-webhook (queue-gate.yaml), all
 but its selector; call with (dict "name" <Service> "namespace" <ns> "caBundle" <base64 PEM> "g" .Values.queue.gate).
-Pod creations only: the gate can be added at creation and never after.
+Pod creations (the gate can be added at creation and never after), and Job and JobSet creations (a
+governed one is created suspended, its pod templates labelled with its queue).
 */}}
 {{- define "gpunode.queueGateHook" -}}
 admissionReviewVersions: ["v1"]
@@ -15,6 +16,16 @@ rules:
     apiVersions: ["v1"]
     operations: ["CREATE"]
     resources: ["pods"]
+    scope: Namespaced
+  - apiGroups: ["batch"]
+    apiVersions: ["v1"]
+    operations: ["CREATE"]
+    resources: ["jobs"]
+    scope: Namespaced
+  - apiGroups: ["jobset.x-k8s.io"]
+    apiVersions: ["v1alpha2"]
+    operations: ["CREATE"]
+    resources: ["jobsets"]
     scope: Namespaced
 clientConfig:
   service:

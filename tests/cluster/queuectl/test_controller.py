@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from lightkube.resources.core_v1 import Node, Pod
 
-from gpunode.cluster.queuectl.controller import QueueController
+from gpunode.cluster.queuectl.controller import WATCHED, QueueController
 from gpunode.cluster.queuectl.core import QueueCore
 from gpunode.contract.names import (
     NODE_STATE_ANNOTATION,
@@ -191,7 +191,7 @@ def test_no_write_is_sent_after_the_lead_is_lost_among_concurrent_writes(api: Ap
         pods, _ = await ctl.client.list_json(Pod)
         nodes, _ = await ctl.client.list_json(Node)
         ctl.core.replace_all(pods, nodes)
-        ctl._synced = {"pods", "nodes"}
+        ctl._synced = set(WATCHED)
         try:
             actions = await ctl.reconcile_once()
         finally:
