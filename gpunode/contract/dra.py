@@ -35,6 +35,7 @@ SHARING_WHOLE, SHARING_SHARED, SHARING_MIG = "whole", "shared", "mig"
 # -- capacities ------------------------------------------------------------------------------------
 
 CAPACITY_MEMORY = "memory"  # bytes: a GPU's framebuffer, or a MIG profile's
+CAPACITY_COMPUTE = "compute"  # milli-GPU (1000 is the whole GPU): a shared device's compute shares
 
 # -- shared counters of one GPU (partitionable devices) --------------------------------------------
 

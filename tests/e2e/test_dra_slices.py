@@ -58,16 +58,24 @@ NODES = {
     "whole": "e2e-dra-t4-whole",
     "mig": "e2e-dra-a100",
     "xid": "e2e-dra-t4-xid",
+    "compute": "e2e-dra-t4-compute",
 }
 
 
 def claim_body(
-    name: str, device_class: str, *, memory: str | None = None, cel: str | None = None
+    name: str,
+    device_class: str,
+    *,
+    memory: str | None = None,
+    cel: str | None = None,
+    compute: str | None = None,
 ) -> dict[str, Any]:
     """A ResourceClaim with one request of one device of `device_class`."""
     exactly: dict[str, Any] = {"deviceClassName": device_class}
     if memory is not None:
         exactly["capacity"] = {"requests": {names.CAPACITY_MEMORY: memory}}
+    if compute is not None:
+        exactly.setdefault("capacity", {"requests": {}})["requests"][names.CAPACITY_COMPUTE] = compute
     if cel is not None:
         exactly["selectors"] = [{"cel": {"expression": cel}}]
     return {
@@ -253,6 +261,7 @@ def dra(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -
         "shared": t4.gpus()[0],
         "whole": t4.gpus()[1],
         "mig": a100.gpus()[0],
+        "compute": t4.gpus()[2],
     }
     agents: list[Agent] = []
     for key, gpu in gpus.items():
@@ -305,6 +314,10 @@ def test_the_api_server_accepts_the_slices_and_classes(dra: dict[str, Any]) -> N
         gpu_device_name(dra["gpus"]["shared"].uuid) + "-shared",
     ]
     assert shared[1]["allowMultipleAllocations"] is True
+    # The compute share capacity as the API server stored it (it validated the policy).
+    compute = shared[1]["capacity"][names.CAPACITY_COMPUTE]
+    assert parse_quantity(compute["value"], where="compute") == 1000  # the server writes "1k"
+    assert compute["requestPolicy"]["validRange"]["min"] == "0"
     whole = api.get(f"{RESOURCE}/deviceclasses/{names.CLASS_WHOLE}")
     assert whole["spec"]["extendedResourceName"] == "nvidia.com/gpu"
 
@@ -361,6 +374,30 @@ def test_two_claims_share_one_gpu_and_a_third_that_would_exceed_it_waits(dra: di
         f"/api/v1/namespaces/{NAMESPACE}/pods", pod_with_claim("pod-whole-on-shared", node, "whole-on-shared")
     )
     assert "cannot allocate all claims" in wait_unschedulable(api, "pod-whole-on-shared")
+
+
+def test_compute_shares_asked_of_one_gpu_stay_within_it(dra: dict[str, Any]) -> None:
+    """600 and then 500 milli-GPU of one T4: the second does not fit and stays Pending with kube-scheduler's
+    reason; a claim that asks no compute still fits (it reserves none: its share follows its memory)."""
+    api: Api = dra["admin"]
+    node = NODES["compute"]
+    for claim, compute in (("compute-a", "600"), ("compute-b", "500"), ("compute-none", None)):
+        api.create(
+            f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaims",
+            claim_body(claim, names.CLASS_SHARED, memory="1Gi", compute=compute),
+        )
+    api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", pod_with_claim("pod-compute-a", node, "compute-a"))
+    wait_scheduled(api, "pod-compute-a")
+    consumed = allocation(api, "compute-a")["devices"]["results"][0]["consumedCapacity"]
+    assert parse_quantity(consumed[names.CAPACITY_COMPUTE], where="compute") == 600
+    api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", pod_with_claim("pod-compute-b", node, "compute-b"))
+    assert "cannot allocate all claims" in wait_unschedulable(api, "pod-compute-b")
+    api.create(
+        f"/api/v1/namespaces/{NAMESPACE}/pods", pod_with_claim("pod-compute-none", node, "compute-none")
+    )
+    wait_scheduled(api, "pod-compute-none")
+    consumed = allocation(api, "compute-none")["devices"]["results"][0]["consumedCapacity"]
+    assert parse_quantity(consumed.get(names.CAPACITY_COMPUTE, "0"), where="compute") == 0
 
 
 def test_a_mig_claim_takes_a_placement_and_profiles_that_no_longer_fit_are_not_offered(

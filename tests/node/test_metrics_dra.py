@@ -82,8 +82,16 @@ class Node:
             with_device_nodes=False,
         )
 
-    def prepare(self, name: str, device: str, memory: str | None, namespace: str = "team-a") -> ClaimDevice:
-        """Allocate and prepare a claim of one device; the device as the kubelet then lists it."""
+    def prepare(
+        self,
+        name: str,
+        device: str,
+        memory: str | None,
+        namespace: str = "team-a",
+        compute: str | None = None,
+    ) -> ClaimDevice:
+        """Allocate and prepare a claim of one device (consuming `compute` too, when given); the device
+        as the kubelet then lists it."""
         body = claim_body(
             name,
             namespace=namespace,
@@ -92,6 +100,8 @@ class Node:
             pool=HOST,
             share=new_uid() if memory is not None else None,
         )
+        if compute is not None:
+            body["status"]["allocation"]["devices"]["results"][0]["consumedCapacity"]["compute"] = compute
         self.claims[(namespace, name)] = body
         meta = body["metadata"]
         prepared = asyncio.run(self.preparer.prepare(ClaimRef(namespace, meta["uid"], name)))

@@ -17,6 +17,7 @@ from typing import Any
 
 from gpunode.contract import dra as names
 from gpunode.contract import quantity
+from gpunode.contract.names import MILLI_PER_GPU
 from gpunode.contract.reader import excerpt, format_bytes
 from gpunode.errors import ClaimRefused, QuantityError
 
@@ -28,6 +29,7 @@ MAX_OPAQUE_BYTES = 10 * 1024  # the API server's own bound on opaque parameters
 OPAQUE_API_VERSION = "gpunode.io/v1alpha1"
 OPAQUE_KIND = "GpuConfig"
 MEMORY_CAPACITY = names.CAPACITY_MEMORY  # the capacity a shared device's claims consume
+COMPUTE_CAPACITY = names.CAPACITY_COMPUTE  # and their compute share, in milli-GPU
 
 MAX_QUANTITY_BYTES = 2**63 - 1
 
@@ -68,6 +70,7 @@ class PlannedDevice:
     gpu_uuid: str
     memory_bytes: int | None  # the cap (consumed capacity); None: the whole GPU, uncapped
     mig_uuid: str | None = None  # a MIG placement: the MIG device it is prepared as (set by prepare)
+    compute_milli: int | None = None  # a share's consumedCapacity.compute; None: not asked (0)
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,7 @@ class ClaimPlan:
                     "gpu": d.gpu_uuid,
                     "memory": d.memory_bytes,
                     "mig": d.mig_uuid,
+                    "compute": d.compute_milli,
                 }
                 for d in self.devices
             ],
@@ -113,6 +117,7 @@ class ClaimPlan:
                     gpu_uuid=str(d["gpu"]),
                     memory_bytes=None if d["memory"] is None else int(d["memory"]),
                     mig_uuid=None if d.get("mig") is None else str(d["mig"]),
+                    compute_milli=None if d.get("compute") is None else int(d["compute"]),
                 )
                 for d in data["devices"]
             ),
@@ -293,8 +298,9 @@ def plan_claim(
                 f"{format_bytes(total)}",
                 hint="ask for at most the GPU's memory, or for the whole GPU",
             )
+        compute = _consumed_compute(result, driver, where) if shared else None
         fail_open = _config(configs, request, ref, fail_open)
-        planned.append(PlannedDevice(request, pool, name, share, info.gpu_uuid, memory))
+        planned.append(PlannedDevice(request, pool, name, share, info.gpu_uuid, memory, None, compute))
     return ClaimPlan(ref, tuple(planned), fail_open)
 
 
@@ -327,6 +333,28 @@ def _mig_placement(info: DeviceInfo, mig_device: Any, where: str) -> str:
             hint="gpunode does not create MIG instances: partition the GPU so that the instance exists "
             "(nvidia-smi mig -cgi ... -C), or select a placement of an existing instance",
         ) from None
+
+
+def _consumed_compute(result: Mapping[str, Any], driver: str, where: str) -> int | None:
+    """The compute share a shared device's result consumed, in milli-GPU; None when it asked none (0)."""
+    consumed = _mapping(result.get("consumedCapacity"), f"{where}.consumedCapacity")
+    for key in (COMPUTE_CAPACITY, f"{driver}/{COMPUTE_CAPACITY}"):
+        if key in consumed:
+            value = consumed[key]
+            at = f"{where}.consumedCapacity.{key}"
+            if not isinstance(value, str):
+                raise ClaimRefused(f"{at}: expected a quantity such as 250, got {excerpt(value)}")
+            try:
+                milli = quantity.ceil(quantity.parse_quantity(value, where=at))
+            except QuantityError as exc:
+                raise ClaimRefused(str(exc)) from None
+            if not 0 <= milli <= MILLI_PER_GPU:
+                raise ClaimRefused(
+                    f"{at}: a compute share is 0 to {MILLI_PER_GPU} milli-GPU, got {excerpt(value)}",
+                    hint=f"ask capacity.requests.compute in thousandths of the GPU ({MILLI_PER_GPU} is all of it)",
+                )
+            return milli or None
+    return None
 
 
 def _consumed(result: Mapping[str, Any], driver: str, where: str) -> int | None:

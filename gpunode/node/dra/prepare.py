@@ -36,6 +36,7 @@ from gpunode.node.dra.checkpoint import PREPARED, PREPARING, ClaimCheckpoint, Cl
 from gpunode.node.dra.claims import ClaimPlan, ClaimRef, check_uid, plan_claim
 from gpunode.node.dra.devices import DeviceDirectory
 from gpunode.node.dra.slices import mig_instance_slices, mig_table
+from gpunode.node.memcap.compute import set_compute_share, share_from_memory
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,16 @@ def mig_device(gpu: Gpu, profile: str, start: int) -> str:
             return uuid
         have.append(f"{mig.profile} at {cells.start}")
     raise ValueError(f"GPU {gpu.uuid} has no such instance (its instances: {', '.join(have) or 'none'})")
+
+
+def compute_share(plan: ClaimPlan, caps: Sequence[memcap.DeviceCap]) -> int:
+    """The claim's compute share in milli-GPU, written into its region: what it asked of its shared
+    devices (consumedCapacity.compute, reserved by the scheduler), else proportional to its memory share.
+    A region has one share for all its GPUs: the largest of theirs."""
+    asked = [d.compute_milli for d in plan.devices if d.compute_milli is not None]
+    if asked:
+        return max(asked)
+    return max(share_from_memory(c.limit_bytes, c.device_total_bytes) for c in caps)
 
 
 def region_key(uid: str) -> str:
@@ -235,6 +246,7 @@ class Preparer:
             cap_spec = None
             if key is not None:
                 region = memcap.replace_region(self.regions_root, key, devices=caps, fail_open=plan.fail_open)
+                set_compute_share(region, compute_share(plan, caps))
                 cap_spec = memcap.container_spec(
                     region,
                     preload_lib=self.preload_lib,

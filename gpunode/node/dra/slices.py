@@ -43,6 +43,7 @@ from typing import Any
 from lightkube.resources.resource_v1 import ResourceSlice
 
 from gpunode.contract import dra as names
+from gpunode.contract.names import MILLI_PER_GPU
 from gpunode.errors import GpunodeError, KubeConflict, KubeNotFound
 from gpunode.infra.kube import KubeClient
 from gpunode.node.devices.base import Gpu
@@ -298,7 +299,13 @@ def _gpu_devices(
                     names.CAPACITY_MEMORY: {
                         "value": str(units * unit_bytes),
                         "requestPolicy": {"default": step, "validRange": {"min": step, "step": step}},
-                    }
+                    },
+                    # A claim that asks no compute reserves none; it runs with a share proportional
+                    # to its memory (gpunode.node.dra.prepare). One that asks reserves it.
+                    names.CAPACITY_COMPUTE: {
+                        "value": str(MILLI_PER_GPU),
+                        "requestPolicy": {"default": "0", "validRange": {"min": "0", "step": "1"}},
+                    },
                 },
                 "consumesCounters": consumes,
             }
