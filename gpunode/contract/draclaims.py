@@ -11,9 +11,9 @@ kube-scheduler writes a claim's allocation (resource.k8s.io/v1) as results, one 
 
 The agent (ordering its slice's devices by what is in use, gpunode.node.dra.order) and the cluster side (the
 extender's and the queue controller's view of each GPU, gpunode.cluster.extender.claims) read them through
-claim_uses() and pool_usage(), so both count the same. The pool is the node's name and the device names are
-the agent's (slices.py): `<gpu>` held whole, `<gpu>-shared` shared by memory, `<gpu>-mig-...` a MIG
-placement.
+claim_uses() and pool_usage(), so both count the same. The pool is the node's name; the device names are
+made here (gpu_device_name and the suffixes, which the agent's slices use): `<gpu>` held whole,
+`<gpu>-shared` shared by memory, `<gpu>-mig-...` a MIG placement.
 
 Claims come from tenants, and the status from whoever may write it: every field is checked and bounded
 before it is used. A result that is not ours (another driver) is skipped; one of ours that is malformed
@@ -25,6 +25,7 @@ usage is a sum of bounded numbers (callers clamp it to the GPU's capacity). Pure
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -38,6 +39,32 @@ MAX_MEMORY_BYTES = 2**50  # 1 PiB: no GPU has more
 MEMORY = "memory"  # the capacity the shared device is taken by (gpunode.contract.dra.CAPACITY_MEMORY)
 _LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a device name
 _SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a pool (node) or driver name
+
+
+_GPU_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?")  # room for the suffixes within 63
+
+
+def gpu_device_name(uuid: str) -> str:
+    """The whole GPU's device name: its UUID in lower case (a DNS label), or a digest of it otherwise.
+    Every other device of the GPU is named `<this>-<suffix>` (`-shared`, `-mig-<profile>-<start>`)."""
+    lower = uuid.lower()
+    if _GPU_NAME.fullmatch(lower):
+        return lower
+    return "gpu-" + hashlib.sha256(uuid.encode()).hexdigest()[:32]
+
+
+def shared_device_name(uuid: str) -> str:
+    """The device several claims take memory shares of."""
+    return f"{gpu_device_name(uuid)}-shared"
+
+
+def gpu_of_device(device: str, uuids: Iterable[str]) -> str | None:
+    """Which of these GPUs (UUIDs) a device of gpunode's pool belongs to; None for none of them."""
+    for uuid in uuids:
+        base = gpu_device_name(uuid)
+        if device == base or device.startswith(base + "-"):
+            return uuid
+    return None
 
 
 @dataclass(frozen=True)

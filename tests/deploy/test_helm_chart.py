@@ -515,12 +515,22 @@ def granted(out: Rendered, role: str) -> dict[str, set[str]] | None:
         return None
     result: dict[str, set[str]] = {}
     for rule in roles[0]["rules"]:
-        # Core group only: gpunode/infra/kube/client.py posts Events to /api/v1, not events.k8s.io.
-        assert rule["apiGroups"] == [""], rule
+        # Core group only (gpunode/infra/kube/client.py posts Events to /api/v1, not events.k8s.io), but for
+        # the DRA claims the extender watches (named "resourceclaims.resource.k8s.io" here).
+        assert rule["apiGroups"] == [""] or rule == DRA_CLAIMS_RULE, rule
         assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
+        group = "." + rule["apiGroups"][0] if rule["apiGroups"] != [""] else ""
         for res in rule["resources"]:
-            result.setdefault(res, set()).update(rule["verbs"])
+            result.setdefault(res + group, set()).update(rule["verbs"])
     return result
+
+
+DRA_CLAIMS_RULE = {
+    "apiGroups": ["resource.k8s.io"],
+    "resources": ["resourceclaims"],
+    "verbs": ["list", "watch"],
+}
+CLAIMS = {"resourceclaims.resource.k8s.io": {"list", "watch"}}  # what DRA claims hold (extender/claims.py)
 
 
 ALWAYS, WITH_DELETE = documented_agent_rules()
@@ -584,13 +594,15 @@ def extender_parser() -> argparse.ArgumentParser:
 @pytest.mark.parametrize(
     ("values", "api_rules"),
     [
-        pytest.param(VALUE_SETS["extender-plain-http"], {"nodes": {"list"}}, id="plain-http-list-nodes"),
-        pytest.param(VALUE_SETS["extender-on"], {"pods": {"get"}}, id="read-pods"),
-        pytest.param(VALUE_SETS["extender-defaults"], {"nodes": {"list"}, "pods": {"get"}}, id="defaults"),
+        pytest.param(VALUE_SETS["extender-plain-http"], {"nodes": {"list"}, **CLAIMS}, id="plain-http-list-nodes"),
+        pytest.param(VALUE_SETS["extender-on"], {"pods": {"get"}, **CLAIMS}, id="read-pods"),
+        pytest.param(VALUE_SETS["extender-defaults"], {"nodes": {"list"}, "pods": {"get"}, **CLAIMS}, id="defaults"),
         pytest.param(VALUE_SETS["extender-bind-node-cache"],
-                     {"pods": {"get", "patch"}, "pods/binding": {"create"}, "nodes": {"list"}}, id="bind-and-node-cache"),
+                     {"pods": {"get", "patch"}, "pods/binding": {"create"}, "nodes": {"list"}, **CLAIMS},
+                     id="bind-and-node-cache"),
         pytest.param(VALUE_SETS["extender-cert-manager"],
-                     {"pods": {"get", "patch"}, "pods/binding": {"create"}, "nodes": {"list"}}, id="cert-manager"),
+                     {"pods": {"get", "patch"}, "pods/binding": {"create"}, "nodes": {"list"}, **CLAIMS},
+                     id="cert-manager"),
     ],
 )  # fmt: skip
 def test_extender_deployment_service_and_scheduler_configuration(
@@ -842,6 +854,7 @@ def test_extender_ha_renders_a_leader_service_a_budget_and_the_rights_to_elect(t
         "pods": {"get", "list", "patch"},
         "pods/binding": {"create"},
         "nodes": {"list"},
+        **CLAIMS,
     }
     # The extender's own CLI takes the arguments, with the pod's name and namespace from the environment.
     (container,) = deployment["spec"]["template"]["spec"]["containers"]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gpunode.cluster.extender.binding import DEFAULT_SCHEDULER
+from gpunode.cluster.extender.claims import ClaimView
 from gpunode.cluster.extender.core import Extender, ExtenderConfig
 from gpunode.cluster.extender.ha import HighAvailability
 from gpunode.cluster.extender.kubeapi import (
@@ -30,6 +31,7 @@ from gpunode.cluster.extender.server import (
 )
 from gpunode.cluster.extender.workload import WorkloadTracker
 from gpunode.cluster.queuemark import load_mark_key
+from gpunode.contract.dra import DEFAULT_DRIVER
 from gpunode.contract.names import EXTENDER_ROLE_LABEL, GIB, NODE_SERIES_LABEL
 from gpunode.contract.reader import parse_bytes, parse_duration
 from gpunode.errors import ConfigError, GpunodeError, PlacementError
@@ -154,6 +156,12 @@ def register_extender_cli(
     )
     p.add_argument("--kube-ca-file", type=Path, help=f"CA bundle (default {SERVICE_ACCOUNT_DIR}/ca.crt)")
     p.add_argument("--node-refresh", default="0s", help="list nodes this often for NodeNames mode (0 = off)")
+    p.add_argument(
+        "--dra-driver",
+        default=DEFAULT_DRIVER,
+        help="with --kube-api, watch ResourceClaims and count what this DRA driver's claims hold of GPUs "
+        "served through DRA ('' = off)",
+    )
     p.add_argument(
         "--leader-elect",
         action="store_true",
@@ -472,6 +480,9 @@ def run_extender_cli(args: argparse.Namespace) -> int:
                     refresh_nodes_periodically(api=api, extender=extender, interval_s=refresh_s)
                 )
             )
+        if api is not None and args.dra_driver:  # what DRA claims hold of the `dra` GPUs
+            extender.nodes.dra = ClaimView(args.dra_driver)
+            tasks.append(asyncio.create_task(extender.nodes.dra.run(api.client)))
         stopping = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait([stopping, *tasks], return_when=asyncio.FIRST_COMPLETED)
         for t in (stopping, *tasks):

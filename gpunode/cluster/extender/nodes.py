@@ -54,6 +54,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gpunode.cluster.extender.claims import ClaimView
 from gpunode.cluster.extender.pods import _ceil, parse_quantity
 from gpunode.contract.nodestate import (
     ANNOTATION_KEY,
@@ -145,6 +146,7 @@ class NodeCache:
         self._capacity: dict[str, NodeCapacity] = {}  # what each cached node offers empty (node pressure)
         self.capacity_version = 0  # moves whenever _capacity changes
         self.forgotten = 0  # nodes dropped by the TTL or the node bound, in all
+        self.dra: ClaimView | None = None  # what DRA claims hold of `dra` GPUs, when they are watched
 
     def view(self, node: object) -> NodeView:
         """Decode (or reuse) one v1.Node; never raises for a bad node, the reason says what is wrong."""
@@ -207,7 +209,7 @@ class NodeCache:
             )
             return replace(view, state=None, reason=reason)
         if self.max_age_s is None:
-            return view
+            return self._with_dra(view)
         age = now - view.annotation.updated
         if age > self.max_age_s:
             reason = (
@@ -223,7 +225,13 @@ class NodeCache:
                 f"{view.name} running and publishing?"
             )
             return replace(view, state=None, reason=reason)
-        return view
+        return self._with_dra(view)
+
+    def _with_dra(self, view: NodeView) -> NodeView:
+        """The view with what DRA claims hold of its `dra` GPUs (ClaimView), when the extender watches them."""
+        if self.dra is None or view.state is None:
+            return view
+        return replace(view, state=self.dra.apply(view.state))
 
     def _set_capacity(self, name: str, state: NodeState | None) -> None:
         """Record what the node offers empty (one GPU model per node; others get no node pressure)."""

@@ -43,6 +43,7 @@ from typing import Any
 from lightkube.resources.resource_v1 import ResourceSlice
 
 from gpunode.contract import dra as names
+from gpunode.contract.draclaims import gpu_device_name, shared_device_name  # the names both sides read
 from gpunode.contract.names import MILLI_PER_GPU
 from gpunode.errors import GpunodeError, KubeConflict, KubeNotFound
 from gpunode.infra.kube import KubeClient
@@ -57,7 +58,6 @@ MAX_DEVICES_PER_SLICE = 64  # with taints or counters (ResourceSliceMaxDevicesWi
 MAX_COUNTER_SETS_PER_SLICE = 8  # ResourceSliceMaxCounterSets
 CONTENT_ANNOTATION = "gpunode.io/slice-content"  # sha256 of what the agent wrote, generation aside
 DEBOUNCE_S = 0.05
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?")
 
 # CUDA compute capability by architecture, with the models that differ from their architecture's.
 _CAPABILITY = {
@@ -77,19 +77,6 @@ _MIG_TABLE_BY_MODEL = (("A100", 60, "a100-80gb"), ("A100", 0, "a100-40gb"), ("H1
 
 
 # -- names -------------------------------------------------------------------------------------------
-
-
-def gpu_device_name(uuid: str) -> str:
-    """The whole GPU's device name: its UUID in lower case (a DNS label), or a digest of it otherwise."""
-    lower = uuid.lower()
-    if _DNS_LABEL.fullmatch(lower):
-        return lower
-    return "gpu-" + hashlib.sha256(uuid.encode()).hexdigest()[:32]
-
-
-def shared_device_name(uuid: str) -> str:
-    """The device several claims take memory shares of."""
-    return f"{gpu_device_name(uuid)}-shared"
 
 
 def mig_device_name(uuid: str, profile: str, start: int) -> str:
