@@ -42,10 +42,12 @@ from gpunode.config.reader import load_yaml
 from gpunode.config.sharing import (
     DEVICE_ID_STRATEGIES,
     DEVICE_LIST_STRATEGIES,
+    ComputeShareCheck,
     Fractional,
     PluginFlags,
     SharedResource,
     TimeSlicing,
+    parse_compute_share_check,
     parse_fractional,
     parse_plugin_flags,
     parse_replica_cap,
@@ -107,6 +109,7 @@ class Config:
     remediation: RemediationConfig = field(default_factory=RemediationConfig)
     idle: IdleConfig = field(default_factory=IdleConfig)  # flag pods whose GPUs stay idle (node.idle)
     dra: DraConfig = field(default_factory=DraConfig)  # the DRA kubelet plugin (node.dra); off by default
+    compute_share: ComputeShareCheck = field(default_factory=ComputeShareCheck)  # gpunode.computeShare
     # Setting -> the environment variable or flag that set it (settings from the file are absent).
     origins: Mapping[str, str] = field(default_factory=dict)
 
@@ -260,6 +263,7 @@ def _parse_gpunode(own: SectionReader, cfg: Config) -> Config:
         remediation=parse_remediation_config(own.raw("remediation", {}), own.key_path("remediation")),
         idle=parse_idle_config(own.raw("idle", {}), own.key_path("idle")),
         dra=parse_dra_config(own.raw("dra", {}), own.key_path("dra")),
+        compute_share=parse_compute_share_check(own.raw("computeShare", {}), own.key_path("computeShare")),
     )
     check_exclusive(cfg.dra, cfg.fractional.devices, [r.devices for r in cfg.time_slicing.resources])
     own.finish()

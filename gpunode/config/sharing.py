@@ -421,3 +421,35 @@ def parse_sharing(sharing: SectionReader) -> TimeSlicing:
         result = TimeSlicing()
     sharing.finish()
     return result
+
+
+COMPUTE_FLAG_AFTER_S = (1.0, 86400.0)  # gpunode.computeShare.flagAfter: 1s..1d
+COMPUTE_INTERVAL_S = (0.2, 60.0)  # gpunode.computeShare.interval: 200ms..1min
+COMPUTE_TOLERANCE_POINTS = (1.0, 50.0)  # gpunode.computeShare.tolerance, percentage points
+
+
+@dataclass(frozen=True)
+class ComputeShareCheck:
+    """gpunode.computeShare: the agent's cross-check of each pod's compute share against the driver's
+    per-process figures (gpunode.node.allocation.sharecheck)."""
+
+    interval_s: float = 2.0  # one window of the check
+    flag_after_s: float = 30.0  # above its hard share (or under-reporting) this long in a row: flagged
+    tolerance: float = 0.05  # a ratio of the GPU: measurement noise allowed above the share
+    evict: bool = False  # a flagged pod above its hard share is also evicted (policy/v1)
+
+
+def parse_compute_share_check(data: object, where: str) -> ComputeShareCheck:
+    """Validate the `gpunode.computeShare` section (a mapping; missing or null means all defaults)."""
+    r = SectionReader(data, where)
+    lo, hi = COMPUTE_TOLERANCE_POINTS
+    check = ComputeShareCheck(
+        interval_s=r.duration("interval", 2.0, minimum=COMPUTE_INTERVAL_S[0], maximum=COMPUTE_INTERVAL_S[1]),
+        flag_after_s=r.duration(
+            "flagAfter", 30.0, minimum=COMPUTE_FLAG_AFTER_S[0], maximum=COMPUTE_FLAG_AFTER_S[1]
+        ),
+        tolerance=r.number("tolerance", 5.0, minimum=lo, maximum=hi) / 100.0,
+        evict=r.flag("evict", False),
+    )
+    r.finish()
+    return check

@@ -44,6 +44,7 @@ from gpunode.node.parts import (
     build_metrics,
     build_publisher,
     build_region_keeper,
+    build_share_check,
     check_kubelet_dir,
     check_state_dir,
     serve_sim_control,
@@ -108,6 +109,8 @@ class Agent:
         self.compute_shares: Any = (
             None  # gpunode.node.allocation.shares.ComputeShares, with the region keeper
         )
+        self.share_check: Any = None  # gpunode.node.allocation.sharecheck.ShareCheck, with the compute shares
+        self.proc_root = Path("/proc")  # where the share check reads each driver process's cgroup
         self.checkpoint = Checkpoint(config.state_dir)
         self.gate: Any = None  # gpunode.node.drain.SharingGate: reloads and rediscovery go through it
         self.dra: Any = None  # gpunode.node.dra.plugin.DraPlugin when gpunode.dra.enabled
@@ -265,6 +268,11 @@ class Agent:
                 self.config, self.checkpoint, self.assignments, self.publisher
             )
             sup.start("compute shares", self.compute_shares.run())
+            self.share_check = build_share_check(
+                self.config, self.backend, self.compute_shares, self.assignments, self.metrics, self.proc_root
+            )
+            if self.share_check is not None:
+                sup.start("compute-share check", self.share_check.run())
         idle = build_idle_watch(self.config, self.backend, self.state, self.metrics)
         if idle is not None:
             sup.start("idle GPU watch", idle.run())

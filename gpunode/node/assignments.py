@@ -151,6 +151,7 @@ class AssignmentBook:
         # "namespace/name" -> its gpunode.io/gpu-milli text, for every pod here that has one and has not
         # ended (read by gpunode.node.allocation.shares); on_compute_ask is called when it changes.
         self.compute_asks: dict[str, str] = {}
+        self.pod_uids: dict[str, str] = {}  # "namespace/name" -> UID of every pod here that has not ended
         self.on_compute_ask: Callable[[], None] | None = None
 
     # -- the pods, from the watch --------------------------------------------------------------
@@ -184,7 +185,7 @@ class AssignmentBook:
     def _note_compute_ask(self, event: WatchEvent[Pod]) -> None:
         pods = event.items if event.type == SYNC else [event.object] if event.object is not None else []
         if event.type == SYNC:
-            self.compute_asks = {}
+            self.compute_asks, self.pod_uids = {}, {}
         for pod in pods:
             meta = pod.metadata
             if meta is None or not meta.name:
@@ -192,10 +193,15 @@ class AssignmentBook:
             key = f"{meta.namespace or 'default'}/{meta.name}"
             text = (meta.annotations or {}).get(GPU_MILLI_ANNOTATION)
             phase = (pod.status.phase if pod.status else None) or "Pending"
-            if event.type == DELETED or text is None or phase in ("Succeeded", "Failed"):
+            ended = event.type == DELETED or phase in ("Succeeded", "Failed")
+            if ended or text is None:
                 self.compute_asks.pop(key, None)
             else:
                 self.compute_asks[key] = str(text)[:64]
+            if ended or not meta.uid:
+                self.pod_uids.pop(key, None)
+            else:
+                self.pod_uids[key] = meta.uid
 
     def _consider(self, pod: Pod, before: dict[str, PendingPod]) -> None:
         meta = pod.metadata

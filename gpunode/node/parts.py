@@ -130,6 +130,48 @@ def build_compute_shares(config: Config, checkpoint: Checkpoint, assignments: An
     return shares
 
 
+def build_share_check(
+    config: Config,
+    backend: Backend,
+    shares: Any,
+    assignments: Any,
+    metrics: Any,
+    proc_root: Path = Path("/proc"),
+) -> Any:
+    """The cross-check of each capped pod's compute share against the driver's per-process figures, with
+    its metrics; Events (and evictions) need API access (the assignment book's); None when the backend
+    cannot say what each process used."""
+    from gpunode.infra.kube import KubeClient
+    from gpunode.node.allocation.allocator import mps_region
+    from gpunode.node.allocation.sharecheck import ShareCheck
+    from gpunode.node.memcap.compute import DEFAULT_MODE, ComputeMode
+
+    if getattr(backend, "process_utilization", None) is None:
+        return None
+    rem_cfg = config.remediation
+    check = ShareCheck(
+        backend=backend,
+        shares=shares,
+        config=config.compute_share,
+        pod_uids=(lambda: assignments.pod_uids) if assignments is not None else dict,
+        api=(
+            (
+                lambda: KubeClient.from_environment(
+                    kubeconfig=rem_cfg.kubeconfig, request_timeout_s=rem_cfg.request_timeout_s
+                )
+            )
+            if assignments is not None
+            else None
+        ),
+        node_name=config.node_name,
+        mode_of=lambda rec: ComputeMode.HARD if mps_region(config, rec.resource) else DEFAULT_MODE,
+        proc_root=proc_root,
+    )
+    if metrics is not None:
+        metrics.registry.register(check.collector())
+    return check
+
+
 def build_publisher(config: Config, state: DeviceState) -> Any:
     """The node-state publisher (the Node's GPU-state annotation, for the scheduler extender),
     or None when publishing is off or the node has no name."""
@@ -254,6 +296,12 @@ def build_dra_plugin(config: Config, backend: Backend, state: DeviceState) -> An
         claim: dict[str, Any] = await client.get_json(ResourceClaim, ref.name, namespace=ref.namespace)
         return claim
 
+    async def fetch_pod(namespace: str, name: str) -> dict[str, Any]:
+        from lightkube.resources.core_v1 import Pod
+
+        pod: dict[str, Any] = await client.get_json(Pod, name, namespace=namespace)
+        return pod
+
     preparer = Preparer(
         config=config,
         fetch_claim=fetch,
@@ -265,6 +313,7 @@ def build_dra_plugin(config: Config, backend: Backend, state: DeviceState) -> An
         gpus=backend.gpus,
         preload_lib=stage_preload_library(config.state_dir),
         with_device_nodes=not backend.name.startswith("sim"),
+        fetch_pod=fetch_pod,
     )
     return DraPlugin(
         preparer=preparer,

@@ -15,10 +15,16 @@
  *
  * It prints "ready" once its context is up, and "ok launches=N" at the end.
  * COMPUTE_CLIENT_THREADS=N (default 1): N threads do the launching at once.
+ * COMPUTE_CLIENT_UNMAP_AFTER_MS=N: an attack. N ms after "ready", the process
+ * takes its usage file away from the interposer: every shared writable mapping
+ * of a file named "usage" is replaced in place by private zeroed memory, so
+ * the interposer goes on with a region nobody else sees.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -128,6 +134,30 @@ static void *work(void *arg)
     return NULL;
 }
 
+static void *unmap_region(void *arg)
+{
+    usleep((useconds_t)(long)arg * 1000);
+    FILE *maps = fopen("/proc/self/maps", "r");
+    if (!maps)
+        return NULL;
+    char line[4096];
+    int swapped = 0;
+    while (fgets(line, sizeof line, maps)) {
+        unsigned long lo, hi;
+        char perms[8];
+        const char *name = strrchr(line, '/');
+        if (sscanf(line, "%lx-%lx %7s", &lo, &hi, perms) != 3 || !name || strcmp(name, "/usage\n") != 0 ||
+            perms[3] != 's' || perms[1] != 'w')
+            continue;
+        if (mmap((void *)lo, hi - lo, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) !=
+            MAP_FAILED)
+            swapped++;
+    }
+    fclose(maps);
+    fprintf(stderr, "unmapped %d usage mapping(s)\n", swapped);
+    return NULL;
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 6) {
@@ -170,6 +200,12 @@ int main(int argc, char **argv)
     pthread_t ids[64];
     printf("ready\n");
     fflush(stdout);
+    const char *unmap_after = getenv("COMPUTE_CLIENT_UNMAP_AFTER_MS");
+    if (unmap_after) {
+        pthread_t attacker;
+        pthread_create(&attacker, NULL, unmap_region, (void *)strtol(unmap_after, NULL, 10));
+        pthread_detach(attacker);
+    }
     for (int i = 0; i < threads; i++) {
         workers[i] = w;
         pthread_create(&ids[i], NULL, work, &workers[i]);

@@ -124,6 +124,17 @@ class GpuProcess:
     mig_uuid: str | None = None
 
 
+@dataclass(frozen=True)
+class ProcessUtilization:
+    """One per-process utilisation sample, as NVML's nvmlDeviceGetProcessUtilization gives it: the share
+    of the sample's period the process's kernels ran on the GPU's SMs. Under time-slicing it is the time
+    the process got, not the time it asked for (a process sharing the GPU with another reads lower)."""
+
+    pid: int
+    timestamp_us: int  # when the sample was taken, microseconds since the epoch
+    sm_percent: int  # 0..100
+
+
 class EventKind(enum.Enum):
     """What a DeviceEvent reports: an XID, an ECC error, or a GPU lost, removed or added."""
 

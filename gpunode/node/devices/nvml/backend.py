@@ -39,7 +39,16 @@ from typing import Any
 
 from gpunode.contract.deviceids import normalize_pci_bus_id
 from gpunode.errors import BackendError, BackendUnavailable, DeviceNotFound, GpuLostError
-from gpunode.node.devices.base import DeviceEvent, EventKind, Gpu, GpuProbe, GpuProcess, GpuSample, MigDevice
+from gpunode.node.devices.base import (
+    DeviceEvent,
+    EventKind,
+    Gpu,
+    GpuProbe,
+    GpuProcess,
+    GpuSample,
+    MigDevice,
+    ProcessUtilization,
+)
 from gpunode.node.devices.nvml.discovery import (
     discover_mig,
     memory_total,
@@ -183,6 +192,18 @@ class NvmlBackend:
                         pid=int(p.pid), gpu_uuid=uuid, used_memory_bytes=used, mig_uuid=mig_uuid
                     )
         return tuple(sorted(merged.values(), key=lambda p: (p.pid, p.mig_uuid or "")))
+
+    def process_utilization(self, uuid: str, since_us: int) -> tuple[ProcessUtilization, ...]:
+        """Per-process SM utilisation samples taken after since_us (nvmlDeviceGetProcessUtilization; NVML
+        keeps a short buffer of them); empty when NVML has none or the GPU cannot report them."""
+        handle = self._handle(uuid)
+        # No sample since since_us: NVML says NOT_FOUND (absent), or nvidia-ml-py raises its error for SUCCESS (0).
+        rows = self._q.call("nvmlDeviceGetProcessUtilization", handle, int(since_us), uuid=uuid, absent=(0,))
+        return tuple(
+            ProcessUtilization(int(r.pid), int(r.timeStamp), max(0, min(100, int(r.smUtil))))
+            for r in rows or ()
+            if int(r.pid) > 0
+        )
 
     def probe(self, uuid: str) -> GpuProbe:
         """Probe one GPU in a worker thread, waiting at most probe_timeout_s.

@@ -21,6 +21,7 @@ This module must not import NVML, and it never touches real devices.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -36,6 +37,7 @@ from gpunode.node.devices.base import (
     GpuProbe,
     GpuProcess,
     GpuSample,
+    ProcessUtilization,
 )
 from gpunode.node.devices.simnode.gpu import SimGpu
 from gpunode.node.devices.simnode.profile import (
@@ -82,6 +84,7 @@ class SimBackend:
         self._events: queue.Queue[DeviceEvent] = queue.Queue()
         self._closed = threading.Event()
         self._added = 0
+        self._busy: dict[str, list[tuple[int, dict[int, int]]]] = {}  # uuid -> (wall us, busy ns by pid)
         now = clock()
         self._gpus: dict[str, SimGpu] = {}
         for spec in profile.gpus:
@@ -168,6 +171,40 @@ class SimBackend:
     def close(self) -> None:
         """Close the node: a probe waiting out its delay returns at once and wait_event answers None."""
         self._closed.set()
+
+    # -- per-process utilisation (the driver's view of who used the GPU) -------------------------
+
+    def report_process_busy(self, gpu_uuid: str, busy_ns: dict[int, int]) -> None:
+        """The device time (ns, cumulative) each process has received on a GPU so far: the fake device's
+        ground truth, from which process_utilization answers as NVML does. Pids reported here have a
+        context on the GPU (processes() lists them) until a report leaves them out."""
+        with self._lock:
+            gs = self._readable(gpu_uuid)
+            now_us = int(self._wall_clock() * 1e6)
+            history = self._busy.setdefault(gpu_uuid, [])
+            history.append((now_us, dict(busy_ns)))
+            del history[:-64]  # NVML keeps a short buffer of samples too
+            for pid in busy_ns:
+                if pid > 0 and pid not in gs.processes:
+                    gs.processes[pid] = GpuProcess(pid=pid, gpu_uuid=gpu_uuid, used_memory_bytes=0)
+            for pid in [p for p, proc in gs.processes.items() if proc.used_memory_bytes == 0]:
+                if pid not in busy_ns:
+                    del gs.processes[pid]
+
+    def process_utilization(self, uuid: str, since_us: int) -> tuple[ProcessUtilization, ...]:
+        """Per-process SM utilisation samples taken after since_us (nvmlDeviceGetProcessUtilization): one
+        per reported period, the share of the period's wall time the process's work got on the device."""
+        with self._lock:
+            self._readable(uuid)
+            history = self._busy.get(uuid, [])
+            out: list[ProcessUtilization] = []
+            for (t0, b0), (t1, b1) in itertools.pairwise(history):
+                if t1 <= since_us or t1 <= t0:
+                    continue
+                for pid, busy in b1.items():
+                    got = max(0, busy - b0.get(pid, 0)) / ((t1 - t0) * 1e3)
+                    out.append(ProcessUtilization(pid, t1, min(100, round(got * 100))))
+            return tuple(out)
 
     # -- simulated processes ------------------------------------------------------------------
 

@@ -1,0 +1,112 @@
+"""The driver's per-process figures the compute-share cross-check relies on: NVML's
+nvmlDeviceGetProcessUtilization through NvmlBackend, the simulated backend's equivalent with
+time-slicing's deflation, and the cross-check's metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pynvml
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from gpunode.config.sharing import ComputeShareCheck
+from gpunode.errors import GpuLostError
+from gpunode.node.allocation.sharecheck import PodCompute, ShareCheck
+from gpunode.node.allocation.shares import ComputeShares
+from gpunode.node.devices.base import ProcessUtilization
+from gpunode.node.devices.nvml.backend import NvmlBackend
+from gpunode.node.devices.simnode.backend import SimBackend
+from gpunode.node.memcap.checkpoint import Checkpoint
+from gpunode.node.memcap.compute import ComputeMode
+from tests.node.test_nvml_backend import FakeNvml, t4_pair
+
+E = pynvml
+
+
+class NvmlWithSamples(FakeNvml):
+    """The fake NVML with per-process utilisation samples per GPU index (pid, timestamp us, sm %)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.samples: dict[int, list[tuple[int, int, int]]] = {}
+        self.empty_as_success = False
+
+    def nvmlDeviceGetProcessUtilization(self, h: Any, since: int) -> list[Any]:
+        gpu, _ = self._dev(h, "nvmlDeviceGetProcessUtilization")
+        rows = [s for s in self.samples.get(self.gpus.index(gpu), []) if s[1] > since]
+        if not rows:  # real NVML: NOT_FOUND; nvidia-ml-py's size probe can also surface SUCCESS as an error
+            raise pynvml.NVMLError(E.NVML_SUCCESS if self.empty_as_success else E.NVML_ERROR_NOT_FOUND)
+        out = []
+        for pid, ts, sm in rows:
+            sample = pynvml.c_nvmlProcessUtilizationSample_t()
+            sample.pid, sample.timeStamp, sample.smUtil = pid, ts, sm
+            out.append(sample)
+        return out
+
+
+def test_nvml_per_process_utilisation_since_a_timestamp() -> None:
+    fake = NvmlWithSamples(t4_pair())
+    backend = NvmlBackend(nvml=fake)
+    uuid = backend.gpus()[0].uuid
+    fake.samples[0] = [(101, 1_000, 40), (102, 1_000, 35), (101, 2_000, 55), (0, 2_000, 9)]
+    got = backend.process_utilization(uuid, 1_000)
+    assert got == (ProcessUtilization(101, 2_000, 55),)  # after the timestamp only; pid 0 is no process
+    assert len(backend.process_utilization(uuid, 0)) == 3
+    assert backend.process_utilization(uuid, 5_000) == ()  # NOT_FOUND: no sample since
+    fake.empty_as_success = True
+    assert backend.process_utilization(uuid, 5_000) == ()
+    fake.gpus[0].lost = True
+    with pytest.raises(GpuLostError):
+        backend.process_utilization(uuid, 0)
+
+
+def test_sim_utilisation_is_the_device_time_each_process_got() -> None:
+    now = [1000.0]
+    backend = SimBackend.from_profile("t4", wall_clock=lambda: now[0])
+    uuid = backend.gpus()[0].uuid
+    backend.report_process_busy(uuid, {7: 0, 8: 0})
+    now[0] += 1.0
+    # Two processes time-slice the GPU: each got half of the second, though each would fill it alone.
+    backend.report_process_busy(uuid, {7: 500_000_000, 8: 500_000_000})
+    now[0] += 1.0
+    backend.report_process_busy(uuid, {7: 1_400_000_000})  # 8 ended; 7 alone got 90%
+    samples = backend.process_utilization(uuid, 0)
+    assert [(s.pid, s.sm_percent) for s in samples] == [(7, 50), (8, 50), (7, 90)]
+    assert [(s.pid, s.sm_percent) for s in backend.process_utilization(uuid, samples[1].timestamp_us)] == [
+        (7, 90)
+    ]
+    assert [p.pid for p in backend.processes(uuid)] == [7]  # the driver's pid list follows the reports
+
+
+def test_the_check_exports_both_figures_per_pod(tmp_path: Path) -> None:
+    backend = SimBackend.from_profile("t4")
+
+    async def no_containers() -> list[Any]:
+        return []
+
+    shares = ComputeShares(
+        checkpoint=Checkpoint(tmp_path),
+        regions_root=tmp_path / "memcap",
+        list_containers=no_containers,
+        asks=dict,
+    )
+    check = ShareCheck(
+        backend=backend, shares=shares, config=ComputeShareCheck(), pod_uids=dict, api=None, node_name="n",
+        mode_of=lambda _: ComputeMode.HARD,
+    )  # fmt: skip
+    gpu = backend.gpus()[0].uuid
+    check.view[("team/a", gpu)] = PodCompute("team/a", gpu, 250, ComputeMode.HARD, 0.6, 0.25, True)
+    check.unattributed[gpu] = 0.125
+    registry = CollectorRegistry()
+    registry.register(check.collector())
+    text = generate_latest(registry).decode()
+    labels = f'gpu="{gpu}",namespace="team",pod="a"'
+    assert f"gpunode_pod_compute_share_driver{{{labels}}} 0.6" in text
+    assert f"gpunode_pod_compute_share_reported{{{labels}}} 0.25" in text
+    assert f"gpunode_pod_compute_share_flagged{{{labels}}} 1.0" in text
+    assert f'gpunode_gpu_compute_unattributed_share{{gpu="{gpu}"}} 0.125' in text
+    asyncio.run(check.tick())  # no capped pod: nothing measured, nothing flagged
+    assert check.watches == {}
