@@ -1,7 +1,8 @@
 """NodePrepareResources and NodeUnprepareResources latency per claim, over the plugin's real sockets.
 
 The DRA kubelet plugin runs as the agent runs it (write-ahead record, a fresh memory-cap region,
-the CDI spec written and fsynced, the claim read from an API server stand-in on loopback over HTTP);
+the CDI spec written and fsynced, the compute share written into the region, the claim and its pod
+(checked for a second memory cap in one container) read from an API server stand-in on loopback over HTTP);
 a gRPC client stands in for the kubelet and sends one claim per call, as the kubelet does for a pod
 with one claim. Each claim is a 4 GiB share of one of three GPUs. --claims claims are prepared one
 after another, then unprepared; every call is timed from the client.
@@ -44,7 +45,10 @@ def summary(samples_s: list[float]) -> dict[str, float]:
 async def measure(n: int) -> dict[str, Any]:
     async with world() as w:
         refs = [
-            w.api.add(claim(f"bench-{i}", device=f"gpu-{i % len(GPUS)}-shared", memory="4Gi", share=f"s{i}"))
+            w.api.add_with_pod(
+                claim(f"bench-{i}", device=f"gpu-{i % len(GPUS)}-shared", memory="4Gi", share=f"s{i}"),
+                f"pod-{i}",
+            )
             for i in range(n)
         ]
         timings: dict[str, list[float]] = {"prepare": [], "prepare_again": [], "unprepare": []}

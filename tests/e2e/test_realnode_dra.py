@@ -398,6 +398,39 @@ def test_a_claim_for_more_memory_than_a_gpu_has_says_why_and_nothing_is_prepared
     eventually(lambda: _clean(dra_node), timeout_s=WAIT_S, what="the claim unprepared")
 
 
+def test_two_capped_claims_in_one_container_are_refused_on_the_pod(dra_node: DraNode) -> None:
+    """Each capped claim brings its region to the same path in the container: only one cap would hold. The
+    agent refuses both claims at prepare; the kubelet shows its line on the pod and nothing is made."""
+    admin = dra_node.cp.api()
+    _template(admin, "gpu-1gi", "1Gi")
+    body = pod_body(
+        "dra-two-caps",
+        host_network=True,
+        image=CAPPED_IMAGE,
+        command=[PROBE_IN_IMAGE, str(256 * 2**20), "dra-two-caps"],
+        env={"FAKE_CUDA_TOTAL_BYTES": str(T4_BYTES)},
+    )
+    body["spec"]["nodeSelector"] = {"kubernetes.io/hostname": REAL_NODE}
+    body["spec"]["resourceClaims"] = [
+        {"name": "a", "resourceClaimTemplateName": "gpu-1gi"},
+        {"name": "b", "resourceClaimTemplateName": "gpu-1gi"},
+    ]
+    body["spec"]["containers"][0]["resources"] = {"claims": [{"name": "a"}, {"name": "b"}]}
+    create_pod(admin, NAMESPACE, body)
+
+    def refused() -> str | None:
+        for e in pod_events(admin, NAMESPACE, "dra-two-caps"):
+            if "a container gets one memory cap" in (e.get("message") or ""):
+                return str(e["message"])
+        return None
+
+    message = eventually(refused, timeout_s=WAIT_S, what="the agent's reason on the pod")
+    assert "container main of pod e2e-realdra/dra-two-caps also uses claim" in message
+    assert dra_node.specs == [] and dra_node.regions == []
+    _delete_and_wait(admin, dra_node, "dra-two-caps")
+    eventually(lambda: _clean(dra_node), timeout_s=WAIT_S, what="nothing left of the refused claims")
+
+
 def _environ_of(marker: str) -> dict[str, str] | None:
     """The environment of the node's process whose argv holds `marker` (the probe's pod name)."""
     for entry in Path("/proc").iterdir():

@@ -130,6 +130,7 @@ class FakeApi:
 
     def __init__(self) -> None:
         self.claims: dict[tuple[str, str], dict[str, Any]] = {}
+        self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.slices: list[dict[str, Any]] = slice_devices()
         self.requests: list[str] = []
         self.lock = threading.Lock()
@@ -192,6 +193,10 @@ class FakeApi:
                             "metadata": {"name": parts[3], "uid": api.node_uid, "resourceVersion": "1"},
                         },
                     )
+                if parts[:3] == ["api", "v1", "namespaces"] and len(parts) == 6 and parts[4] == "pods":
+                    found = api.pods.get((parts[3], parts[5]))
+                    if found is not None:
+                        code, body = 200, found
                 if parts[:3] == ["apis", "resource.k8s.io", "v1"]:
                     rest = parts[3:]
                     if rest == ["resourceslices"]:
@@ -253,6 +258,22 @@ class FakeApi:
         meta = obj["metadata"]
         self.claims[(meta["namespace"], meta["name"])] = obj
         return ref(obj)
+
+    def add_with_pod(self, obj: dict[str, Any], pod: str) -> ClaimRef:
+        """The claim reserved for a pod of its own (one container using it), as the scheduler leaves it."""
+        meta = obj["metadata"]
+        uid = new_uid()
+        obj["status"]["reservedFor"] = [{"resource": "pods", "name": pod, "uid": uid}]
+        self.pods[(meta["namespace"], pod)] = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": pod, "namespace": meta["namespace"], "uid": uid},
+            "spec": {
+                "resourceClaims": [{"name": "gpu", "resourceClaimName": meta["name"]}],
+                "containers": [{"name": "main", "resources": {"claims": [{"name": "gpu"}]}}],
+            },
+        }
+        return self.add(obj)
 
     def close(self) -> None:
         self.server.shutdown()
@@ -328,8 +349,18 @@ def make_plugin(config: Config, state: DeviceState, client: KubeClient) -> DraPl
 
         return await client.get_json(ResourceClaim, r.name, namespace=r.namespace)
 
+    async def fetch_pod(namespace: str, name: str) -> dict[str, Any]:
+        from lightkube.resources.core_v1 import Pod
+
+        return await client.get_json(Pod, name, namespace=namespace)
+
     preparer = Preparer(
-        config=config, fetch_claim=fetch, directory=directory, gpus=lambda: GPUS, with_device_nodes=False
+        config=config,
+        fetch_claim=fetch,
+        directory=directory,
+        gpus=lambda: GPUS,
+        with_device_nodes=False,
+        fetch_pod=fetch_pod,
     )
     return DraPlugin(
         preparer=preparer,

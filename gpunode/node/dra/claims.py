@@ -335,6 +335,48 @@ def _mig_placement(info: DeviceInfo, mig_device: Any, where: str) -> str:
         ) from None
 
 
+MAX_POD_CLAIMS = 128  # resource claims of one pod looked at (the API allows far fewer in practice)
+
+
+def containers_with_other_caps(
+    pod: Mapping[str, Any], claim_name: str, fractional_resource: str
+) -> list[tuple[str, list[str], bool]]:
+    """The pod's containers that use the ResourceClaim `claim_name` together with another claim or with
+    the device plugin's memory units: (container, the other claims' names, whether it also asks
+    `fractional_resource`). Read from the pod as the API server returned it; anything malformed is
+    skipped (the check is a safety net, not the pod's validation)."""
+    spec = pod.get("spec") if isinstance(pod.get("spec"), Mapping) else {}
+    status = pod.get("status") if isinstance(pod.get("status"), Mapping) else {}
+    assert isinstance(spec, Mapping) and isinstance(status, Mapping)
+    generated = {
+        s.get("name"): s.get("resourceClaimName")
+        for s in (status.get("resourceClaimStatuses") or [])[:MAX_POD_CLAIMS]
+        if isinstance(s, Mapping)
+    }
+    actual: dict[str, str] = {}
+    for c in (spec.get("resourceClaims") or [])[:MAX_POD_CLAIMS]:
+        if isinstance(c, Mapping) and isinstance(c.get("name"), str):
+            name = c.get("resourceClaimName") or generated.get(c["name"])
+            if isinstance(name, str):
+                actual[c["name"]] = name
+    ours = {k for k, v in actual.items() if v == claim_name}
+    out = []
+    for container in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]:
+        if not isinstance(container, Mapping):
+            continue
+        resources = container.get("resources") if isinstance(container.get("resources"), Mapping) else {}
+        assert isinstance(resources, Mapping)
+        refs = [r.get("name") for r in resources.get("claims") or [] if isinstance(r, Mapping)]
+        if not ours.intersection(refs):
+            continue
+        others = sorted({actual[r] for r in refs if isinstance(r, str) and r in actual and r not in ours})
+        asks = [resources.get("limits"), resources.get("requests")]
+        units = any(isinstance(a, Mapping) and fractional_resource in a for a in asks)
+        if others or units:
+            out.append((str(container.get("name")), others, units))
+    return out
+
+
 def _consumed_compute(result: Mapping[str, Any], driver: str, where: str) -> int | None:
     """The compute share a shared device's result consumed, in milli-GPU; None when it asked none (0)."""
     consumed = _mapping(result.get("consumedCapacity"), f"{where}.consumedCapacity")

@@ -33,7 +33,7 @@ from gpunode.node.allocation.allocator import _mig_minors as mig_minors
 from gpunode.node.devices.base import Gpu
 from gpunode.node.dra import cdi
 from gpunode.node.dra.checkpoint import PREPARED, PREPARING, ClaimCheckpoint, ClaimRecord
-from gpunode.node.dra.claims import ClaimPlan, ClaimRef, check_uid, plan_claim
+from gpunode.node.dra.claims import ClaimPlan, ClaimRef, check_uid, containers_with_other_caps, plan_claim
 from gpunode.node.dra.devices import DeviceDirectory
 from gpunode.node.dra.slices import mig_instance_slices, mig_table
 from gpunode.node.memcap.compute import set_compute_share, share_from_memory
@@ -41,6 +41,8 @@ from gpunode.node.memcap.compute import set_compute_share, share_from_memory
 log = logging.getLogger(__name__)
 
 ClaimFetcher = Callable[[ClaimRef], Awaitable[dict[str, Any]]]
+PodFetcher = Callable[[str, str], Awaitable[dict[str, Any]]]
+MAX_PODS_CHECKED = 16  # pods of one claim whose containers are checked for a second cap
 T = TypeVar("T")
 
 
@@ -110,6 +112,7 @@ class Preparer:
     preload_lib: Path | None = None  # the host copy of the interposer; None: the package's own
     with_device_nodes: bool = True  # False on the simulated backend, whose /dev/nvidia* do not exist
     mig_minors_file: Path = MIG_MINORS_FILE  # the driver's MIG capability minors
+    fetch_pod: PodFetcher | None = None  # reads a pod (namespace, name): checks a container's caps
     _locks: dict[str, tuple[asyncio.Lock, list[int]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -211,7 +214,7 @@ class Preparer:
                 return None
             return gpu.memory_total_bytes
 
-        return plan_claim(
+        plan = plan_claim(
             ref,
             claim,
             driver=self.driver,
@@ -219,6 +222,68 @@ class Preparer:
             gpu_memory=memory,
             mig_device=lambda uuid, profile, start: mig_device(gpus[uuid], profile, start),
         )
+        if any(d.memory_bytes is not None for d in plan.devices) and self.fetch_pod is not None:
+            await self._one_cap_per_container(ref, claim)
+        return plan
+
+    async def _one_cap_per_container(self, ref: ClaimRef, claim: dict[str, Any]) -> None:
+        """Refuse a capped claim that a container uses with another capped claim, or with the device
+        plugin's memory units: each brings its region to the same path in the container, so only one cap
+        would apply, silently. The pods are those the claim is reserved for; one that cannot be read is
+        not checked (logged)."""
+        reserved = ((claim.get("status") or {}).get("reservedFor")) or []
+        pods = [r for r in reserved if isinstance(r, dict) and r.get("resource") == "pods"][:MAX_PODS_CHECKED]
+        assert self.fetch_pod is not None
+        for entry in pods:
+            name = str(entry.get("name"))
+            try:
+                pod = await self.fetch_pod(ref.namespace, name)
+            except KubeError as exc:
+                log.warning(
+                    "DRA: claim %s: cannot read pod %s/%s to check its caps: %s",
+                    ref,
+                    ref.namespace,
+                    name,
+                    exc,
+                )
+                continue
+            for container, others, units in containers_with_other_caps(
+                pod, ref.name, self.config.fractional.resource_name
+            ):
+                where = f"claim {ref}: container {container} of pod {ref.namespace}/{name}"
+                hint = "ask for both shares in one claim (one request each), or give each its own container"
+                if units:
+                    raise ClaimRefused(
+                        f"{where} also asks {self.config.fractional.resource_name} of the device plugin; "
+                        "a container gets one memory cap",
+                        hint=hint,
+                    )
+                for other in others:
+                    if await self._capped(ClaimRef(ref.namespace, "", other)):
+                        raise ClaimRefused(
+                            f"{where} also uses claim {ref.namespace}/{other}, a share of a GPU too; "
+                            "a container gets one memory cap",
+                            hint=hint,
+                        )
+
+    async def _capped(self, ref: ClaimRef) -> bool:
+        """Whether the claim is allocated a shared device of this driver (read from the API server)."""
+        try:
+            other = await self.fetch_claim(ref)
+        except KubeError:
+            return False
+        results = ((other.get("status") or {}).get("allocation") or {}).get("devices", {}).get("results")
+        for r in results if isinstance(results, list) else ():
+            if isinstance(r, dict) and r.get("driver") == self.driver:
+                pool, device = r.get("pool"), r.get("device")
+                if isinstance(pool, str) and isinstance(device, str):
+                    try:
+                        info = await self.directory.lookup(pool, device)
+                    except KubeError:
+                        info = None
+                    if info is not None and info.sharing == names.SHARING_SHARED:
+                        return True
+        return False
 
     def _caps(self, plan: ClaimPlan) -> tuple[memcap.DeviceCap, ...]:
         """One cap per GPU of the claim (shares of one GPU add up); none when nothing is capped. A MIG
