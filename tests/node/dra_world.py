@@ -141,6 +141,9 @@ class FakeApi:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # One write per response, headers and body together, as an API server sends it: two small
+            # writes on a kept-alive connection would wait on the client's delayed ACK (Nagle), 40 ms.
+            wbufsize = 1 << 16
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass
