@@ -63,6 +63,14 @@ class _State(Collector):
             holds = j.admitted or j.name in core.written  # written, perhaps not yet seen through the watch
             if c is not None and not j.problem and (holds or j.complete):
                 c[1 if holds else 0] += 1
+        for w in core.last_workloads.values():  # Jobs and JobSets: admitted while marked and resumed
+            c = counts.get(w.queue)
+            if c is None or w.problem or w.finished:
+                continue
+            if (w.mark is not None and not w.suspended) or w.job_name in core.written:
+                c[1] += 1
+            elif w.job_name in core.waiting_since:
+                c[0] += 1
         sched = core.sched
         held = sched.allocated_by_queue() if sched is not None else {}
         shares = sched.shares if sched is not None else {}

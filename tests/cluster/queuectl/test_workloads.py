@@ -509,3 +509,15 @@ def test_priority_comes_from_the_templates_priority_class() -> None:
     assert core.last_workloads["ml/Job/prio"].priority == 1000
     text = workload_mark_text("ml/Job/prio", [Slot("", "n1", ("GPU-n1-0",))], T0, "uid-prio", key=KEY)
     assert read_workload_mark(text, "uid-prio", KEY, where="t") is not None
+
+
+def test_the_queue_gauges_count_jobs_waiting_and_admitted() -> None:
+    from gpunode.cluster.queuectl.metrics import QueueMetrics
+
+    core = new_core()
+    admit_job(core, job("run", parallelism=8, completions=8))
+    core.workload_changed(JOB, job("wait", parallelism=2, completions=2))
+    core.reconcile(T0 + 1)
+    registry = QueueMetrics(lambda: core, lambda: True).registry
+    assert registry.get_sample_value("gpunode_queue_admitted_jobs", {"queue": "team-a"}) == 1
+    assert registry.get_sample_value("gpunode_queue_pending_jobs", {"queue": "team-a"}) == 1
