@@ -521,3 +521,51 @@ def test_the_queue_gauges_count_jobs_waiting_and_admitted() -> None:
     registry = QueueMetrics(lambda: core, lambda: True).registry
     assert registry.get_sample_value("gpunode_queue_admitted_jobs", {"queue": "team-a"}) == 1
     assert registry.get_sample_value("gpunode_queue_pending_jobs", {"queue": "team-a"}) == 1
+
+
+def test_a_jobset_victim_is_suspended_whole_after_its_notice_and_waits_for_what_remains() -> None:
+    core = new_core(
+        """
+queues:
+  - name: team-a
+  - name: team-b
+    guarantee: {gpu: 8}
+preemption: {notice: 30s, minRuntime: 0s, reclaim: true, priority: false}
+backfill: {enabled: false}
+"""
+    )
+    js = jobset()
+    js["spec"]["replicatedJobs"][1]["replicas"] = 2  # 1 leader + 2 x 3 workers = 7 pods
+    core.workload_changed(JOBSET, js)
+    leader, w0 = child_job(js, "leader", 1), child_job(js, "workers", 3)
+    w1 = child_job(js, "workers", 3)
+    w1["metadata"].update(name="js-workers-1", uid="uid-js-workers-1")
+    for j in (leader, w0, w1):
+        core.workload_changed(JOB, j)
+    out = core.reconcile(T0)
+    apply_patches(core, out)
+    pods = [job_pod(leader, 0), *(job_pod(w, i) for w in (w0, w1) for i in range(3))]
+    add_pods(core, *pods)
+    placed = core.reconcile(T0 + 1)
+    assert len(placed.release) == 7
+    apply_pod_writes(core, placed)
+    core.workload_changed(JOB, job("claim", queue="team-b", parallelism=2, completions=2))
+    noticed = core.reconcile(T0 + 5)
+    assert [
+        (p.target.kind, p.target.name) for p in noticed.patch if PREEMPTION_NOTICE_ANNOTATION in p.annotations
+    ] == [("JobSet", "js")]
+    apply_patches(core, noticed)
+    stop = core.reconcile(T0 + 40)
+    assert [(p.target.kind, p.suspend) for p in stop.patch if p.suspend is not None] == [
+        ("JobSet", True),
+        ("Job", False),
+    ]
+    apply_patches(core, stop)
+    # its Jobs' pods go away; the first workers Job had completed: 1 + 3 pods remain to run
+    for p in pods:
+        core.pod_changed(p, deleted=True)
+    core.workload_objects[JOB]["uid-js-workers-0"]["status"]["conditions"] = [  # type: ignore[index]
+        {"type": "Complete", "status": "True"}
+    ]
+    core.reconcile(T0 + 41)
+    assert core.last_workloads["ml/JobSet/js"].size == 4 and "ml/JobSet/js" in core.waiting_since
