@@ -5,6 +5,8 @@ time-slicing's deflation, and the cross-check's metrics."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -110,3 +112,89 @@ def test_the_check_exports_both_figures_per_pod(tmp_path: Path) -> None:
     assert f'gpunode_gpu_compute_unattributed_share{{gpu="{gpu}"}} 0.125' in text
     asyncio.run(check.tick())  # no capped pod: nothing measured, nothing flagged
     assert check.watches == {}
+
+
+CLAIMER = """
+import fcntl, mmap, os, struct, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR)
+for i, pid in enumerate(sys.argv[2:]):
+    offset = 128 + 128 * i  # struct gpunode_memcap_usage.slots[i]
+    with mmap.mmap(fd, 0) as m:
+        struct.pack_into("<Qi", m, offset, 0x5EED + i, int(pid))
+    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, offset)
+print("claimed", flush=True)
+time.sleep(60)
+"""
+
+
+def claim_slots(usage: Path, *pids: int) -> subprocess.Popen[str]:
+    """What a tenant can do to its own usage file: write slots claiming `pids` and hold their locks (in a
+    process of its own), so they read as live processes of its container."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLAIMER, str(usage), *map(str, pids)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "claimed"
+    return proc
+
+
+def test_a_tenant_claiming_a_neighbours_pid_does_not_take_its_gpu_time(tmp_path: Path) -> None:
+    """The pids a region lists are the tenant's to write: the host's cgroup decides where it says anything."""
+    from gpunode.node import memcap
+    from gpunode.node.allocation.shares import Planned
+    from gpunode.node.memcap.checkpoint import CapRecord
+
+    now = [1000.0]
+    backend = SimBackend.from_profile("t4", wall_clock=lambda: now[0])
+    gpu = backend.gpus()[0]
+    checkpoint = Checkpoint(tmp_path)
+    keys = {"team/tenant": "a" * 20, "team/neighbour": "b" * 20}
+    for key in keys.values():
+        memcap.create_region(
+            tmp_path / "memcap",
+            key,
+            gpu_uuid=gpu.uuid,
+            limit_bytes=2**30,
+            device_total_bytes=gpu.memory_total_bytes,
+        )
+        checkpoint.replace(CapRecord(key, "r", (key,), gpu.uuid, 2**30, gpu.memory_total_bytes, False, 1.0))
+
+    async def no_containers() -> list[Any]:
+        return []
+
+    shares = ComputeShares(
+        checkpoint=checkpoint, regions_root=tmp_path / "memcap", list_containers=no_containers, asks=dict
+    )
+    shares.planned = {k: Planned(k, pod, gpu.uuid, 250, False) for pod, k in keys.items()}
+    shares.owners = {k: pod for pod, k in keys.items()}
+    uids = {
+        "team/tenant": "11111111-2222-4333-8444-555555555555",
+        "team/neighbour": "66666666-7777-4888-9999-aaaaaaaaaaaa",
+    }
+    proc = tmp_path / "proc"
+    (proc / "4242").mkdir(parents=True)
+    (proc / "4242" / "cgroup").write_text(
+        f"0::/kubepods.slice/kubepods-pod{uids['team/neighbour'].replace('-', '_')}.slice\n"
+    )
+    clock = [0.0]
+    check = ShareCheck(
+        backend=backend, shares=shares, config=ComputeShareCheck(), pod_uids=lambda: uids, api=None, node_name="n",
+        mode_of=lambda _: ComputeMode.HARD, proc_root=proc, clock=lambda: clock[0],
+    )  # fmt: skip
+    tenant_usage = tmp_path / "memcap" / keys["team/tenant"] / "usage"
+    claimer = claim_slots(tenant_usage, 4242, 4343)  # the neighbour's pid, and one of its own
+    try:
+        backend.report_process_busy(gpu.uuid, {4242: 0, 4343: 0, 4444: 0})
+        asyncio.run(check.tick())
+        now[0] += 1.0
+        clock[0] += 1.0
+        backend.report_process_busy(gpu.uuid, {4242: 600_000_000, 4343: 200_000_000, 4444: 100_000_000})
+        asyncio.run(check.tick())
+    finally:
+        claimer.kill()
+        claimer.wait()
+    neighbour, tenant = check.view[("team/neighbour", gpu.uuid)], check.view[("team/tenant", gpu.uuid)]
+    assert neighbour.driver_share == pytest.approx(
+        0.6
+    )  # its cgroup says so, whatever the tenant's slots claim
+    assert tenant.driver_share == pytest.approx(0.2)  # 4343: no cgroup names a pod, its region's claim counts
+    assert check.unattributed[gpu.uuid] == pytest.approx(0.1)  # 4444: no pod accounts for it
