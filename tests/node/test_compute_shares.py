@@ -132,6 +132,27 @@ def wait(predicate: Callable[[], bool], what: str) -> None:
         time.sleep(0.05)
 
 
+def extender_filter(api: ApiServerStandIn, milli: int, *, units: int) -> dict[str, Any]:
+    """The scheduler extender's filter of a pod asking `milli` and `units` GiB against the published node."""
+    from gpunode.cluster.extender.core import Extender, ExtenderConfig
+
+    node = api.node(NODE)
+    pod = {
+        "kind": "Pod",
+        "apiVersion": "v1",
+        "metadata": {
+            "name": "new",
+            "namespace": "team",
+            "uid": "u-new",
+            "annotations": {GPU_MILLI_ANNOTATION: str(milli)},
+        },
+        "spec": {"containers": [{"name": "main", "resources": {"limits": {MEM: str(units)}}}]},
+    }
+    extender = Extender(config=ExtenderConfig(policy="gpunode", provisional_reservations=False))
+    result = extender.filter({"Pod": pod, "Nodes": {"kind": "NodeList", "apiVersion": "v1", "items": [node]}})
+    return {n["metadata"]["name"]: n for n in (result.get("Nodes") or {}).get("items") or []}
+
+
 def published(api: ApiServerStandIn) -> Any:
     text = api.node(NODE)["metadata"].get("annotations", {}).get(ANNOTATION_KEY)
     return None if text is None else decode(text, node=NODE)
@@ -195,6 +216,10 @@ def test_a_pods_share_reaches_its_region_and_the_node_state(
             # The extender refuses a share that would take the GPU over: both dimensions count.
             assert not fits_fraction(view.gpus[0], Request(gpu_milli=MILLI_PER_GPU - 600 - default + 1))
             assert fits_fraction(view.gpus[0], Request(gpu_milli=MILLI_PER_GPU - 600 - default))
+            free = MILLI_PER_GPU - 600 - default
+            assert extender_filter(api, free + 1, units=1) == {}, "only GPU 0 is fractional: no room for more"
+            assert list(extender_filter(api, free, units=1)) == [NODE]
+            assert extender_filter(api, 1, units=16) == {}, "compute free, memory not: refused too"
 
             put_pod(api, "a", "700")  # a change applies within a tick
             wait(lambda: share(region_a) == (700, wc), "pod a's new share of 700")
