@@ -569,3 +569,12 @@ backfill: {enabled: false}
     ]
     core.reconcile(T0 + 41)
     assert core.last_workloads["ml/JobSet/js"].size == 4 and "ml/JobSet/js" in core.waiting_since
+
+
+def test_the_extender_holds_a_pod_named_by_kueues_label_only_with_the_controllers_file() -> None:
+    from gpunode.cluster.extender.queued import queue_hold
+
+    p = {"metadata": {"name": "p", "namespace": "x", "uid": "u", "labels": {KUEUE_QUEUE_LABEL: "team-b"}}}
+    hold = queue_hold(p, config(KUEUE_YAML).namespaces, KEY)
+    assert hold is not None and hold.queue == "team-b" and hold.admitted is None
+    assert queue_hold(p, {}, KEY) is None  # without --queue-config the alias is off: not the queue's
