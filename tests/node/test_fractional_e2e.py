@@ -105,7 +105,9 @@ def test_allocate_writes_a_capped_region_and_checkpoints_it(
     usage_mount = next(m for m in resp.mounts if m.host_path == str(region.usage_path))
     assert limit_mount.read_only and not usage_mount.read_only
     staged = Path(host_path(resp.mounts, resp.envs["LD_PRELOAD"]))
-    assert staged == sockdir / "state" / "lib" / "libgpunode-preload.so", "mounted from the host state dir"
+    assert staged == sockdir / "state" / "lib" / "layout-2" / "libgpunode-preload.so", (
+        "from the host state dir"
+    )
     assert staged.read_bytes() == memcap.preload_library_path().read_bytes()
     saved = [json.loads(f.read_text()) for f in (sockdir / "state" / "checkpoint.d").iterdir()]
     assert [(c["key"], c["limit_bytes"], c["device_ids"]) for c in saved] == [(region.key, 4 * GIB, ids)]

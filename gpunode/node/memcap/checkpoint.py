@@ -242,8 +242,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_stale_temp_files(state_dir: Path) -> list[Path]:
-    """Remove the ``.<name>.<pid>.tmp`` files a killed agent left in state_dir, lib/, checkpoint.d/,
-    status/ and the region directories; the paths removed.
+    """Remove the ``.<name>.<pid>.tmp`` files a killed agent left in state_dir, lib/ (and its layout-<N>/),
+    checkpoint.d/, status/ and the region directories; the paths removed.
 
     A file is stale when its pid is no live process, or is this process's own pid (a restarted agent
     in a container often gets the pid its predecessor had; call this before staging any file). A file
@@ -251,6 +251,8 @@ def remove_stale_temp_files(state_dir: Path) -> list[Path]:
     """
     state_dir = Path(state_dir)
     dirs = [state_dir, state_dir / "lib", state_dir / DIR_NAME, state_dir / "status"]
+    with contextlib.suppress(OSError):  # the staged interposers, one directory per region layout
+        dirs += [d for d in (state_dir / "lib").iterdir() if d.is_dir() and d.name.startswith("layout-")]
     regions = state_dir / "memcap"
     with contextlib.suppress(OSError):
         dirs += [d for d in regions.iterdir() if d.is_dir() and not d.is_symlink()]

@@ -31,17 +31,29 @@ from gpunode.node.memcap.checkpoint import Checkpoint
 log = logging.getLogger(__name__)
 
 
+def staged_library_dir(state_dir: Path) -> Path:
+    """state_dir/lib/layout-<N>: where the interposer for region layout N is staged."""
+    from gpunode.node.memcap.region import _native
+
+    return Path(state_dir) / "lib" / f"layout-{_native().lib.GPUNODE_MEMCAP_LAYOUT_VERSION}"
+
+
 def stage_preload_library(state_dir: Path) -> Path:
-    """Copy the interposer into state_dir/lib (atomically, only when it changed) and return that path.
+    """Copy the interposer into state_dir/lib/layout-<N> (atomically, only when it changed); that path.
 
     The kubelet mounts the library into workload containers from a host path; the
     package's own copy may live inside the agent's container image, which the host
     cannot see, while the state directory is a host directory mounted at the same path.
+    One directory per region layout: the kubelet keeps each pod's Allocate answer and
+    mounts the same host path again when a container restarts, so a library an older
+    agent staged (state_dir/lib/<name>, or another layout's directory) stays where its
+    pods' answers point, and a container restarted in such a pod gets the library
+    that reads its region rather than one that refuses it.
     """
     from gpunode.node import memcap
 
     source = memcap.preload_library_path()
-    target = state_dir / "lib" / source.name
+    target = staged_library_dir(state_dir) / source.name
     data = source.read_bytes()
     if target.is_file() and target.read_bytes() == data:
         return target
