@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from gpunode.config.dra import DraConfig, check_exclusive, parse_dra_config
+from gpunode.config.dra import DraConfig, check_exclusive, dra_time_slicing, parse_dra_config
 from gpunode.config.files import read_regular
 from gpunode.config.health import (
     HealthConfig,
@@ -265,7 +265,12 @@ def _parse_gpunode(own: SectionReader, cfg: Config) -> Config:
         dra=parse_dra_config(own.raw("dra", {}), own.key_path("dra")),
         compute_share=parse_compute_share_check(own.raw("computeShare", {}), own.key_path("computeShare")),
     )
-    check_exclusive(cfg.dra, cfg.fractional.devices, [r.devices for r in cfg.time_slicing.resources])
+    time_sliced_by_dra = dra_time_slicing(cfg.time_slicing)  # may list DRA's GPUs: published time-sliced
+    check_exclusive(
+        cfg.dra,
+        cfg.fractional.devices,
+        [r.devices for r in cfg.time_slicing.resources if r not in time_sliced_by_dra],
+    )
     own.finish()
     return cfg
 

@@ -12,8 +12,11 @@ A GPU is served by exactly one of the two kubelet APIs: the GPUs `devices` selec
 DRA and never advertised by the device plugin (whole, fractional or time-sliced); the device
 plugin's settings apply to the others. A device-plugin setting that names one of DRA's GPUs
 explicitly (gpunode.fractional.devices, a time-slicing resource's devices list) is refused here,
-since one of the two would silently lose. DRA serves whole GPUs (shared by memory through claims'
-consumed capacity); MIG devices are not served by DRA.
+since one of the two would silently lose, with one exception: a time-slicing resource for whole GPUs
+(sharing.timeSlicing, nvidia.com/gpu, not sharing.mps) may list GPUs DRA serves. DRA then publishes
+each of them time-sliced, as the device plugin would advertise it: `replicas` claims share the GPU,
+uncapped (time_sliced_replicas). DRA serves whole GPUs (shared by memory through claims' consumed
+capacity, or time-sliced so); MIG devices are not served by DRA.
 
 This module only parses; the kubelet plugin is gpunode.node.dra.
 """
@@ -25,7 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpunode.config.sharing import DeviceSelector, parse_device_selector
+from gpunode.config.sharing import (
+    GPU_RESOURCE,
+    DeviceSelector,
+    SharedResource,
+    TimeSlicing,
+    parse_device_selector,
+)
 from gpunode.contract.reader import SectionReader, excerpt
 from gpunode.errors import ConfigError
 
@@ -150,3 +159,21 @@ def check_exclusive(dra: DraConfig, fractional: DeviceSelector | None, sliced: l
             f"({dra.devices.describe()}) gives them to DRA; a GPU is served by one of the two",
             hint="list the GPUs DRA serves in gpunode.dra.devices and the others in the device-plugin setting",
         )
+
+
+def dra_time_slicing(time_slicing: TimeSlicing) -> tuple[SharedResource, ...]:
+    """The time-slicing resources that may list GPUs DRA serves: nvidia.com/gpu, by an explicit list, not MPS
+    (an MPS replica is a memory cap and a hard compute share, which DRA's shared device already is)."""
+    if time_slicing.mps:
+        return ()
+    return tuple(r for r in time_slicing.resources if r.name == GPU_RESOURCE and not r.devices.all)
+
+
+def time_sliced_replicas(dra: DraConfig, time_slicing: TimeSlicing, index: int, uuid: str) -> int | None:
+    """The replicas a GPU DRA serves is time-sliced into (its time-slicing resource's), or None."""
+    if not dra.serves(index, uuid):
+        return None
+    for r in dra_time_slicing(time_slicing):
+        if index in r.devices.indexes or uuid in r.devices.uuids:
+            return r.replicas
+    return None

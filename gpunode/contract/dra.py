@@ -31,11 +31,13 @@ ATTR_MIG_START = "memorySliceStart"  # MIG placements: the first of the GPU's 8 
 
 TYPE_GPU, TYPE_MIG = "gpu", "mig"
 SHARING_WHOLE, SHARING_SHARED, SHARING_MIG = "whole", "shared", "mig"
+SHARING_TIME_SLICED = "timesliced"  # a GPU sharing.timeSlicing names: claims share it, uncapped
 
 # -- capacities ------------------------------------------------------------------------------------
 
 CAPACITY_MEMORY = "memory"  # bytes: a GPU's framebuffer, or a MIG profile's
 CAPACITY_COMPUTE = "compute"  # milli-GPU (1000 is the whole GPU): a shared device's compute shares
+CAPACITY_REPLICAS = "replicas"  # a time-sliced device: its replicas, one per claim
 
 # -- shared counters of one GPU (partitionable devices) --------------------------------------------
 
@@ -48,6 +50,7 @@ MIG_MEMORY_SLICE_COUNTER = "memory-slice-{}"  # MIG: one counter per memory slic
 CLASS_WHOLE = "gpu.gpunode.io"  # one GPU to one claim; extendedResourceName: nvidia.com/gpu
 CLASS_SHARED = "shared-gpu.gpunode.io"  # a share of a GPU's memory; several claims per GPU
 CLASS_MIG = "mig.gpunode.io"  # one MIG placement
+CLASS_TIME_SLICED = "timesliced-gpu.gpunode.io"  # one replica of a time-sliced GPU; several claims per GPU
 
 # -- device taints (health) ---------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from gpunode.config.agent import Config, shared_resource_name
+from gpunode.config.dra import dra_time_slicing
 from gpunode.config.sharing import DeviceSelector, SharedResource
 from gpunode.contract.deviceids import memory_unit_id, replica_id
 from gpunode.contract.names import GIB, GPU_RESOURCE, MIB, Sharing, mig_resource_name
@@ -264,7 +265,12 @@ def build_inventory(gpus: Sequence[Gpu], cfg: Config, *, strict: bool = True) ->
         if len(devices) > MAX_DEVICES_PER_NODE:
             _too_many_devices(cfg, len(devices), gpu)
         if cfg.dra.serves(gpu.index, gpu.uuid):  # a GPU is served by DRA or by the device plugin, never both
-            _check_not_named(selectors, gpu, problem)
+            # (a time-slicing list may name it: DRA publishes it time-sliced, gpunode.config.dra)
+            by_dra = [r.devices for r in dra_time_slicing(cfg.time_slicing)]
+            for sel in by_dra:
+                if gpu.index in sel.indexes or gpu.uuid in sel.uuids:
+                    count(sel)
+            _check_not_named([s for s in selectors if s not in by_dra], gpu, problem)
             modes.append((gpu.uuid, Sharing.DRA))
             continue
         mode = _sharing_mode(cfg, gpu, count, problem)

@@ -219,6 +219,7 @@ def build_dra_slices(
     """The publisher of this node's ResourceSlices (gpunode.node.dra.slices) for the GPUs gpunode.dra
     serves, tainted by the health monitor's verdicts; None when DRA is off or the node has no name.
     `config` and `health` are read at each publication (a reload applies at once)."""
+    from gpunode.config.dra import time_sliced_replicas
     from gpunode.infra.kube import KubeClient
     from gpunode.node.dra.order import ClaimUsage
     from gpunode.node.dra.slices import Pool, SlicePublisher, build_pool
@@ -241,6 +242,11 @@ def build_dra_slices(
             unit_bytes=cfg.fractional.unit_bytes,
             driver_version=driver_version,
             taints=device_taints(verdicts, cfg.health.xid),
+            time_sliced={
+                g.uuid: n
+                for g in served
+                if (n := time_sliced_replicas(cfg.dra, cfg.time_slicing, g.index, g.uuid)) is not None
+            },
         )
 
     async def changed(version: int) -> int:

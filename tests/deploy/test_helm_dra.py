@@ -29,14 +29,17 @@ def test_dra_off_renders_nothing_of_it() -> None:
 
 
 @needs_helm
-def test_dra_on_renders_three_classes_selecting_by_driver_and_sharing() -> None:
+def test_dra_on_renders_four_classes_selecting_by_driver_and_sharing() -> None:
     out = render(ON)
     classes = {d["metadata"]["name"]: d for d in out.kinds("DeviceClass")}
-    assert sorted(classes) == sorted([names.CLASS_WHOLE, names.CLASS_SHARED, names.CLASS_MIG])
+    assert sorted(classes) == sorted(
+        [names.CLASS_WHOLE, names.CLASS_SHARED, names.CLASS_MIG, names.CLASS_TIME_SLICED]
+    )
     for name, sharing in (
         (names.CLASS_WHOLE, names.SHARING_WHOLE),
         (names.CLASS_SHARED, names.SHARING_SHARED),
         (names.CLASS_MIG, names.SHARING_MIG),
+        (names.CLASS_TIME_SLICED, names.SHARING_TIME_SLICED),
     ):
         doc = classes[name]
         assert typed_class(doc) == doc

@@ -59,6 +59,7 @@ NODES = {
     "mig": "e2e-dra-a100",
     "xid": "e2e-dra-t4-xid",
     "compute": "e2e-dra-t4-compute",
+    "timesliced": "e2e-dra-t4-timesliced",
 }
 
 
@@ -212,7 +213,7 @@ def dra(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -
     assert chart.apply_rbac(admin, docs, "agent-dra") == E2E_USERS["agent"].name
     classes = [d for d in docs if d["kind"] == "DeviceClass"]
     assert sorted(c["metadata"]["name"] for c in classes) == sorted(
-        [names.CLASS_WHOLE, names.CLASS_SHARED, names.CLASS_MIG]
+        [names.CLASS_WHOLE, names.CLASS_SHARED, names.CLASS_MIG, names.CLASS_TIME_SLICED]
     )
     for c in classes:
         admin.apply(f"{RESOURCE}/deviceclasses", c)  # the API server validates them (CEL included)
@@ -262,12 +263,14 @@ def dra(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -
         "whole": t4.gpus()[1],
         "mig": a100.gpus()[0],
         "compute": t4.gpus()[2],
+        "timesliced": t4.gpus()[3],
     }
     agents: list[Agent] = []
     for key, gpu in gpus.items():
         create_fake_node(admin, NODES[key])
         version = t4.driver_version() if key != "mig" else a100.driver_version()
-        pool = build_pool([gpu], unit_bytes=GIB, driver_version=version)
+        sliced = {gpu.uuid: 2} if key == "timesliced" else None  # sharing.timeSlicing lists it, 2 replicas
+        pool = build_pool([gpu], unit_bytes=GIB, driver_version=version, time_sliced=sliced)
         agents.append(Agent(control_plane, NODES[key], constant(pool), None))
     scheduler = control_plane.start_scheduler(name="kube-scheduler-dra")
     try:
@@ -398,6 +401,27 @@ def test_compute_shares_asked_of_one_gpu_stay_within_it(dra: dict[str, Any]) -> 
     wait_scheduled(api, "pod-compute-none")
     consumed = allocation(api, "compute-none")["devices"]["results"][0]["consumedCapacity"]
     assert parse_quantity(consumed.get(names.CAPACITY_COMPUTE, "0"), where="compute") == 0
+
+
+def test_a_time_sliced_gpu_takes_as_many_claims_as_it_has_replicas(dra: dict[str, Any]) -> None:
+    """A T4 time-sliced in 2: two claims of the time-sliced class share it, a third stays Pending with
+    kube-scheduler's reason, and so does a claim for the GPU whole."""
+    api: Api = dra["admin"]
+    node = NODES["timesliced"]
+    device = gpu_device_name(dra["gpus"]["timesliced"].uuid) + "-timesliced"
+    for claim in ("ts-1", "ts-2", "ts-3"):
+        api.create(
+            f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaims", claim_body(claim, names.CLASS_TIME_SLICED)
+        )
+    for claim in ("ts-1", "ts-2"):
+        api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", pod_with_claim(f"pod-{claim}", node, claim))
+        wait_scheduled(api, f"pod-{claim}")
+        assert allocation(api, claim)["devices"]["results"][0]["device"] == device
+    api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", pod_with_claim("pod-ts-3", node, "ts-3"))
+    assert "cannot allocate all claims" in wait_unschedulable(api, "pod-ts-3")
+    api.create(f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaims", claim_body("ts-whole", names.CLASS_WHOLE))
+    api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", pod_with_claim("pod-ts-whole", node, "ts-whole"))
+    assert "cannot allocate all claims" in wait_unschedulable(api, "pod-ts-whole")
 
 
 def test_a_mig_claim_takes_a_placement_and_profiles_that_no_longer_fit_are_not_offered(

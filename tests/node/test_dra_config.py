@@ -84,15 +84,35 @@ def test_refused_with_one_line(dra: dict, extra: dict, key: str, words: str) -> 
     assert key in message and words in message
 
 
-def test_time_sliced_list_naming_a_dra_gpu_is_refused() -> None:
-    doc = {
+def test_a_time_sliced_list_naming_a_dra_gpu_makes_dra_publish_it_time_sliced() -> None:
+    from gpunode.config.dra import time_sliced_replicas
+
+    doc: dict = {
         "version": "v1",
         "sharing": {
-            "timeSlicing": {"resources": [{"name": "nvidia.com/gpu", "replicas": 2, "devices": [0]}]}
+            "timeSlicing": {"resources": [{"name": "nvidia.com/gpu", "replicas": 3, "devices": [0, GPU_A]}]}
         },
-        "gpunode": {"dra": {"enabled": True, "devices": [0]}},
+        "gpunode": {"dra": {"enabled": True, "devices": [0, 1]}},
     }
-    with pytest.raises(ConfigError, match=r"resources\[0\]\.devices: index 0 would be served by the device"):
+    cfg = parse_config(doc, "cfg.yaml")
+    assert time_sliced_replicas(cfg.dra, cfg.time_slicing, 0, "GPU-x") == 3
+    assert time_sliced_replicas(cfg.dra, cfg.time_slicing, 1, "GPU-y") is None  # DRA's, not listed
+    assert time_sliced_replicas(cfg.dra, cfg.time_slicing, 5, GPU_A) is None  # listed, not DRA's
+    doc["gpunode"] = {"dra": {"enabled": False, "devices": [0]}}  # off: the device plugin time-slices it
+    cfg = parse_config(doc, "cfg.yaml")
+    assert time_sliced_replicas(cfg.dra, cfg.time_slicing, 0, "GPU-x") is None
+
+
+def test_an_mps_list_or_fractional_selector_naming_a_dra_gpu_is_still_refused() -> None:
+    mps = {"mps": {"resources": [{"name": "nvidia.com/gpu", "replicas": 2, "devices": [0]}]}}
+    doc = {"version": "v1", "sharing": mps, "gpunode": {"dra": {"enabled": True, "devices": [0]}}}
+    with pytest.raises(ConfigError, match=r"devices: index 0 would be served by the device plugin"):
+        parse_config(doc, "cfg.yaml")
+    doc = {
+        "version": "v1",
+        "gpunode": {"dra": {"enabled": True, "devices": [0]}, "fractional": {"devices": [0]}},
+    }
+    with pytest.raises(ConfigError, match=r"index 0 would be served by the device plugin"):
         parse_config(doc, "cfg.yaml")
     doc["gpunode"] = {"dra": {"enabled": False, "devices": [0]}}  # off: no clash
     parse_config(doc, "cfg.yaml")

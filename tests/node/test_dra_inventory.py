@@ -45,14 +45,26 @@ def test_all_gpus_to_dra_leaves_the_device_plugin_nothing() -> None:
 def test_a_device_plugin_selector_naming_a_dra_gpu_by_uuid_is_refused() -> None:
     doc = {
         "sharing": {
-            "timeSlicing": {
-                "resources": [{"name": "nvidia.com/gpu", "replicas": 2, "devices": [GPUS[0].uuid]}]
-            }
+            "mps": {"resources": [{"name": "nvidia.com/gpu", "replicas": 2, "devices": [GPUS[0].uuid]}]}
         }
     }
     with pytest.raises(ConfigError) as err:
         inventory({"enabled": True, "devices": [0]}, **doc)
     assert "is served through DRA" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_dra_gpu_a_time_slicing_list_names_is_dras_and_the_others_are_time_sliced_by_the_plugin() -> None:
+    doc = {
+        "sharing": {
+            "timeSlicing": {
+                "resources": [{"name": "nvidia.com/gpu", "replicas": 2, "devices": [GPUS[0].uuid, 1]}]
+            }
+        }
+    }
+    inv = inventory({"enabled": True, "devices": [0]}, **doc)
+    assert dict(inv.modes)[GPUS[0].uuid] == Sharing.DRA  # DRA publishes it time-sliced (its slice)
+    assert {d.gpu_uuid for d in inv.devices} == {GPUS[1].uuid, GPUS[2].uuid}
+    assert len([d for d in inv.devices if d.gpu_uuid == GPUS[1].uuid]) == 2  # the plugin's two replicas
 
 
 def test_the_published_node_state_shows_dra_gpus_and_the_extender_places_nothing_there() -> None:

@@ -79,6 +79,11 @@ _MIG_TABLE_BY_MODEL = (("A100", 60, "a100-80gb"), ("A100", 0, "a100-40gb"), ("H1
 # -- names -------------------------------------------------------------------------------------------
 
 
+def time_sliced_device_name(uuid: str) -> str:
+    """The device claims take replicas of when the GPU is time-sliced."""
+    return f"{gpu_device_name(uuid)}-timesliced"
+
+
 def mig_device_name(uuid: str, profile: str, start: int) -> str:
     """One MIG placement: the profile without its dots and plus signs, and its first memory slice."""
     token = re.sub(r"[^a-z0-9]", "", profile.lower())
@@ -204,10 +209,13 @@ def build_pool(
     unit_bytes: int,
     driver_version: str | None = None,
     taints: Mapping[str, DeviceTaint] | None = None,
+    time_sliced: Mapping[str, int] | None = None,
 ) -> Pool:
     """The devices of these GPUs (the ones DRA serves), tainted where `taints` (GPU/MIG UUID -> taint) says.
 
-    unit_bytes is the minimum, step and default of a share of a GPU's memory.
+    unit_bytes is the minimum, step and default of a share of a GPU's memory. time_sliced (GPU UUID ->
+    replicas) names the GPUs a time-slicing resource lists: each offers `replicas` uncapped claims
+    (`<uuid>-timesliced`) instead of memory shares.
     """
     gpus = sorted(gpus, key=lambda g: g.index)
     taints = taints or {}
@@ -234,7 +242,10 @@ def build_pool(
                 "counters": {names.COUNTER_MEMORY: {"value": str(gpu.memory_total_bytes)}},
             }
         )
-        devices.extend(_gpu_devices(gpu, unit_bytes, driver_version, domain, taints.get(gpu.uuid), warnings))
+        replicas = (time_sliced or {}).get(gpu.uuid)
+        devices.extend(
+            _gpu_devices(gpu, unit_bytes, driver_version, domain, taints.get(gpu.uuid), warnings, replicas)
+        )
     return Pool(tuple(sets), tuple(devices), tuple(warnings))
 
 
@@ -254,6 +265,7 @@ def _gpu_devices(
     domain: int | None,
     taint: DeviceTaint | None,
     warnings: list[str],
+    replicas: int | None = None,
 ) -> list[dict[str, Any]]:
     total = gpu.memory_total_bytes
     consumes = _consumes(gpu, {names.COUNTER_MEMORY: total})
@@ -270,7 +282,30 @@ def _gpu_devices(
     }
     out = [whole]
     units = total // unit_bytes
-    if units >= 2:
+    if replicas is not None:
+        # Time-sliced: `replicas` claims share the GPU, each one replica, uncapped (as the device plugin's
+        # replicas are); they and the whole GPU take the memory counter, so they exclude each other.
+        one = "1"
+        out.append(
+            {
+                "name": time_sliced_device_name(gpu.uuid),
+                "allowMultipleAllocations": True,
+                "attributes": _attributes(
+                    gpu,
+                    driver_version,
+                    domain,
+                    **{names.ATTR_TYPE: names.TYPE_GPU, names.ATTR_SHARING: names.SHARING_TIME_SLICED},
+                ),
+                "capacity": {  # no memory: a capacity without a request policy is consumed whole
+                    names.CAPACITY_REPLICAS: {
+                        "value": str(replicas),
+                        "requestPolicy": {"default": one, "validRange": {"min": one, "max": one}},
+                    },
+                },
+                "consumesCounters": consumes,
+            }
+        )
+    elif units >= 2:
         step = str(unit_bytes)
         out.append(
             {
@@ -582,6 +617,8 @@ class SlicePublisher:
             self.order.on_change = self.poke
         follower = asyncio.ensure_future(self.order.run()) if self.order is not None else watcher
         try:
+            if self.order is not None:  # the first write in the order the claims call for (a few s at most)
+                await self.order.wait_synced()
             while True:
                 resync = loop.time() >= next_resync
                 self._poked.clear()

@@ -310,13 +310,18 @@ def build_snapshot(
     limit bytes) per device of each memory-cap region; the device is a GPU or
     a MIG device. compute holds each region's compute share and use, by region key. claims holds the
     devices of prepared DRA claims in use (claim_device_uses): a whole GPU or a MIG placement labels its
-    entity with the claim; a share labels the claim's region.
+    entity with the claim (when it is the one claim holding it: time-sliced claims share a GPU uncapped);
+    a share labels the claim's region.
     """
     owners = find_owners(gpus, inventory, attribution)
     held: dict[EntityKey, ClaimDeviceUse] = {}
+    holders: dict[EntityKey, int] = {}
     for use in claims:
         if not use.capped:
             held.setdefault((use.gpu_uuid, use.mig_uuid), use)
+            holders[(use.gpu_uuid, use.mig_uuid)] = holders.get((use.gpu_uuid, use.mig_uuid), 0) + 1
+    # A GPU several uncapped claims share (time-sliced) has no one holder: its series name none of them.
+    held = {k: v for k, v in held.items() if holders[k] == 1}
     entities: list[Entity] = []
     for g in gpus:
         sample = samples.get(g.uuid)
