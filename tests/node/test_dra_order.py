@@ -58,9 +58,7 @@ def test_without_usage_the_order_is_index_order_and_every_name_stays() -> None:
     pool = build_pool(t4, unit_bytes=GIB)
     ordered = order_pool(pool, {})
     assert sorted(d["name"] for d in ordered.devices) == sorted(d["name"] for d in pool.devices)
-    assert [d["name"] for d in ordered.devices] == [gpu_device_name(g.uuid) for g in t4] + [
-        shared_device_name(g.uuid) for g in t4
-    ]
+    assert ordered.devices == pool.devices  # build_pool's order: a fresh node publishes nothing new
     assert ordered.counter_sets == pool.counter_sets
     assert {d["name"]: d for d in ordered.devices} == {d["name"]: d for d in pool.devices}  # content same
 
@@ -241,3 +239,38 @@ def test_order_is_deterministic_for_equal_usage() -> None:
     pool: Pool = build_pool(gpus("dgx-h100"), unit_bytes=GIB)
     usage = {shared_device_name(gpus("dgx-h100")[5].uuid): DeviceUsage(claims=1, memory_bytes=GIB)}
     assert order_devices(pool.devices, usage) == order_devices(pool.devices, dict(usage))
+
+
+def test_a_restarted_publisher_with_the_same_usage_writes_nothing_and_waits_for_the_list() -> None:
+    api = FakeApi()
+    t4 = gpus("t4")
+    pool = build_pool(t4, unit_bytes=GIB)
+    held = [
+        claim(
+            "a",
+            "c",
+            [{"pool": NODE, "device": shared_device_name(t4[2].uuid), "consumedCapacity": {"memory": "3Gi"}}],
+        )
+    ]
+
+    def publisher_with(usage: ClaimUsage) -> SlicePublisher:
+        return SlicePublisher(
+            client_factory=lambda: api,  # type: ignore[arg-type,return-value]
+            node_name=NODE,
+            driver=DRIVER,
+            pool=lambda: pool,
+            order=usage,
+        )
+
+    first = ClaimUsage(client_factory=lambda: api, node_name=NODE, driver=DRIVER)  # type: ignore[arg-type,return-value]
+    first.replace_all(held)
+    assert asyncio.run(publisher_with(first).publish_once()) is True
+    # The restarted agent: before its claims are listed it would publish index order; once listed, the
+    # same usage gives the same order as the server has, so nothing is written.
+    second = ClaimUsage(client_factory=lambda: api, node_name=NODE, driver=DRIVER)  # type: ignore[arg-type,return-value]
+    assert asyncio.run(second.wait_synced(0.05)) is False
+    second.replace_all(held)
+    assert asyncio.run(second.wait_synced(0.05)) is True
+    api.calls.clear()
+    assert asyncio.run(publisher_with(second).publish_once()) is False
+    assert [c[0] for c in api.calls] == ["list"]

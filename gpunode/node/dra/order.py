@@ -46,6 +46,7 @@ from gpunode.node.dra.slices import Pool
 log = logging.getLogger(__name__)
 
 RETRY_S = 30.0  # after the watch fails for good (a 403: no list/watch right on resourceclaims)
+SYNC_WAIT_S = 5.0  # the longest the first publication waits for the claims' first list
 
 
 def _attr(device: Mapping[str, Any], key: str) -> Any:
@@ -115,7 +116,15 @@ def order_devices(
             return (2, 0, free_mig[(gpu, _attr(d, names.ATTR_MIG_PROFILE))], index[name], position[name])
         return (0, 1 if gpu in held else 0, 0, index[name], position[name])
 
-    return tuple(dict(d) for d in sorted(devices, key=key))
+    # Each kind of device is reordered within the places that kind has in build_pool's list (the allocator
+    # only compares devices of the class a claim asks), so with nothing allocated the order is build_pool's.
+    out: list[dict[str, Any]] = [dict(d) for d in devices]
+    for kind in {_attr(d, names.ATTR_SHARING) for d in devices}:
+        places = [i for i, d in enumerate(devices) if _attr(d, names.ATTR_SHARING) == kind]
+        ranked = sorted((devices[i] for i in places), key=key)
+        for i, d in zip(places, ranked, strict=True):
+            out[i] = dict(d)
+    return tuple(out)
 
 
 def order_pool(pool: Pool, usage: Mapping[str, DeviceUsage]) -> Pool:
@@ -148,6 +157,15 @@ class ClaimUsage:
     def usage(self) -> dict[str, DeviceUsage]:
         """device -> usage on this node's pool, as last seen."""
         return self._usage
+
+    async def wait_synced(self, timeout_s: float = SYNC_WAIT_S) -> bool:
+        """Until the claims are listed (True) or timeout_s has passed (False): the publisher's first write
+        waits for it, so a restarted agent republishes the order the claims call for, not index order first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.synced and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        return self.synced
 
     def order(self, pool: Pool) -> Pool:
         """The pool in gpunode's order for the usage known now (build_pool's order before the first list)."""
