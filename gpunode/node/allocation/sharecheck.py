@@ -15,6 +15,9 @@ each process to a pod:
 3. else the GPU time is unattributed: someone on the GPU runs outside every pod
    the agent knows (gpunode_gpu_compute_unattributed_share{gpu}).
 
+Capped MIG devices are not checked: NVML gives no per-process utilisation there
+(and a MIG device's compute is its own slices, isolated by the hardware).
+
 Per pod and GPU it then has two figures, the share the driver saw and the share
 the pod's regions report, both exported as metrics, and feeds them to
 memcap.compute.ShareWatch. A pod above its hard share by the driver's figures,
@@ -135,7 +138,7 @@ class ShareCheck:
         uid_to_pod = {uid: pod for pod, uid in self._pod_uids().items()}
         by_gpu: dict[str, list[str]] = {}
         for key, p in planned.items():
-            if p.pod:
+            if p.pod and not p.gpu_uuid.startswith("MIG-"):  # NVML has no per-process utilisation on MIG
                 by_gpu.setdefault(p.gpu_uuid, []).append(key)
         reported: dict[str, int] = {}
         claims: dict[int, str] = {}  # pid -> region key that claims it (tenant-writable)
