@@ -274,3 +274,15 @@ def test_a_restarted_publisher_with_the_same_usage_writes_nothing_and_waits_for_
     api.calls.clear()
     assert asyncio.run(publisher_with(second).publish_once()) is False
     assert [c[0] for c in api.calls] == ["list"]
+
+
+def test_time_sliced_replicas_keep_build_pools_order() -> None:
+    t4 = gpus("t4")
+    pool = build_pool(t4, unit_bytes=GIB, time_sliced={g.uuid: 4 for g in t4[2:]})
+    kinds = [sharing(d) for d in pool.devices]
+    assert names.SHARING_TIME_SLICED in kinds
+    usage = {f"{gpu_device_name(t4[3].uuid)}-timesliced": DeviceUsage(claims=2)}
+    ordered = order_devices(pool.devices, usage)
+    sliced = [d["name"] for d in ordered if sharing(d) == names.SHARING_TIME_SLICED]
+    assert sliced == [d["name"] for d in pool.devices if sharing(d) == names.SHARING_TIME_SLICED]
+    assert [sharing(d) for d in ordered] == kinds  # every kind keeps its places

@@ -5,7 +5,7 @@ nothing assigned: kube-scheduler's allocator hands it out from the node's Resour
 does not count those claims in the annotation. ClaimView counts them from the ResourceClaims'
 allocations (gpunode.contract.draclaims: results of our driver, pool = the node, the device and its
 consumedCapacity), and apply() gives a node's `dra` GPUs what they hold: memory taken by shares, the whole
-GPU (memory and compute) by a whole-GPU claim or a MIG placement. The extender's node cache
+GPU (memory and compute) by a whole-GPU claim or a MIG placement (a time-sliced replica takes neither). The extender's node cache
 (NodeCache.dra) and the queue controller's cluster view (queuectl.nodes.cluster_view) read the nodes
 through it, so both see a DRA claim's GPU as taken, as they see a device-plugin pod's.
 
@@ -29,7 +29,15 @@ import msgspec
 from lightkube.resources.resource_v1 import ResourceClaim
 
 from gpunode.contract.dra import DEFAULT_DRIVER
-from gpunode.contract.draclaims import DeviceUsage, DeviceUse, claim_uses, gpu_of_device, usage_of
+from gpunode.contract.draclaims import (
+    DeviceUsage,
+    DeviceUse,
+    claim_uses,
+    gpu_device_name,
+    gpu_of_device,
+    shared_device_name,
+    usage_of,
+)
 from gpunode.contract.names import Sharing
 from gpunode.errors import GpunodeError
 from gpunode.infra.kube import DELETED, SYNC, KubeClient
@@ -110,10 +118,12 @@ class ClaimView:
             if uuid is None:
                 continue
             memory, whole = taken.get(uuid, (0, False))
-            if use.memory_bytes and device.endswith("-shared"):
+            base = gpu_device_name(uuid)
+            if device == shared_device_name(uuid):
                 taken[uuid] = (memory + use.memory_bytes, whole)
-            else:
+            elif device == base or device.startswith(f"{base}-mig-"):
                 taken[uuid] = (memory, True)  # the whole GPU, or a MIG placement of it
+            # a time-sliced replica (`-timesliced`) takes no memory of its own: the GPU is left as it is
         if not taken:
             return state
         return replace(

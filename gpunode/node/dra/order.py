@@ -14,6 +14,7 @@ hold (gpunode.contract.draclaims), so first fit is the placement policy's choice
   constraint (nvlinkDomain, numaNode); the allocator then searches the sets itself.
 - MIG placements: those of the GPU with the fewest free placements of the same profile first (the policy's
   choice for a MIG request), placements that overlap one held last; within a GPU the table's order.
+- time-sliced replicas (`<gpu>-timesliced`): build_pool's order.
 
 Only the order changes: device names, attributes and capacities are those build_pool made, so allocations
 stay valid across republishing. A new order is a new pool generation (SlicePublisher writes it when the
@@ -110,6 +111,8 @@ def order_devices(
             used = usage[name].memory_bytes if name in usage else 0
             free = max(0, _capacity(d) - used)
             return (1, 0 if usable else 1, free, index[name], position[name])
+        if sharing not in (names.SHARING_WHOLE, names.SHARING_SHARED, names.SHARING_MIG):
+            return (3, 0, 0, 0, position[name])  # time-sliced replicas: build_pool's order, as they were
         if sharing == names.SHARING_MIG:
             if not fits(d):
                 return (2, 1, 0, index[name], position[name])

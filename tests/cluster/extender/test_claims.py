@@ -153,3 +153,16 @@ def test_the_extenders_node_cache_shows_what_dra_claims_hold() -> None:
     cache.dra.claim_changed(claim("a", []), deleted=True)
     got = cache.get(NODE).state
     assert got is not None and got.gpus[0].memory_free_bytes == 16 * GIB
+
+
+def test_a_time_sliced_replica_takes_no_memory_and_a_mig_placement_takes_the_gpu() -> None:
+    view = ClaimView()
+    view.replace_all(
+        [
+            claim("ts", [{"device": f"{gpu_device_name(UUIDS[0])}-timesliced"}]),
+            claim("mig", [{"device": f"{gpu_device_name(UUIDS[1])}-mig-1g10gb-3"}]),
+        ]
+    )
+    g0, g1, _ = view.apply(state()).gpus
+    assert g0 == state().gpus[0]
+    assert (g1.memory_free_bytes, g1.milli_free) == (0, 0)
