@@ -232,16 +232,17 @@ def _delete_and_wait(api: Api, dn: DraNode, pod: str) -> None:
     eventually(gone, timeout_s=WAIT_S, what=f"{pod} deleted")
 
 
-def _series_labels(metrics_url: str, name: str, pod: str) -> dict[str, str]:
+def _series_labels(metrics_url: str, name: str, pod: str, *, value: bool = False) -> Any:
+    """The labels (or, with value, the value) of the one sample of `name` charged to `pod`."""
     with urllib.request.urlopen(metrics_url, timeout=10) as resp:
         text = resp.read().decode()
-    [labels] = [
-        s.labels
+    [sample] = [
+        s
         for family in text_string_to_metric_families(text)
         for s in family.samples
         if s.name == name and s.labels.get("pod") == pod
     ]
-    return dict(labels)
+    return sample.value if value else dict(sample.labels)
 
 
 def _clean(dn: DraNode) -> bool:
@@ -315,6 +316,9 @@ def test_a_claim_template_for_4gib_of_a_shared_gpu_runs_under_its_cap(dra_node: 
         "dra_device_name": f"{report.uuid.lower()}-shared",
     }
     assert (labels["namespace"], labels["container"], labels["UUID"]) == (NAMESPACE, "main", report.uuid)
+    # The claim asked no compute: its region holds a share proportional to its memory, 4 GiB of 15 GiB.
+    share = _series_labels(dra_node.metrics_url, "gpunode_container_compute_share", "dra-capped", value=True)
+    assert share == pytest.approx((4 * GIB * 1000 // T4_BYTES) / 1000)
 
     def device_health() -> list[dict[str, Any]] | None:
         statuses = get_pod(admin, NAMESPACE, "dra-capped")["status"].get("containerStatuses") or []
