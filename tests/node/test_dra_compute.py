@@ -71,3 +71,45 @@ def test_a_compute_share_out_of_range_is_refused_and_nothing_made(
     state = node.config.state_dir / "dra"
     for made in (state / "memcap", state / "claims", node.config.dra.cdi_dir):
         assert not made.exists() or [p for p in made.iterdir() if not p.name.startswith(".")] == []
+
+
+@needs_memcap
+def test_a_share_the_container_rewrote_in_its_region_is_written_back(tmp_path: Path) -> None:
+    """The region's usage file is the container's to write, its compute block included: a tenant that
+    gives itself the whole GPU (or turns enforcement off) gets the claim's share back."""
+    from gpunode.node.memcap.compute import DEFAULT_MODE, ComputeMode, set_compute_share
+
+    node = Node(tmp_path)
+    device = node.prepare("c", shared_device_name(node.gpus[0].uuid), "8Gi", compute="300")
+    region = node.region(device)
+    assert node.preparer.keep_compute_shares() == 0  # as prepared: nothing to write
+    set_compute_share(region, 1000, ComputeMode.OFF)  # what the container does to its own file
+    assert node.preparer.keep_compute_shares() == 1
+    report = read_compute(region)
+    assert (report.share_milli, report.mode) == (300, DEFAULT_MODE)
+
+
+@needs_memcap
+def test_the_running_plugin_writes_a_rewritten_share_back_within_seconds() -> None:
+    import asyncio
+    import time
+
+    from gpunode.node.memcap.compute import ComputeMode, set_compute_share
+    from tests.node.dra_world import claim, world
+
+    async def scenario() -> None:
+        async with world() as w:
+            body = claim("c", device="gpu-0-shared", memory="8Gi")
+            body["status"]["allocation"]["devices"]["results"][0]["consumedCapacity"]["compute"] = "250"
+            ref = w.api.add(body)
+            resp = await w.prepare(ref)
+            assert resp.claims[ref.uid].error == ""
+            region = w.regions / names.claim_region_key(ref.uid)
+            assert read_compute(region).share_milli == 250
+            set_compute_share(region, 1000, ComputeMode.OFF)
+            deadline = time.monotonic() + 10
+            while read_compute(region).share_milli != 250:
+                assert time.monotonic() < deadline, "the share was not written back"
+                await asyncio.sleep(0.1)
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))

@@ -14,7 +14,8 @@ that cannot be prepared gets its error (one line naming the claim and why) and t
 devices. A request that does not decode is INVALID_ARGUMENT, an unexpected failure INTERNAL, as
 for the device plugin. While running, the sockets are checked every SOCKET_CHECK_S; one that was
 removed (a kubelet that cleaned its directories, an operator) is created again, so the kubelet's
-plugin watcher sees the driver again and registers it anew.
+plugin watcher sees the driver again and registers it anew. As often, the compute share of each
+prepared claim's region is checked and written back if its container rewrote it.
 """
 
 from __future__ import annotations
@@ -326,6 +327,10 @@ class DraPlugin:
             next_orphan_check = time.monotonic() + ORPHAN_FIRST_CHECK_S
             while True:
                 await asyncio.sleep(SOCKET_CHECK_S)
+                try:  # a share a container rewrote in its region is written back within a second
+                    await asyncio.to_thread(self.preparer.keep_compute_shares)
+                except Exception as exc:  # tried again at the next check
+                    log.warning("DRA: checking the claims' compute shares failed: %s", exc)
                 if time.monotonic() >= next_orphan_check:
                     next_orphan_check = time.monotonic() + ORPHAN_CHECK_S
                     try:

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from gpunode.config.agent import Config
 from gpunode.contract import dra as names
-from gpunode.errors import ClaimRefused, KubeError, KubeNotFound, MemcapError
+from gpunode.errors import ClaimRefused, GpunodeError, KubeError, KubeNotFound, MemcapError
 from gpunode.node import memcap
 from gpunode.node.allocation.allocator import MIG_MINORS_FILE
 from gpunode.node.allocation.allocator import _mig_minors as mig_minors
@@ -36,7 +36,7 @@ from gpunode.node.dra.checkpoint import PREPARED, PREPARING, ClaimCheckpoint, Cl
 from gpunode.node.dra.claims import ClaimPlan, ClaimRef, check_uid, containers_with_other_caps, plan_claim
 from gpunode.node.dra.devices import DeviceDirectory
 from gpunode.node.dra.slices import mig_instance_slices, mig_table
-from gpunode.node.memcap.compute import set_compute_share, share_from_memory
+from gpunode.node.memcap.compute import DEFAULT_MODE, read_compute, set_compute_share, share_from_memory
 
 log = logging.getLogger(__name__)
 
@@ -420,6 +420,36 @@ class Preparer:
             log.info("DRA: claim %s is gone from the API server; its spec and region are removed", ref)
             removed.append(ref.uid)
         return removed
+
+    def keep_compute_shares(self) -> int:
+        """Write back the compute share (and mode) of every prepared claim's region that holds another: a
+        container can write its region's usage file, its share included. The regions written back."""
+        written = 0
+        for record in self.prepared():
+            if record.region is None:
+                continue
+            caps = self._caps(record.plan)
+            if not caps:
+                continue
+            want = compute_share(record.plan, caps)
+            path = self.regions_root / record.region
+            try:
+                report = read_compute(path)
+                if report.share_milli == want and report.mode == DEFAULT_MODE:
+                    continue
+                set_compute_share(path, want)
+            except (GpunodeError, OSError) as exc:  # a damaged region: the metrics report it
+                log.debug("DRA: claim %s: cannot check its compute share: %s", record.plan.claim, exc)
+                continue
+            log.warning(
+                "DRA: claim %s: its region held compute share %s (mode %s), not %d: written back",
+                record.plan.claim,
+                report.share_milli,
+                report.mode,
+                want,
+            )
+            written += 1
+        return written
 
     def prepared(self) -> list[ClaimRecord]:
         """The records of the claims prepared now (for the health stream and tests)."""
