@@ -25,11 +25,11 @@ from tests.node.dra_world import DRIVER, NODE, FakeApi, claim
 GPU = "nvidia.com/gpu"
 
 
-def start(sockdir: Path, api: FakeApi, **dra: Any) -> RunningAgent:
+def start(sockdir: Path, api: FakeApi, doc: dict[str, Any] | None = None, **dra: Any) -> RunningAgent:
     cfg = make_config(
         sockdir / "device-plugins",
         sockdir / "state",
-        None,
+        doc,
         nodeName=NODE,
         nodeState={"enabled": False},
         remediation={"kubeconfig": str(api.kubeconfig(sockdir / "kubeconfig"))},
@@ -146,3 +146,34 @@ def test_dra_without_a_node_name_is_refused_with_one_line(sockdir: Path, kubelet
     assert "gpunode.dra.enabled" in str(ra.error) and "node's name" in str(ra.error)
     assert "\n" not in str(ra.error)
     assert not (sockdir / "plugins_registry").exists()  # nothing served
+
+
+def test_a_gpu_a_time_slicing_list_names_is_published_time_sliced_by_the_agent(
+    sockdir: Path, kubelet: KubeletStandIn
+) -> None:
+    """sharing.timeSlicing lists GPU 0 (DRA's) and GPU 2 (the device plugin's): the agent publishes GPU 0
+    time-sliced in 3 through DRA, GPU 1 shared by memory, and the device plugin advertises GPU 2's three
+    replicas and GPU 3 whole."""
+    api = FakeApi()
+    api.slices = []
+    doc = {"sharing": {"timeSlicing": {"resources": [{"name": GPU, "replicas": 3, "devices": [0, 2]}]}}}
+    ra = start(sockdir, api, doc, devices=[0, 1])
+    try:
+        gpus = ra.agent.backend.gpus()
+
+        def devices() -> dict[str, dict[str, Any]]:
+            return {d["name"]: d for s in list(api.slices) for d in s["spec"].get("devices", [])}
+
+        wait_for(lambda: len(devices()) == 4, "the node's four DRA devices")
+        sliced = devices()[f"{gpus[0].uuid.lower()}-timesliced"]
+        assert sliced["capacity"][names.CAPACITY_REPLICAS]["value"] == "3"
+        assert sliced["attributes"][names.ATTR_SHARING]["string"] == names.SHARING_TIME_SLICED
+        assert f"{gpus[1].uuid.lower()}-shared" in devices()
+        assert f"{gpus[0].uuid.lower()}-shared" not in devices()
+        kubelet.wait_for_resources([GPU])
+        wait_for(lambda: len(kubelet.healthy(GPU)) == 4, "the device plugin's devices")
+        held = sorted(d.split("::")[0] for d in kubelet.healthy(GPU))
+        assert held == sorted([gpus[2].uuid] * 3 + [gpus[3].uuid])
+    finally:
+        ra.stop()
+        api.close()
