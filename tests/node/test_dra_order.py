@@ -286,3 +286,15 @@ def test_time_sliced_replicas_keep_build_pools_order() -> None:
     sliced = [d["name"] for d in ordered if sharing(d) == names.SHARING_TIME_SLICED]
     assert sliced == [d["name"] for d in pool.devices if sharing(d) == names.SHARING_TIME_SLICED]
     assert [sharing(d) for d in ordered] == kinds  # every kind keeps its places
+
+
+def test_a_gpu_whose_replicas_are_in_use_offers_its_share_last() -> None:
+    t4 = gpus("t4")
+    pool = build_pool(t4, unit_bytes=GIB, time_sliced={t4[0].uuid: 4})
+    usage = {
+        f"{gpu_device_name(t4[0].uuid)}-timesliced": DeviceUsage(claims=1),
+        shared_device_name(t4[1].uuid): DeviceUsage(claims=1, memory_bytes=2 * GIB),
+    }
+    shared = [d["name"] for d in order_devices(pool.devices, usage) if sharing(d) == names.SHARING_SHARED]
+    assert shared[0] == shared_device_name(t4[1].uuid)
+    assert shared_device_name(t4[0].uuid) not in shared  # a time-sliced GPU offers replicas, not shares
