@@ -198,3 +198,76 @@ def test_a_tenant_claiming_a_neighbours_pid_does_not_take_its_gpu_time(tmp_path:
     )  # its cgroup says so, whatever the tenant's slots claim
     assert tenant.driver_share == pytest.approx(0.2)  # 4343: no cgroup names a pod, its region's claim counts
     assert check.unattributed[gpu.uuid] == pytest.approx(0.1)  # 4444: no pod accounts for it
+
+
+def test_an_event_the_api_refused_and_a_blocked_eviction_are_tried_again(tmp_path: Path) -> None:
+    """The API server fails the Event once and a PodDisruptionBudget blocks the eviction twice: the next
+    windows post the one Event and evict the pod."""
+    from gpunode.infra.kube import KubeClient
+    from gpunode.node import memcap
+    from gpunode.node.allocation.shares import Planned
+    from gpunode.node.memcap.checkpoint import CapRecord
+    from tests.fakes.apiserver import ApiServerStandIn
+    from tests.node.test_publish import kubeconfig
+
+    now = [1000.0]
+    backend = SimBackend.from_profile("t4", wall_clock=lambda: now[0])
+    gpu = backend.gpus()[0]
+    checkpoint = Checkpoint(tmp_path)
+    key = "c" * 20
+    memcap.create_region(
+        tmp_path / "memcap",
+        key,
+        gpu_uuid=gpu.uuid,
+        limit_bytes=2**30,
+        device_total_bytes=gpu.memory_total_bytes,
+    )
+    checkpoint.replace(CapRecord(key, "r", (key,), gpu.uuid, 2**30, gpu.memory_total_bytes, False, 1.0))
+
+    async def no_containers() -> list[Any]:
+        return []
+
+    shares = ComputeShares(
+        checkpoint=checkpoint, regions_root=tmp_path / "memcap", list_containers=no_containers, asks=dict
+    )
+    shares.planned = {key: Planned(key, "team/greedy", gpu.uuid, 100, False)}
+    shares.owners = {key: "team/greedy"}
+    uid = "12345678-1234-4234-8234-123456789abc"
+    (tmp_path / "proc" / "77").mkdir(parents=True)
+    (tmp_path / "proc" / "77" / "cgroup").write_text(f"12:pids:/kubepods/pod{uid}/abc\n")
+    with ApiServerStandIn() as api:
+        api.add_pod("team", "greedy", node_name="n", uid=uid)
+        api.fail("POST", r"/api/v1/namespaces/team/events$", 500, times=1)
+        api.block_evictions("team", "greedy", times=2)
+        config = kubeconfig(tmp_path / "kubeconfig", api.url)
+        clock = [0.0]
+        check = ShareCheck(
+            backend=backend, shares=shares, config=ComputeShareCheck(interval_s=1.0, flag_after_s=2.0, evict=True),
+            pod_uids=lambda: {"team/greedy": uid},
+            api=lambda: KubeClient.from_environment(kubeconfig=str(config), request_timeout_s=5.0),
+            node_name="n", mode_of=lambda _: ComputeMode.HARD, proc_root=tmp_path / "proc", clock=lambda: clock[0],
+        )  # fmt: skip
+
+        async def windows(count: int) -> None:
+            for _ in range(count):
+                now[0] += 1.0
+                clock[0] += 1.0
+                backend.report_process_busy(gpu.uuid, {77: int((now[0] - 1000.0) * 0.9e9)})  # 90% of the GPU
+                await check.tick()
+
+        async def scenario() -> None:
+            backend.report_process_busy(gpu.uuid, {77: 0})
+            await check.tick()
+            await windows(2)  # flagged now (2 s above 10% + 5 points): the Event fails
+            assert check.view[("team/greedy", gpu.uuid)].flagged and not check.posted
+            await windows(1)  # posted; the eviction is blocked
+            await windows(2)  # blocked once more, then evicted
+            await windows(2)  # nothing more: one Event, one eviction
+            await check._client().close()
+
+        asyncio.run(scenario())
+        events = [e for e in api.events() if e.get("reason") == "ComputeShareExceeded"]
+        assert len(events) == 1 and events[0]["involvedObject"]["uid"] == uid
+        assert "above its hard compute share of 100/1000" in events[0]["message"]
+        assert api.evictions() == [("team", "greedy")] * 3  # two blocked by the budget, then granted
+        assert check.evicted == {"team/greedy"}
