@@ -277,3 +277,42 @@ def test_the_book_keeps_the_asks_of_running_pods_only(tmp_path: Path) -> None:
     book.apply(WatchEvent(DELETED, pod("a", "400")))
     book.apply(WatchEvent(MODIFIED, pod("b", None)))
     assert book.compute_asks == {}
+
+
+def test_a_container_that_garbles_its_share_does_not_make_room_for_its_neighbour(tmp_path: Path) -> None:
+    """The shares of a GPU are planned on what the agent gave each region, not on what a region says now."""
+    import asyncio
+    import mmap
+    import struct
+
+    from gpunode.node import memcap
+    from gpunode.node.allocation.shares import ComputeShares
+    from gpunode.node.memcap.checkpoint import Checkpoint
+
+    checkpoint = Checkpoint(tmp_path)
+    total = 16 * GIB
+    containers, keys = [], {}
+    for n, pod in enumerate(("a", "b")):
+        ids = (f"GPU-0::mem{n}",)
+        keys[pod] = region_key(ids)
+        memcap.create_region(
+            tmp_path / "memcap", keys[pod], gpu_uuid="GPU-0", limit_bytes=4 * GIB, device_total_bytes=total
+        )
+        checkpoint.replace(CapRecord(keys[pod], MEM, ids, "GPU-0", 4 * GIB, total, False, 1.0 + n))
+        containers.append(ContainerDevices("ns", pod, "c", MEM, ids))
+    asks = {"ns/a": "600"}
+
+    async def listed() -> list[ContainerDevices]:
+        return containers
+
+    shares = ComputeShares(
+        checkpoint=checkpoint, regions_root=tmp_path / "memcap", list_containers=listed, asks=lambda: asks
+    )
+    asyncio.run(shares.tick())
+    assert read_compute(tmp_path / "memcap" / keys["a"]).share_milli == 600
+    with (tmp_path / "memcap" / keys["a"] / "usage").open("r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        struct.pack_into("<Q", m, 64 + 64 + 128 * 256, 0xDEADBEEF)  # the control word, garbled
+    asks["ns/b"] = "500"  # 600 + 500 is more than the GPU: refused, whatever a's region says now
+    asyncio.run(shares.tick())
+    assert read_compute(tmp_path / "memcap" / keys["b"]).share_milli == 250
+    assert read_compute(tmp_path / "memcap" / keys["a"]).share_milli == 600  # and a's is written back

@@ -248,7 +248,7 @@ class ComputeShares:
             if not report.tampered and report.share_milli:
                 held[r.key] = (report.share_milli, report.mode)
         # What the agent last wrote is what a region holds; a share the container wrote itself is not.
-        current = {k: self.planned[k].share_milli for k in held if k in self.planned}
+        current = {k: p.share_milli for k, p in self.planned.items()}  # even where the container rewrote it
         current.update({k: v[0] for k, v in held.items() if k not in self.planned})
         fixed = {r.key for r in records if self._fixed(r)}
         planned, refused = plan_shares(
