@@ -139,3 +139,30 @@ def test_hard_shares_hold_on_a_real_gpu(
     for share, series in zip(shares, achieved, strict=True):
         worst = max(abs(a - share / 1000) for a in series)
         assert worst <= TOLERANCE, f"target {share / 10:.0f}%, achieved {[f'{a:.1%}' for a in series]}"
+
+
+def test_the_driver_reports_each_process_share_as_the_cross_check_reads_it(
+    gpu: tuple[str, int], tmp_path: Path
+) -> None:
+    """nvmlDeviceGetProcessUtilization through NvmlBackend.process_utilization: a process held to a hard 30%
+    reads about 30% of the SMs by the driver, one alone about all of them."""
+    import time
+
+    gpu_uuid, total = gpu
+    region = memcap.create_region(
+        tmp_path / "regions", "held", gpu_uuid=gpu_uuid, limit_bytes=total, device_total_bytes=total
+    )
+    set_compute_share(region, 300, ComputeMode.HARD)
+    backend = NvmlBackend()
+    try:
+        for env, low, high in ((env_for(gpu_uuid, region), 0.15, 0.45), (env_for(gpu_uuid, None), 0.7, 1.0)):
+            proc = start("kernel", env)
+            since = int(time.time() * 1e6)
+            time.sleep(3.0)
+            samples = [s for s in backend.process_utilization(gpu_uuid, since) if s.pid == proc.pid]
+            rates_of(proc)
+            assert samples, "NVML gave no sample of the running process"
+            mean = sum(s.sm_percent for s in samples) / len(samples) / 100
+            assert low <= mean <= high, f"{mean:.0%} of the SMs by the driver, expected {low:.0%}..{high:.0%}"
+    finally:
+        backend.close()
