@@ -158,7 +158,10 @@ def all_bound(api: Api, name: str, count: int) -> list[dict[str, Any]] | None:
     if len(live) != count:
         return None
     done = [bound(api, p["metadata"]["name"]) for p in live]
-    return [p for p in done if p] if all(done) else None
+    # bound and running: the node's kubelet stand-in reported it started (a pod marked Succeeded before
+    # then could be reported Running again by a stand-in that listed it before)
+    running = [p for p in done if p and p.get("status", {}).get("phase") == "Running"]
+    return running if len(running) == count else None
 
 
 def succeed(api: Api, pods: list[dict[str, Any]]) -> None:
