@@ -90,10 +90,16 @@ class DraNode:
         root = self.state / "dra" / "claims"
         return sorted(p.name for p in root.iterdir()) if root.exists() else []
 
-    def restart_agent_as(self, profile: str, devices: list[int]) -> None:
-        """Restart the agent on another simulated node (profile), DRA serving the GPUs `devices`."""
+    def restart_agent_as(
+        self, profile: str, devices: list[int], sharing: dict[str, Any] | None = None
+    ) -> None:
+        """Restart the agent on another simulated node (profile), DRA serving the GPUs `devices`, with the
+        NVIDIA-style `sharing` section given (none by default)."""
         self.config["gpunode"]["simProfile"] = profile
         self.config["gpunode"]["dra"]["devices"] = devices
+        self.config.pop("sharing", None)
+        if sharing is not None:
+            self.config["sharing"] = sharing
         self.config_path.write_text(yaml.safe_dump(self.config))
         self.restart_agent()
 
@@ -433,6 +439,54 @@ def test_two_capped_claims_in_one_container_are_refused_on_the_pod(dra_node: Dra
     assert dra_node.specs == [] and dra_node.regions == []
     _delete_and_wait(admin, dra_node, "dra-two-caps")
     eventually(lambda: _clean(dra_node), timeout_s=WAIT_S, what="nothing left of the refused claims")
+
+
+def test_a_time_sliced_gpu_runs_as_many_claims_as_replicas_uncapped(dra_node: DraNode) -> None:
+    """sharing.timeSlicing lists GPU 0, which DRA serves, with 2 replicas: two pods' claims of the
+    time-sliced class run on it without a cap (the fake driver's whole memory), a third stays Pending."""
+    from gpunode.node.devices.simnode.backend import SimBackend
+
+    admin = dra_node.cp.api()
+    gpu0 = SimBackend.from_profile("t4").gpus()[0]
+    sharing = {"timeSlicing": {"resources": [{"name": GPU_RESOURCE, "replicas": 2, "devices": [0]}]}}
+    try:
+        dra_node.restart_agent_as("t4", [0, 1], sharing)
+        eventually(
+            lambda: any(d["name"].endswith("-timesliced") for d in _slice_devices(admin)),
+            timeout_s=WAIT_S,
+            what="GPU 0's time-sliced device in the node's slice",
+        )
+        exactly = {"deviceClassName": names.CLASS_TIME_SLICED}
+        body = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaimTemplate",
+            "metadata": {"name": "gpu-sliced"},
+            "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}},
+        }
+        admin.apply(f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaimtemplates", body)
+        for pod in ("dra-sliced-1", "dra-sliced-2"):
+            _claim_pod(admin, pod, "gpu-sliced")
+        for pod in ("dra-sliced-1", "dra-sliced-2"):
+            report = _report(dra_node, pod)
+            assert report.allocated == T4_BYTES  # no interposer: only the GPU's memory stops it
+        assert len(dra_node.specs) == 2 and dra_node.regions == []
+        for name in dra_node.specs:
+            spec = json.loads((dra_node.node.cdi_dir / name).read_text())
+            assert spec["containerEdits"]["env"] == [f"NVIDIA_VISIBLE_DEVICES={gpu0.uuid}"]
+        _claim_pod(admin, "dra-sliced-3", "gpu-sliced")
+
+        def unschedulable() -> str | None:
+            for e in pod_events(admin, NAMESPACE, "dra-sliced-3"):
+                if e.get("reason") == "FailedScheduling":
+                    return str(e.get("message"))
+            return None
+
+        assert "claim" in eventually(unschedulable, timeout_s=WAIT_S, what="the third claim Pending")
+        for pod in ("dra-sliced-1", "dra-sliced-2", "dra-sliced-3"):
+            _delete_and_wait(admin, dra_node, pod)
+        eventually(lambda: _clean(dra_node), timeout_s=WAIT_S, what="the time-sliced claims unprepared")
+    finally:
+        dra_node.restart_agent_as("t4", [0, 1])
 
 
 def _environ_of(marker: str) -> dict[str, str] | None:
