@@ -1022,10 +1022,19 @@ def test_every_config_key_the_schema_describes_is_accepted_by_the_agent() -> Non
     config_schema = schema["properties"]["config"]
     doc = config_from_schema_examples(config_schema, schema["definitions"])
     doc["gpunode"]["fractional"]["devices"] = [4, 5]  # one sharing mode per GPU: not the time-sliced ones
+    mps = doc["sharing"].pop("mps")  # one sharing strategy: timeSlicing or mps, each tried
     jsonschema.validate(doc, {**config_schema, "definitions": schema["definitions"]})
     cfg = parse_config(doc, "every-key.yaml")
     assert cfg.remediation.baremetal.hook == ("/usr/local/bin/drain-gpu", "--reason", "gpu-fault")
     assert cfg.time_slicing.resources[0].replicas == 4
+    with_mps = {**doc, "sharing": {"mps": mps}, "gpunode": {**doc["gpunode"], "replicaMemoryCap": "equal"}}
+    jsonschema.validate(with_mps, {**config_schema, "definitions": schema["definitions"]})
+    assert parse_config(with_mps, "every-key.yaml").time_slicing.mps
+    with pytest.raises(jsonschema.ValidationError):  # both at once: refused by the chart as by the agent
+        jsonschema.validate(
+            {**doc, "sharing": {**doc["sharing"], "mps": mps}},
+            {**config_schema, "definitions": schema["definitions"]},
+        )
 
 
 # -- the real endpoints behind the probes, and the dashboard -----------------------------------------
