@@ -112,6 +112,7 @@ class QueueCore(GangRepair, WorkloadQueue):
         self._pod_slots: dict[str, tuple[str, Slot]] = {}  # pod UID -> (workload, slot) marked, not yet seen
         self._workload_pod_keys: frozenset[str] = frozenset()
         self._wpods: dict[str, list[tuple[Mapping[str, Any], str]]] = {}
+        self._view_size: tuple[ClusterView | None, int, int] = (None, 0, 0)  # view, largest node, GPUs
 
     # ----- inputs --------------------------------------------------------------------------------------
 

@@ -110,6 +110,7 @@ class WorkloadQueue:
         _suspend_sent: set[str]
         _lost: set[str]
         view: ClusterView | None
+        _view_size: tuple[ClusterView | None, int, int]
         _pod_slots: dict[str, tuple[str, Slot]]
         last_workloads: dict[str, Workload]
 
@@ -206,8 +207,13 @@ class WorkloadQueue:
         view = self.view
         if view is None or not view.nodes or w.mark is not None:
             return ""
-        largest = max(len(n.gpus) for n in view.nodes)
-        total = sum(len(n.gpus) for n in view.nodes)
+        if self._view_size[0] is not view:  # figured once per view, not per workload
+            self._view_size = (
+                view,
+                max(len(n.gpus) for n in view.nodes),
+                sum(len(n.gpus) for n in view.nodes),
+            )
+        _, largest, total = self._view_size
         for g in w.groups:
             if g.count and g.request.gpus > largest:
                 return f"a pod asks for {g.request.gpus} GPUs, the largest node has {largest}"
