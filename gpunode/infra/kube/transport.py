@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import threading
 from collections.abc import AsyncGenerator, Iterator, Mapping
 from typing import Any, TypeVar
 from urllib.parse import quote
@@ -145,10 +146,30 @@ class Transport:
             raise KubeError(f"{what}: no usable credentials: {exc}", hint=CREDENTIALS_HINT) from None
 
 
+_DECODERS: dict[Any, msgspec.json.Decoder[Any]] = {}
+_DECODERS_LOCK = threading.Lock()
+
+
+def _decoder(model: type[R]) -> msgspec.json.Decoder[R]:
+    """The decoder of `model`, made once under a lock.
+
+    msgspec builds a struct type's decoding tables on its first use and does so without a lock: two
+    threads decoding the same new type at once crash the process (SIGSEGV). A Decoder builds them when
+    it is made, so making each one under this lock, once, leaves only ready tables to the threads.
+    """
+    found = _DECODERS.get(model)
+    if found is None:
+        with _DECODERS_LOCK:
+            found = _DECODERS.get(model)
+            if found is None:
+                found = _DECODERS[model] = msgspec.json.Decoder(model)
+    return found
+
+
 def decode(raw: bytes, model: type[R], what: str) -> R:
     """JSON from the API server as `model` (a typed struct, or a plain type); KubeError when it does not fit."""
     try:
-        return msgspec.json.decode(raw, type=model)
+        return _decoder(model).decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise KubeError(
             f"{what}: the API server's answer is not a valid {model.__name__}: {exc}",
