@@ -106,6 +106,7 @@ class QueueCore(GangRepair, WorkloadQueue):
         self._usage_seeded: Outcome | None = None
         self.released: set[str] = set()  # UIDs of gated pods whose release was sent (until it fails)
         self.workload_objects: dict[str, dict[str, Mapping[str, Any]]] = {JOB: {}, JOBSET: {}}  # by UID
+        self.workloads_listed: set[str] = set()  # the kinds listed (replace_workloads) at least once
         self.priorities: dict[str, int] = {}  # PriorityClass name -> value (a pod template's priority)
         self.last_workloads: dict[str, Workload] = {}
         self._suspend_sent: set[str] = set()  # workloads whose suspension (or mark removal) was sent
@@ -202,6 +203,7 @@ class QueueCore(GangRepair, WorkloadQueue):
 
     def replace_workloads(self, kind: str, items: Sequence[Mapping[str, Any]]) -> None:
         """A fresh list of Jobs or JobSets."""
+        self.workloads_listed.add(kind)
         self.workload_objects[kind] = {}
         for obj in items:
             self.workload_changed(kind, obj)
@@ -249,7 +251,9 @@ class QueueCore(GangRepair, WorkloadQueue):
         wpods: dict[str, list[tuple[Mapping[str, Any], str]]] = {}
         queued = []
         for pod in self.pods.values():
-            owned = pod_group(pod, owners) if owners or self.workload_objects[JOB] else None
+            # a pod of a Job not seen yet is left alone (its Job's watch event may come after the pod's);
+            # where Jobs are not listed at all (not allowed), pods of Jobs are queued as pods
+            owned = pod_group(pod, owners) if JOB in self.workloads_listed else None
             if isinstance(owned, Owned):
                 wpods.setdefault(owned.workload, []).append((pod, owned.group))
             elif owned is None and (

@@ -578,3 +578,25 @@ def test_the_extender_holds_a_pod_named_by_kueues_label_only_with_the_controller
     hold = queue_hold(p, config(KUEUE_YAML).namespaces, KEY)
     assert hold is not None and hold.queue == "team-b" and hold.admitted is None
     assert queue_hold(p, {}, KEY) is None  # without --queue-config the alias is off: not the queue's
+
+
+def test_pods_seen_before_their_job_wait_for_it_and_are_never_queued_as_pods() -> None:
+    """The pods' watch may deliver a Job's pods before the Jobs' watch delivers the Job (a JobSet's Job made
+    while the JobSet is resumed, say): they are left alone until it comes, not admitted one by one."""
+    core = new_core()
+    js = jobset()
+    core.workload_changed(JOBSET, js)
+    apply_patches(core, core.reconcile(T0))  # resumed
+    leader, workers = child_job(js, "leader", 1), child_job(js, "workers", 3)
+    add_pods(core, job_pod(leader, 0), *(job_pod(workers, i) for i in range(3)))
+    early = core.reconcile(T0 + 1)
+    assert not early.annotate and not early.release and not core.last_jobs
+    core.workload_changed(JOB, leader)
+    core.workload_changed(JOB, workers)
+    placed = core.reconcile(T0 + 2)
+    assert len(placed.release) == 4
+    assert {a.annotations[QUEUE_ADMITTED_ANNOTATION] is not None for a in placed.annotate} == {True}
+    # where Jobs are not listed at all (no rights), a Job's pods are queued as pods, as before
+    bare = QueueCore(config(), mark_key=KEY)
+    bare.replace_all([job_pod(leader, 0)], [node("n1")])
+    assert bare.reconcile(T0).admitted_jobs == ["ml/js-leader-0-0"]
