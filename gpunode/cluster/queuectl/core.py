@@ -263,9 +263,10 @@ class QueueCore(GangRepair, WorkloadQueue):
             ):
                 queued.append(q)
         self._wpods = wpods
-        self._workload_pod_keys = frozenset(
+        self._workload_pod_keys = frozenset(  # their GPUs are the workloads' plans (none once finished)
             f"{(p.get('metadata') or {}).get('namespace') or 'default'}/{(p.get('metadata') or {}).get('name')}"
-            for ps in wpods.values()
+            for name, ps in wpods.items()
+            if name in wls and not wls[name].finished
             for p, _ in ps
         )
         for q in queued:

@@ -320,6 +320,7 @@ def workload_of(
     finished = bool(conds & ({"Complete", "Failed"} if kind == JOB else {"Completed", "Failed"}))
     if kind == JOB and not finished and status.get("completionTime"):
         finished = True
+    finished = finished or meta.get("deletionTimestamp") is not None  # being deleted: never resumed again
     return Workload(
         kind=kind,
         namespace=namespace,

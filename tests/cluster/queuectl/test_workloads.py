@@ -600,3 +600,22 @@ def test_pods_seen_before_their_job_wait_for_it_and_are_never_queued_as_pods() -
     bare = QueueCore(config(), mark_key=KEY)
     bare.replace_all([job_pod(leader, 0)], [node("n1")])
     assert bare.reconcile(T0).admitted_jobs == ["ml/js-leader-0-0"]
+
+
+def test_a_workload_being_deleted_holds_nothing_and_its_pods_gpus_stay_taken_until_they_are_gone() -> None:
+    core = new_core(nodes=1)
+    j = job("train", parallelism=8, completions=8)
+    admit_job(core, j)
+    add_pods(core, *(job_pod(j, i) for i in range(8)))
+    apply_pod_writes(core, core.reconcile(T0 + 1))
+    held = {i: f"ml/train-{i}" for i in range(8)}  # the node publishes its GPUs held by the Job's pods
+    core.replace_all(None, [node("n1", held=held)])
+    core.reconcile(T0 + 2)
+    assert "ml/Job/train" in core.sched.running  # type: ignore[union-attr]
+    # deleted (foreground): finished, never suspended or resumed; its pods' GPUs are not given back
+    core.workload_objects[JOB]["uid-train"]["metadata"]["deletionTimestamp"] = "2026-01-01T01:00:00Z"  # type: ignore[index]
+    core.workload_changed(JOB, job("next", parallelism=1, completions=1))
+    out = core.reconcile(T0 + 3)
+    assert not [p for p in out.patch if p.target.name == "train"]
+    assert "ml/Job/train" not in core.sched.running  # type: ignore[union-attr]
+    assert not [p for p in out.patch if p.target.name == "next" and p.suspend is False]  # no GPU is free yet
