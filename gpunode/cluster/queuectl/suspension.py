@@ -132,8 +132,8 @@ class WorkloadQueue:
             live = [(p, g) for p, g in pods if not _done(p)]
             marked = w.mark is not None and w.mark.job == name
             if w.problem:
-                if self._reported.get(name) != w.problem:
-                    self._reported[name] = w.problem
+                # once per problem: the reason on the object says it was reported (by a previous leader too)
+                if self._reported.get(name) != w.problem and w.reason != w.problem:
                     out.patch.append(
                         Patch(
                             target(w),
@@ -143,8 +143,9 @@ class WorkloadQueue:
                             condition=(REFUSED, w.problem) if w.kind == JOB else None,
                         )
                     )
+                self._reported[name] = w.problem
                 if not w.suspended and not marked and not w.finished:
-                    self._suspend(w, f"it cannot be queued: {w.problem}", out, event=False)
+                    self._suspend(w, f"it cannot be queued: {w.problem}", out, event=False, reason=w.problem)
                 continue
             self._reported.pop(name, None)
             if w.finished:
@@ -222,13 +223,14 @@ class WorkloadQueue:
             return f"it asks for {asked} GPUs at once, the cluster has {total}"
         return ""
 
-    def _suspend(self, w: Workload, why: str, out: Actions, *, event: bool) -> None:
-        """Suspend the workload, its mark and notice removed in the same patch (sent once until seen)."""
+    def _suspend(self, w: Workload, why: str, out: Actions, *, event: bool, reason: str = "") -> None:
+        """Suspend the workload, its mark and notice removed in the same patch (sent once until seen);
+        `reason`: its gpunode.io/queue-reason (default: why, and that it waits again)."""
         name = w.job_name
         if name in self._suspend_sent:
             return
         self._suspend_sent.add(name)
-        reason = f"suspended: {why}; it waits in {w.queue} again"
+        reason = reason or f"suspended: {why}; it waits in {w.queue} again"
         out.patch.append(
             Patch(
                 target(w),

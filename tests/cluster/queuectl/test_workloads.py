@@ -322,7 +322,22 @@ def test_a_job_that_cannot_be_queued_is_reported_once_with_a_condition() -> None
     assert "no-such-queue" in refused["nowhere"].condition[1]  # type: ignore[index]
     assert refused["wide"].condition[1] == "a pod asks for 9 GPUs, the largest node has 8"  # type: ignore[index]
     assert refused["many"].condition[1] == "it asks for 17 GPUs at once, the cluster has 16"  # type: ignore[index]
+    # a new leader, from the same objects (their reason says they were reported): no second Event
+    fresh = new_core(nodes=2)
+    fresh.replace_workloads(JOB, list(core.workload_objects[JOB].values()))
+    for t in range(3):
+        assert not [p for p in fresh.reconcile(T0 + 10 + t).patch if p.event and p.event[0] == "QueueRefused"]
     assert not core._pending & {"ml/Job/nowhere", "ml/Job/wide", "ml/Job/many"}  # none waits in a queue
+
+
+def test_a_job_that_cannot_be_queued_found_running_is_suspended_with_its_reason() -> None:
+    core = new_core()
+    core.workload_changed(JOB, job("lost", queue="no-such-queue", suspend=False))
+    out = core.reconcile(T0)
+    patches = [p for p in out.patch if p.target.name == "lost"]
+    assert [p.event[0] for p in patches if p.event] == ["QueueRefused"]
+    assert [p.suspend for p in patches if p.suspend is not None] == [True]
+    assert {p.annotations[QUEUE_REASON_ANNOTATION] for p in patches} == {patches[0].condition[1]}  # type: ignore[index]
 
 
 def test_a_governed_job_running_without_a_mark_is_suspended() -> None:
