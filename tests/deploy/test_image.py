@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
+from gpunode.node.memcap.gc import staged_library_dir
 from tests.fakes.kubelet import KubeletStandIn
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -287,8 +288,12 @@ def test_agent_entrypoint_serves_the_simulated_node(
         units = [i for i in kubelet.healthy(MEM) if "::mem" in i][:2]
         resp = kubelet.allocate(MEM, units)
         library = {m.container_path: m for m in resp.mounts}[resp.envs["LD_PRELOAD"]]
-        assert library.host_path == "/var/lib/gpunode/lib/libgpunode-preload.so" and library.read_only
-        assert (state / "lib/libgpunode-preload.so").read_bytes() == (image.rootfs / PRELOAD).read_bytes()
+        # staged per region layout (stateDir/lib/layout-<N>/), never over an older agent's library
+        staged = staged_library_dir(Path("/var/lib/gpunode")) / "libgpunode-preload.so"
+        assert library.host_path == str(staged) and library.read_only
+        assert (state / staged.relative_to("/var/lib/gpunode")).read_bytes() == (
+            image.rootfs / PRELOAD
+        ).read_bytes()
 
         assert stop(proc) == 0, log.read_text()[-4000:]
     finally:
