@@ -28,6 +28,7 @@ import pytest
 
 from gpunode.contract.names import (
     ADMISSION_GATE,
+    ASSIGNMENT_ANNOTATION,
     GPU_RESOURCE,
     PREEMPTION_NOTICE_ANNOTATION,
     QUEUE_ADMITTED_ANNOTATION,
@@ -62,6 +63,7 @@ from tests.e2e.test_queue_gates import (
     gate_of,
     mark_of,
 )
+from tests.ports import free_port
 
 JOBS = f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs"
 SUSPENSION = f"{LEASE}-suspension"
@@ -549,3 +551,44 @@ def test_the_tenant_cannot_resume_its_governed_job_and_a_job_that_cannot_be_queu
     )
     time.sleep(3)  # several reconciles (resync 1 s): still one each
     assert [len(job_events(admin, n, "QueueRefused")) for n in ("lost", "huge")] == [1, 1]
+
+
+def test_webhook_down_a_governed_job_created_running_is_suspended_then_admitted_on_its_plan(
+    jobs: Gates,
+) -> None:
+    """failurePolicy Ignore with the webhook's Service down: the Job (its pod template labelled with the queue
+    too, as docs/queueing.md asks for this second line) is created unsuspended and its pods ungated; the
+    controller suspends it (its pods, held by the extender meanwhile, never ran), then admits it, and its
+    new pods, still ungated, are marked on the plan and placed there by the extender."""
+    admin = jobs.qc.cp.api()
+    try:
+        jobs.point_webhook(free_port())  # no one listens there
+        eventually(
+            lambda: not _created_suspended(admin), timeout_s=WAIT_S, what="the webhook down and ignored"
+        )
+        _delete_jobs(admin)
+        body = job_body("open", "team-a", 2, 2)
+        body["spec"]["template"]["metadata"] = {"labels": {QUEUE_LABEL: "team-a"}}
+        created = admin.create(JOBS, body)
+        assert created["spec"].get("suspend") is not True
+        event = eventually(
+            lambda: next(iter(job_events(admin, "open", "QueueSuspended")), None),
+            timeout_s=WAIT_S,
+            what="open suspended by the controller",
+        )
+        assert event["type"] == "Warning" and "without an admission" in event_text(event)
+        eventually(partial(admitted_running, admin, "open"), timeout_s=WAIT_S, what="open admitted")
+        pods = eventually(partial(all_bound, admin, "open", 2), timeout_s=WAIT_S, what="open's pods bound")
+        assert all(p["metadata"]["creationTimestamp"] >= event["firstTimestamp"] for p in pods)  # made anew
+        plan = slots_of(job_mark(get_job(admin, "open")) or {})
+        marks = [mark_of(p) for p in pods]
+        assert all(m is not None for m in marks)
+        assert Counter((m["node"], tuple(m["gpus"])) for m in marks if m) == plan
+        for p in pods:  # ungated all along: the extender placed each on exactly its mark's node and GPUs
+            mark = mark_of(p) or {}
+            assert p["spec"]["nodeName"] == mark.get("node") and not gate_of(p)
+            assigned = p["metadata"]["annotations"][ASSIGNMENT_ANNOTATION].split(",")
+            assert sorted(g for g in assigned if g) == sorted(mark["gpus"])
+    finally:
+        jobs.point_webhook(jobs.webhook_ports["jobs-1"])
+        jobs.webhook_in_force()
