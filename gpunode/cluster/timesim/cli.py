@@ -8,6 +8,13 @@ Each worker process loads the trace, the rules and the queue file once, builds
 each (seed, load) replay once and runs it through every policy asked of it. The
 summary (mean over seeds per load and policy) is printed as JSON; CSV and PNGs go
 to --out (report.py).
+
+GPU memory is simulated when the pod list asks for it (a `gpu_memory_mib` value
+on any row): GPUs then carry their model's memory and every fractional pod asks
+memory too (tracesim.gpumemory). Without memory asks the GPUs are compute only,
+as before: once GPUs carry memory, GPU memory is a resource the queues' fair
+shares and dominant shares count, so on a cluster of several GPU models the
+results of a trace that never asked for memory could move.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -26,6 +34,7 @@ from gpunode.cluster.timesim.report import summarize, write_outputs
 from gpunode.cluster.timesim.rules import SimRules, load_rules
 from gpunode.cluster.timesim.run import RunResult, run_replay
 from gpunode.cluster.timesim.trace import Replay, TimedPod, build_replay, load_timed_pods
+from gpunode.cluster.tracesim.gpumemory import MemoryAsks, unknown_notice
 from gpunode.cluster.tracesim.simulate import TraceInput, load_trace, parse_seeds, progress_bar
 from gpunode.cluster.tracesim.trace import DEFAULT_NODE_FILE, node_state, pod_list_path
 from gpunode.errors import ConfigError
@@ -79,6 +88,14 @@ class _Inputs:
     config: QueueConfig
     rules: SimRules
     replays: dict[tuple[int, float], Replay]
+    asks: MemoryAsks | None  # GPU memory simulated (the pod list asks for it), else None
+
+
+def memory_asks(trace: TraceInput, pods: Sequence[TimedPod]) -> MemoryAsks | None:
+    """The memory asks of a simulation with GPU memory, when some pod asks for memory; else None."""
+    if not any(p.pod.gpu_memory_bytes for p in pods):
+        return None
+    return MemoryAsks(n.model for n in trace.nodes if n.gpus)
 
 
 _CACHE: dict[tuple[str, ...], _Inputs] = {}
@@ -88,13 +105,16 @@ def _inputs(trace_dir: str, pods: str, node_file: str, rules: str, queues: str) 
     key = (trace_dir, pods, node_file, rules, queues)
     if key not in _CACHE:
         trace = load_trace(Path(trace_dir), pods, node_file=node_file)
+        timed = load_timed_pods(pod_list_path(Path(trace_dir), pods))
+        asks = memory_asks(trace, timed)
         _CACHE[key] = _Inputs(
             trace=trace,
-            pods=load_timed_pods(pod_list_path(Path(trace_dir), pods)),
-            nodes=tuple(node_state(n) for n in trace.nodes),
+            pods=timed,
+            nodes=tuple(node_state(n, gpu_memory=asks is not None) for n in trace.nodes),
             config=load_queue_config(queues),
             rules=load_rules(rules or None),
             replays={},
+            asks=asks,
         )
     return _CACHE[key]
 
@@ -109,6 +129,7 @@ def replay_for(inputs: _Inputs, seed: int, load: float) -> Replay:
             rules=inputs.rules,
             seed=seed,
             priorities={q: s.priority for q, s in inputs.config.queues.items()},
+            asks=inputs.asks,
         )
     return inputs.replays[(seed, load)]
 
@@ -132,6 +153,9 @@ def run_time_simulation(spec: TimeSpec, *, progress: bool | None = None) -> list
     """Every (load, policy, seed) of the spec, in that order; in parallel processes when jobs > 1."""
     args = (str(spec.trace_dir), spec.pods, spec.node_file, str(spec.rules or ""), str(spec.queues))
     inputs = _inputs(*args)  # fail fast, in this process, on a bad trace, rules or queue file
+    notice = unknown_notice(inputs.asks.models) if inputs.asks is not None else None
+    if notice:
+        print(f"gpunode simulate: {notice}", file=sys.stderr)
     missing = sorted({q for q in inputs.rules.queues.names() if q not in inputs.config.leaves})
     if missing:
         raise ConfigError(

@@ -25,6 +25,10 @@ longest 12.5 million s): counting whole runtimes would make a replay of hours lo
 loaded while its GPUs sat idle. One lap of the default list offers at most 0.98 x
 the cluster (its pods' total request), so loads near 1 take several laps. The
 offered GPU-time falls as l grows, so l is found by bisection.
+
+GPU memory: with `asks` (the simulation carries GPU memory, cli.memory_asks) every
+fractional pod asks memory as well as compute (its `gpu_memory_mib`, else its
+compute share of the smallest GPU model it may land on: tracesim.gpumemory).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import numpy as np
 
 from gpunode.cluster.queueing.model import Job
 from gpunode.cluster.timesim.rules import SimRules
+from gpunode.cluster.tracesim.gpumemory import MemoryAsks
 from gpunode.cluster.tracesim.trace import (
     POD_COLUMNS,
     TracePod,
@@ -212,6 +217,7 @@ def build_replay(
     rules: SimRules,
     seed: int,
     priorities: dict[str, int] | None = None,
+    asks: MemoryAsks | None = None,
 ) -> Replay:
     """The jobs of one seed: rows laid out in laps over the horizon so that the offered load is `load`."""
     if not (load > 0 and math.isfinite(load)):
@@ -226,7 +232,7 @@ def build_replay(
     jobs: list[Job] = []
     k = 0
     while k * lap_s < horizon:
-        jobs.extend(_lap_jobs(laps, k, lap_s, horizon, priorities or {}))
+        jobs.extend(_lap_jobs(laps, k, lap_s, horizon, priorities or {}, asks))
         k += 1
     jobs.sort(key=lambda j: (j.arrival, j.name))
     return Replay(
@@ -240,7 +246,9 @@ def build_replay(
     )
 
 
-def _lap_jobs(laps: _Laps, k: int, lap_s: float, horizon: float, priorities: dict[str, int]) -> list[Job]:
+def _lap_jobs(
+    laps: _Laps, k: int, lap_s: float, horizon: float, priorities: dict[str, int], asks: MemoryAsks | None
+) -> list[Job]:
     rules = laps.rules
     draws = laps.lap(k)
     out = []
@@ -267,7 +275,7 @@ def _lap_jobs(laps: _Laps, k: int, lap_s: float, horizon: float, priorities: dic
             Job(
                 name=pod.name if k == 0 else f"{pod.name}~{k}",
                 queue=queue,
-                pods=_pods(pod, rules, float(draws["gang"][i]), int(draws["members"][i])),
+                pods=_pods(pod, rules, float(draws["gang"][i]), int(draws["members"][i]), asks),
                 arrival=arrival,
                 priority=priority,
                 runtime_estimate=estimate,
@@ -277,13 +285,15 @@ def _lap_jobs(laps: _Laps, k: int, lap_s: float, horizon: float, priorities: dic
     return out
 
 
-def _pods(pod: TracePod, rules: SimRules, gang_draw: float, member_draw: int) -> tuple[Request, ...]:
+def _pods(
+    pod: TracePod, rules: SimRules, gang_draw: float, member_draw: int, asks: MemoryAsks | None = None
+) -> tuple[Request, ...]:
     """The trace pod as one request, or split into a gang of equal members when the draw says so."""
     if pod.num_gpu < 2 or gang_draw >= rules.gangs.share:
-        return (request_of(pod),)
+        return (request_of(pod, asks),)
     choices = [m for m in rules.gangs.members if m <= pod.num_gpu and pod.num_gpu % m == 0]
     if not choices:
-        return (request_of(pod),)
+        return (request_of(pod, asks),)
     members = choices[member_draw % len(choices)]
     member = Request(
         gpus=pod.num_gpu // members,

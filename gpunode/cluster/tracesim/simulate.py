@@ -10,6 +10,12 @@ when the arrived workload reaches 100% of capacity: 100 - the mean allocated %
 over the arrivals whose arrived % rounds to 100. The reported number per policy
 is the mean over seeds.
 
+Simulated GPUs carry their model's memory as well as their compute share, and a
+fractional pod asks both (gpumemory.py: its `gpu_memory_mib` when the trace gives
+one, else its compute share of the smallest GPU model it may land on), so a pod
+whose memory does not fit a GPU is not placed there. The curves count compute
+share (milli-GPU), as the paper's do.
+
 Placement decisions come from gpunode.placement (its numpy form for speed), so
 the simulator measures the same code the extender runs. Seeds run in parallel
 processes. This module reads traces and writes results; it never talks to a
@@ -32,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from gpunode.cluster.tracesim.gpumemory import MemoryAsks, unknown_notice
 from gpunode.cluster.tracesim.trace import (
     DEFAULT_NODE_FILE,
     TraceNode,
@@ -102,11 +109,17 @@ def simulate_seed(
     seed: int,
     ratio: float = DEFAULT_RATIO,
     label: str = "",
+    gpu_memory: bool = True,
 ) -> SeedResult:
-    """Replay one seed's arrivals under one policy."""
+    """Replay one seed's arrivals under one policy.
+
+    gpu_memory=False simulates compute only: GPUs without memory, pods asking none
+    (a trace asking GPU memory then places none of its memory-asking pods).
+    """
     started = time.perf_counter()
     arrivals = build_arrivals(pods, nodes=nodes, seed=seed, ratio=ratio)
-    cluster = ClusterArrays([node_state(n) for n in nodes], workload=workload)
+    cluster = ClusterArrays([node_state(n, gpu_memory=gpu_memory) for n in nodes], workload=workload)
+    asks = MemoryAsks(n.model for n in nodes if n.gpus) if gpu_memory else None
     priority = np.random.default_rng([seed, _TIE_STREAM]).permutation(len(nodes))
     rng = np.random.default_rng([seed, _CHOICE_STREAM])
     requests: dict[TracePod, Request] = {}
@@ -117,7 +130,7 @@ def simulate_seed(
     for i, pod in enumerate(arrivals.pods):
         request = requests.get(pod)
         if request is None:
-            request = requests[pod] = request_of(pod)
+            request = requests[pod] = request_of(pod, asks)
         arrived += pod.total_gpu_milli
         choice = cluster.choose(request, policy, rng=rng, priority=priority)
         if choice is None:
@@ -426,6 +439,9 @@ def run_simulate_cli(args: argparse.Namespace) -> int:
         node_file=args.node_file,
     )
     progress = None if args.progress == "auto" else args.progress == "on"
+    notice = unknown_notice(n.model for n in load_nodes(find_csv(spec.trace_dir, spec.node_file)) if n.gpus)
+    if notice:
+        print(f"gpunode simulate: {notice}", file=sys.stderr)
     results = run_simulation(spec, progress=progress)
     paths = write_outputs(results, args.out, name=Path(spec.pods).stem)
     print(

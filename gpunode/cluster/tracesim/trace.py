@@ -2,9 +2,11 @@
 
 The openb trace format (Alibaba GPU cluster trace 2023, used by the FGD paper)
 is two CSV files: a node list (`sn, cpu_milli, memory_mib, gpu, model`) and a pod
-list (`name, cpu_milli, memory_mib, num_gpu, gpu_milli[, gpu_spec, ...]`). This
-module reads them strictly (a missing column or a bad value is a TraceError that
-names the file and the line), builds the arrival sequence of the evaluation
+list (`name, cpu_milli, memory_mib, num_gpu, gpu_milli[, gpu_spec, gpu_memory_mib, ...]`;
+`gpu_memory_mib`, gpunode's own optional column, is the GPU memory a fractional pod
+asks beside its compute share: see gpumemory.py). This module reads them strictly
+(a missing column or a bad value is a TraceError that names the file and the
+line), builds the arrival sequence of the evaluation
 protocol (shuffle by seed, then tune the total GPU request to a ratio of the
 cluster's GPU capacity by sampling with replacement or by random removal), and
 derives the target workload (the most frequent pod shapes) that fragmentation is
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gpunode.cluster.tracesim.gpumemory import MemoryAsks, model_memory_bytes
 from gpunode.contract.names import MIB
 from gpunode.errors import TraceError
 from gpunode.placement import (
@@ -39,6 +42,7 @@ from gpunode.placement.frag import shapes_with_counts
 
 NODE_COLUMNS = ("sn", "cpu_milli", "memory_mib", "gpu", "model")
 POD_COLUMNS = ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")
+GPU_MEMORY_COLUMN = "gpu_memory_mib"  # optional: GPU memory a fractional pod asks (empty or 0: none given)
 DEFAULT_NODE_FILE = "openb_node_list_gpu_node.csv"
 TYPICAL_POPULARITY = 0.95  # the target workload covers this share of the trace's pods
 
@@ -56,7 +60,11 @@ class TraceNode:
 
 @dataclass(frozen=True)
 class TracePod:
-    """One pod shape of the trace. gpu_milli is per GPU (1000 = a whole GPU)."""
+    """One pod shape of the trace. gpu_milli is per GPU (1000 = a whole GPU).
+
+    gpu_memory_bytes: the GPU memory the pod asks when the trace gives it (fractional
+    pods only; 0: none given, the simulators derive it from the compute share).
+    """
 
     name: str
     cpu_milli: int
@@ -64,6 +72,7 @@ class TracePod:
     num_gpu: int
     gpu_milli: int
     gpu_models: frozenset[str] | None  # None: any GPU model
+    gpu_memory_bytes: int = 0
 
     @property
     def total_gpu_milli(self) -> int:
@@ -156,6 +165,16 @@ def pod_from_row(path: Path, line: int, row: dict[str, str]) -> TracePod:
         num_gpu, gpu_milli = 0, 0
     if num_gpu > 1 and gpu_milli < MILLI_PER_GPU:
         raise TraceError(f"{path}:{line}: a multi-GPU pod must ask for whole GPUs, got {gpu_milli} milli")
+    gpu_memory = int_field(path, line, row, GPU_MEMORY_COLUMN) * MIB
+    if gpu_memory and num_gpu == 0:
+        raise TraceError(
+            f"{path}:{line}: column {GPU_MEMORY_COLUMN}: a pod asking no GPU cannot ask GPU memory; leave it empty"
+        )
+    if gpu_memory and gpu_milli >= MILLI_PER_GPU:
+        raise TraceError(
+            f"{path}:{line}: column {GPU_MEMORY_COLUMN}: a whole-GPU pod holds all of its GPUs' memory; "
+            "leave it empty (gpu_spec picks the model)"
+        )
     spec = (row.get("gpu_spec") or "").strip()
     models = frozenset(m for m in spec.split("|") if m and m.lower() != "nan")
     return TracePod(
@@ -165,6 +184,7 @@ def pod_from_row(path: Path, line: int, row: dict[str, str]) -> TracePod:
         num_gpu=num_gpu,
         gpu_milli=gpu_milli,
         gpu_models=models if (models and num_gpu) else None,
+        gpu_memory_bytes=gpu_memory,
     )
 
 
@@ -259,16 +279,21 @@ def build_arrivals(
     return Arrivals(pods=tuple(arrivals), cluster_gpu_milli=capacity)
 
 
-def node_state(node: TraceNode) -> NodeState:
-    """An empty trace node as placement sees it: every GPU fractional, free, without a known memory size."""
+def node_state(node: TraceNode, *, gpu_memory: bool = True) -> NodeState:
+    """An empty trace node as placement sees it: every GPU fractional and free.
+
+    Each GPU carries its model's memory (gpumemory.model_memory_bytes); with
+    gpu_memory=False none (memory_total_bytes 0: compute only).
+    """
+    memory = model_memory_bytes(node.model) if gpu_memory and node.gpus else 0
     gpus = tuple(
         GpuState(
             uuid=f"{node.name}/gpu{j}",
             index=j,
             model=node.model,
             milli_free=MILLI_PER_GPU,
-            memory_total_bytes=0,
-            memory_free_bytes=0,
+            memory_total_bytes=memory,
+            memory_free_bytes=memory,
             numa_node=None,
         )
         for j in range(node.gpus)
@@ -278,8 +303,13 @@ def node_state(node: TraceNode) -> NodeState:
     )
 
 
-def request_of(pod: TracePod) -> Request:
-    """The placement request of a trace pod: whole GPUs, a compute-share fraction, or CPU only."""
+def request_of(pod: TracePod, asks: MemoryAsks | None = None) -> Request:
+    """The placement request of a trace pod: whole GPUs, a fraction, or CPU only.
+
+    A fraction asks its compute share and GPU memory: the pod's own figure, else, with
+    `asks` (a cluster whose GPUs carry memory), asks.ask's; without `asks`, only what
+    the pod gives.
+    """
     if pod.num_gpu == 0:
         return Request(cpu_milli=pod.cpu_milli, memory_bytes=pod.memory_bytes)
     if pod.gpu_milli >= MILLI_PER_GPU:
@@ -289,8 +319,12 @@ def request_of(pod: TracePod) -> Request:
             cpu_milli=pod.cpu_milli,
             memory_bytes=pod.memory_bytes,
         )
+    gpu_memory = pod.gpu_memory_bytes
+    if asks is not None:
+        gpu_memory = asks.ask(pod.gpu_milli, pod.gpu_models, pod.gpu_memory_bytes)
     return Request(
         gpu_milli=pod.gpu_milli,
+        gpu_memory_bytes=gpu_memory,
         gpu_models=pod.gpu_models,
         cpu_milli=pod.cpu_milli,
         memory_bytes=pod.memory_bytes,
