@@ -439,10 +439,11 @@ def run_simulate_cli(args: argparse.Namespace) -> int:
         node_file=args.node_file,
     )
     progress = None if args.progress == "auto" else args.progress == "on"
+    results = run_simulation(spec, progress=progress)
+    # after the run, so that a failure stays the first line on stderr
     notice = unknown_notice(n.model for n in load_nodes(find_csv(spec.trace_dir, spec.node_file)) if n.gpus)
     if notice:
         print(f"gpunode simulate: {notice}", file=sys.stderr)
-    results = run_simulation(spec, progress=progress)
     paths = write_outputs(results, args.out, name=Path(spec.pods).stem)
     print(
         json.dumps({"summary": summarize(results), "files": {k: str(v) for k, v in paths.items()}}, indent=2)
