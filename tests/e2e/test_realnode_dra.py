@@ -561,3 +561,37 @@ def test_a_mig_profile_claim_on_an_a100_mig_node_gets_the_mig_device(dra_node: D
         eventually(lambda: _clean(dra_node), timeout_s=WAIT_S, what="the MIG claim unprepared")
     finally:
         dra_node.restart_agent_as("t4", [0, 1])
+
+
+def _slices_of_driver(api: Api) -> dict[str, list[str]]:
+    """This node's ResourceSlices of our driver: name -> its devices' names."""
+    listed = api.get(f"{RESOURCE}/resourceslices?fieldSelector=spec.nodeName={REAL_NODE}")
+    return {
+        s["metadata"]["name"]: sorted(d["name"] for d in s["spec"].get("devices") or [])
+        for s in listed.get("items") or []
+        if s["spec"].get("driver") == DRIVER
+    }
+
+
+def test_an_uninstalled_agent_leaves_no_slices_and_a_reinstalled_one_publishes_the_same_devices(
+    dra_node: DraNode,
+) -> None:
+    """Uninstalled: the agent stops and its sockets go, as when the DaemonSet's pod is deleted. The kubelet
+    unregisters the driver and, when it has not come back within its wiping delay (30 s in 1.36), deletes
+    the node's slices of that driver, so the scheduler stops offering devices nobody serves. Installed again:
+    the same device names, so claims allocated before stay valid."""
+    admin = dra_node.cp.api()
+    before = eventually(lambda: _slices_of_driver(admin) or None, timeout_s=WAIT_S, what="the agent's slices")
+    dra_node.agent.stop()
+    dra_node.cp.procs.remove(dra_node.agent)
+    try:
+        eventually(
+            lambda: _slices_of_driver(admin) == {}, timeout_s=WAIT_S, what="the kubelet removing the slices"
+        )
+    finally:
+        dra_node.agent = Proc("gpunode-agent", dra_node.argv, dra_node.cp.logs).start()
+        dra_node.cp.procs.append(dra_node.agent)
+    after = eventually(lambda: _slices_of_driver(admin) or None, timeout_s=WAIT_S, what="the slices again")
+    assert sorted(d for devs in after.values() for d in devs) == sorted(
+        d for devs in before.values() for d in devs
+    )
