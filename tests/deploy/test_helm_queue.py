@@ -298,6 +298,7 @@ WORKLOAD_PATHS = [  # Jobs, JobSets (patched when governed ones exist) and Prior
     (re.compile(r"^/apis/(batch)/v1/(jobs)$"), False),
     (re.compile(r"^/apis/(jobset\.x-k8s\.io)/v1alpha2/(jobsets)$"), False),
     (re.compile(r"^/apis/(scheduling\.k8s\.io)/v1/(priorityclasses)$"), False),
+    (re.compile(r"^/apis/(resource\.k8s\.io)/v1/(resourceclaims)$"), False),
     (re.compile(r"^/apis/(batch)/v1/namespaces/[^/]+/(jobs)/[^/]+$"), True),
     (re.compile(r"^/apis/(jobset\.x-k8s\.io)/v1alpha2/namespaces/[^/]+/(jobsets)/[^/]+$"), True),
 ]
@@ -311,6 +312,7 @@ WORKLOAD_WRITES = {
     ("jobset.x-k8s.io", "jobsets", "watch"),
     ("jobset.x-k8s.io", "jobsets", "patch"),
     ("scheduling.k8s.io", "priorityclasses", "watch"),
+    ("resource.k8s.io", "resourceclaims", "watch"),
 }
 LEASES = re.compile(r"^/apis/coordination\.k8s\.io/v1/namespaces/([^/]+)/leases(?:/([^/]+))?$")
 CONFIGMAPS = re.compile(r"^/api/v1/namespaces/([^/]+)/configmaps(?:/([^/]+))?$")
@@ -439,7 +441,8 @@ def test_rbac_grants_exactly_the_calls_the_controller_makes(api: ApiServerStandI
     assert cluster == {("", "pods", "list"), ("", "pods", "watch"), ("", "pods", "patch"),
                        ("", "pods/eviction", "create"), ("", "events", "create"), ("", "nodes", "list"),
                        ("", "nodes", "watch"), ("batch", "jobs", "list"), ("jobset.x-k8s.io", "jobsets", "list"),
-                       ("scheduling.k8s.io", "priorityclasses", "list")}  # fmt: skip
+                       ("scheduling.k8s.io", "priorityclasses", "list"),
+                       ("resource.k8s.io", "resourceclaims", "list")}  # fmt: skip
     leases = {(verb, name) for group, _, verb, name in needed if group == "coordination.k8s.io"}
     assert {verb for verb, _ in leases} == {"get", "create", "update"}
     granted_leases = lease_rules(out)
@@ -478,7 +481,8 @@ def test_without_ha_there_is_no_lease_role_and_without_rbac_create_no_roles() ->
     assert ("Role", f"{NAME}-leader") not in queue_docs(single)
     assert usage_rules(single) == usage_rules(render(HA))  # a restart needs the saved usage too
     assert {res for _, res, _ in granted_by_group(single, NAME)} == {
-        "pods", "pods/eviction", "events", "nodes", "jobs", "jobs/status", "jobsets", "priorityclasses"
+        "pods", "pods/eviction", "events", "nodes", "jobs", "jobs/status", "jobsets", "priorityclasses",
+        "resourceclaims",
     }  # fmt: skip
     bare = render(merged(HA, {"rbac": {"create": False}}))
     assert [k for k, _ in queue_docs(bare) if k.endswith(("Role", "RoleBinding"))] == []

@@ -6,8 +6,9 @@ does not count those claims in the annotation. ClaimView counts them from the Re
 allocations (gpunode.contract.draclaims: results of our driver, pool = the node, the device and its
 consumedCapacity), and apply() gives a node's `dra` GPUs what they hold: memory taken by shares, the whole
 GPU (memory and compute) by a whole-GPU claim or a MIG placement (a time-sliced replica takes neither). The extender's node cache
-(NodeCache.dra) and the queue controller's cluster view (queuectl.nodes.cluster_view) read the nodes
-through it, so both see a DRA claim's GPU as taken, as they see a device-plugin pod's.
+(NodeCache.dra) reads the nodes through it, so it sees a DRA claim's GPU as taken, as it sees a
+device-plugin pod's. The queue controller charges the same allocations, read by the same parser, to the
+queues of the pods holding them (queuectl/dra.py).
 
 Fed by one list+watch of ResourceClaims through gpunode's KubeClient (run()), or by replace_all() and
 claim_changed() from a caller's own watch. Thread safe: the extender reads from its worker threads.

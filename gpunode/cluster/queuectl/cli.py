@@ -16,6 +16,8 @@ from gpunode.cluster.queuectl.usagestore import UsageStore
 from gpunode.cluster.queuectl.webhook import AdmissionWebhook
 from gpunode.cluster.queueing.config import load_queue_config
 from gpunode.cluster.queuemark import UNSIGNED_WARNING, load_mark_key
+from gpunode.config.dra import check_driver_name
+from gpunode.contract.dra import DEFAULT_DRIVER
 from gpunode.contract.names import GIB
 from gpunode.contract.reader import parse_bytes, parse_duration
 from gpunode.errors import ConfigError
@@ -36,6 +38,11 @@ def register_queue_cli(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--config-reload", default="10s", help="how often the file is checked for changes")
     p.add_argument(
         "--memory-unit", default="1Gi", help="bytes per unit of gpunode.io/gpu-memory (as the extender)"
+    )
+    p.add_argument(
+        "--dra-driver",
+        default=DEFAULT_DRIVER,
+        help="watch ResourceClaims and charge governed pods what this DRA driver's claims hold ('' = off)",
     )
     p.add_argument("--kube-api", default="", help="API server URL (default: in-cluster, else kubeconfig)")
     p.add_argument("--kube-token-file", type=Path, help="bearer token file for --kube-api")
@@ -115,6 +122,7 @@ def build_controller(args: argparse.Namespace) -> QueueController:
     """The controller the flags describe; ConfigError (or QueueConfigError) for a bad flag or file."""
     config = load_queue_config(args.config)
     unit = parse_bytes(args.memory_unit, where="--memory-unit") or GIB
+    dra_driver = check_driver_name(args.dra_driver, "--dra-driver") if args.dra_driver else ""
     mark_key = load_mark_key(args.admission_key_file) if args.admission_key_file is not None else None
     if mark_key is None:
         log.warning("queue controller: %s", UNSIGNED_WARNING)
@@ -140,7 +148,7 @@ def build_controller(args: argparse.Namespace) -> QueueController:
         )
     return QueueController(
         client,
-        QueueCore(config, memory_unit_bytes=unit, mark_key=mark_key),
+        QueueCore(config, memory_unit_bytes=unit, mark_key=mark_key, dra_driver=dra_driver),
         config_path=args.config,
         elector=elector,
         resync_s=parse_duration(args.resync, where="--resync") or 30.0,

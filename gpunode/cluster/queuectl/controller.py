@@ -39,6 +39,7 @@ from typing import Any
 
 import msgspec
 from lightkube.resources.core_v1 import Node, Pod
+from lightkube.resources.resource_v1 import ResourceClaim
 
 from gpunode.cluster.queuectl import kinds
 from gpunode.cluster.queuectl.core import Actions, Annotate, PodRef, QueueCore
@@ -53,7 +54,8 @@ from gpunode.infra.kube import DELETED, SYNC, KubeClient, LeaderElector, ObjectR
 from gpunode.infra.kube.client import STRATEGIC_MERGE_PATCH
 
 log = logging.getLogger(__name__)
-WATCHED = frozenset({"pods", "nodes", "jobs", "jobsets", "priorityclasses"})  # each listed before a reconcile
+# each listed before a reconcile (resourceclaims: governed pods' DRA claims, queuectl/dra.py)
+WATCHED = frozenset({"pods", "nodes", "jobs", "jobsets", "priorityclasses", "resourceclaims"})
 ABSENT_RETRY_S = 60.0  # a kind not served (JobSet without its CRD) or not allowed: listed again after this
 
 
@@ -91,7 +93,7 @@ class QueueController:
         self.config_error = ""  # the last refused configuration's message ("" when the file is good)
         self.reconciles = 0
         self._changed = asyncio.Event()
-        self._synced: set[str] = set()
+        self._synced: set[str] = set() if core.dra_driver else {"resourceclaims"}  # '': claims not watched
         self._config_digest = self._digest() if config_path is not None else b""
         self._was_leading = False
         self._failed_jobs: set[str] = set()  # jobs whose mark writes failed in the _apply under way
@@ -124,6 +126,8 @@ class QueueController:
             asyncio.create_task(self._watch_optional(kinds.JobSet, "jobsets")),
             asyncio.create_task(self._watch_optional(kinds.PriorityClass, "priorityclasses")),
         ]
+        if self.core.dra_driver:
+            tasks.append(asyncio.create_task(self._watch_optional(ResourceClaim, "resourceclaims")))
         if self.config_path is not None:
             tasks.append(asyncio.create_task(self._reload_loop()))
         if self.elector is not None:
@@ -149,6 +153,8 @@ class QueueController:
                         self.core.replace_all(items, None)
                     elif what == "nodes":
                         self.core.replace_all(None, items)
+                    elif what == "resourceclaims":
+                        self.core.replace_claims(items)
                     elif what == "priorityclasses":
                         self.core.priorities.clear()
                         for o in items:
@@ -163,6 +169,8 @@ class QueueController:
                         self.core.pod_changed(obj, deleted=gone)
                     elif what == "nodes":
                         self.core.node_changed(obj, deleted=gone)
+                    elif what == "resourceclaims":
+                        self.core.claim_changed(obj, deleted=gone)
                     elif what == "priorityclasses":
                         self.core.priority_class_changed(obj, deleted=gone)
                     else:
@@ -186,7 +194,10 @@ class QueueController:
                         "queue controller: %s are not queued: %s (hint: %s)",
                         what,
                         exc,
-                        "install the JobSet CRD, or give the controller list and watch on them (the chart does)",
+                        "governed pods' DRA claims are not counted until the controller may list and watch "
+                        "resource.k8s.io/v1 resourceclaims (Kubernetes 1.34+; the chart grants it)"
+                        if what == "resourceclaims"
+                        else "install the JobSet CRD, or give the controller list and watch on them (the chart does)",
                     )
                     told = True
                 self._synced.add(what)

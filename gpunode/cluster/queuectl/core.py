@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpunode.cluster.extender.workload import WorkloadTracker
+from gpunode.cluster.queuectl import dra
 from gpunode.cluster.queuectl.gates import gated, release_spec
 from gpunode.cluster.queuectl.jobs import (
     JobPods,
@@ -53,6 +54,7 @@ from gpunode.cluster.queueing.config import QueueConfig
 from gpunode.cluster.queueing.engine import Scheduler
 from gpunode.cluster.queueing.model import Decisions, Job
 from gpunode.cluster.queuemark import MarkKey
+from gpunode.contract.dra import DEFAULT_DRIVER
 from gpunode.contract.names import (
     GIB,
     PREEMPTION_NOTICE_ANNOTATION,
@@ -77,8 +79,10 @@ class QueueCore(GangRepair, WorkloadQueue):
         *,
         memory_unit_bytes: int = GIB,
         mark_key: MarkKey | None = None,
+        dra_driver: str = DEFAULT_DRIVER,
     ) -> None:
-        """`mark_key`: signs the admission marks written, and checks those read (None: unsigned, by UID)."""
+        """`mark_key`: signs the admission marks written, and checks those read (None: unsigned, by UID).
+        `dra_driver`: the DRA driver whose claims governed pods are charged for (dra.py)."""
         self.config = config
         self.memory_unit_bytes = memory_unit_bytes
         self.mark_key = mark_key
@@ -114,6 +118,10 @@ class QueueCore(GangRepair, WorkloadQueue):
         self._workload_pod_keys: frozenset[str] = frozenset()
         self._wpods: dict[str, list[tuple[Mapping[str, Any], str]]] = {}
         self._view_size: tuple[ClusterView | None, int, int] = (None, 0, 0)  # view, largest node, GPUs
+        self.dra_driver = dra_driver
+        self.claims: dict[str, dra.DraClaim] = {}  # namespace/name -> what its ResourceClaim holds and asks
+        self.dra: dra.DraUsage = dra.DraUsage()  # governed pods' DRA claims at the last reconcile
+        self._dra_pods: list[dra.DraPod] = []
 
     # ----- inputs --------------------------------------------------------------------------------------
 
@@ -208,6 +216,22 @@ class QueueCore(GangRepair, WorkloadQueue):
         for obj in items:
             self.workload_changed(kind, obj)
 
+    def claim_changed(self, obj: Mapping[str, Any], *, deleted: bool = False) -> None:
+        """A ResourceClaim added, changed or deleted (kept as dra.read_claim reads it)."""
+        meta = obj.get("metadata") or {}
+        key = f"{meta.get('namespace')}/{meta.get('name')}"
+        claim = None if deleted else dra.read_claim(obj, self.dra_driver)
+        if claim is None:
+            self.claims.pop(key, None)
+        else:
+            self.claims[key] = claim
+
+    def replace_claims(self, items: Sequence[Mapping[str, Any]]) -> None:
+        """A fresh list of ResourceClaims."""
+        self.claims = {}
+        for obj in items:
+            self.claim_changed(obj)
+
     def priority_class_changed(self, obj: Mapping[str, Any], *, deleted: bool = False) -> None:
         """A PriorityClass added, changed or deleted (a Job's pod template names one)."""
         name = str((obj.get("metadata") or {}).get("name") or "")
@@ -250,6 +274,7 @@ class QueueCore(GangRepair, WorkloadQueue):
         )
         wpods: dict[str, list[tuple[Mapping[str, Any], str]]] = {}
         queued = []
+        dra_pods: list[dra.DraPod] = []
         for pod in self.pods.values():
             # a pod of a Job not seen yet is left alone (its Job's watch event may come after the pod's);
             # where Jobs are not listed at all (not allowed), pods of Jobs are queued as pods
@@ -262,6 +287,12 @@ class QueueCore(GangRepair, WorkloadQueue):
                 )
             ):
                 queued.append(q)
+            if (
+                owned is None
+                and (pod.get("spec") or {}).get("resourceClaims")
+                and (dp := dra.dra_pod(pod, self.config, device_plugin=q is not None)) is not None
+            ):
+                dra_pods.append(dp)
         self._wpods = wpods
         self._workload_pod_keys = frozenset(  # their GPUs are the workloads' plans (none once finished)
             f"{(p.get('metadata') or {}).get('namespace') or 'default'}/{(p.get('metadata') or {}).get('name')}"
@@ -274,7 +305,8 @@ class QueueCore(GangRepair, WorkloadQueue):
                 self._observed.add(q.uid)
                 self.workload.observe(q.request)
         self._observed &= {q.uid for q in queued}
-        self.released &= {q.uid for q in queued}
+        self.released &= {q.uid for q in queued} | {d.uid for d in dra_pods}
+        self._dra_pods = dra_pods
         jobs = group_jobs(queued)
         self.last_jobs = jobs
         stopping = {n for n, j in jobs.items() if (nt := j.notice) is not None and nt.deadline <= now}
@@ -325,6 +357,7 @@ class QueueCore(GangRepair, WorkloadQueue):
             self.written.pop(gone, None)
             self.noticed.pop(gone, None)
         self._sync(running, waiting, now, out)
+        self._dra_step(now, out)
         self._repair(partial, now, out)
         self._undo_lost(w_running, wpods, out)
         if self.sched is None:
@@ -385,6 +418,13 @@ class QueueCore(GangRepair, WorkloadQueue):
             if name not in self._pending and name not in sched.running:
                 sched.submit(job, now)
                 self._pending.add(name)
+
+    def _dra_step(self, now: float, out: Actions) -> None:
+        """Governed pods' DRA claims: charged to their queues, gated DRA pods admitted by quota (dra.step)."""
+        nodes = self.view.nodes if self.view is not None else ()
+        self.dra = dra.step(
+            self.sched, nodes, self._dra_pods, self.claims, self.pods, self.released, now, out
+        )
 
     def _withdraw(self, name: str, now: float, out: Actions) -> None:
         """Take a job off the pending ones; victims stopping for it keep running: their notice is removed."""

@@ -60,9 +60,13 @@ RELOAD_S = 30.0
 
 def governed(pod: Mapping[str, Any], namespaces: Mapping[str, str]) -> bool:
     """Whether the controller will queue this pod: it names a queue (label or namespace) and asks for GPUs
-    (a request it cannot read counts: the controller reports it, and it stays gated meanwhile)."""
+    (a request it cannot read counts: the controller reports it, and it stays gated meanwhile) or names
+    ResourceClaims (released at once when none asks anything of gpunode's driver)."""
     if queue_of(pod, namespaces) is None:
         return False
+    spec = pod.get("spec")
+    if isinstance(spec, Mapping) and spec.get("resourceClaims"):
+        return True  # DRA: the controller admits it by its claims of gpunode's driver (queuectl/dra.py)
     try:
         return request_from_pod(pod) is not None
     except GpunodeError:

@@ -10,7 +10,7 @@ saved figures back (across processes: a restart, a failover). Split from engine.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from gpunode.cluster.queueing.fairshare import UsageLedger
@@ -19,11 +19,20 @@ from gpunode.cluster.queueing.pending import Nomination, Pending
 
 if TYPE_CHECKING:
     from gpunode.cluster.queueing.capacity import ClusterCapacity
+    from gpunode.cluster.queueing.quotas import QuotaBook
     from gpunode.cluster.queueing.waitlist import WaitList
 
 
 class Adoption:
     """adopt(), withdraw() and mark_idle() of a Scheduler."""
+
+    _outside: Mapping[str, Amounts] = {}  # replaced, never changed in place (charge_outside)
+    _outside_capacity: Mapping[str, int] | None = None
+
+    @property
+    def outside_capacity(self) -> Mapping[str, int] | None:
+        """The capacity last given to charge_outside (None: none given to this scheduler yet)."""
+        return self._outside_capacity
 
     if TYPE_CHECKING:
         cap: ClusterCapacity
@@ -40,7 +49,11 @@ class Adoption:
         _ledger: UsageLedger | None
         _charged_to: float | None
         _now: float
+        _capacity: Amounts
+        _shares_at: float
+        book: QuotaBook
 
+        def _order_charge(self, leaf: str, amounts: Mapping[str, int], sign: int) -> None: ...
         def _advance(self, now: float) -> None: ...
         def _start(
             self,
@@ -97,6 +110,32 @@ class Adoption:
                 self._nominated[preemptor] = Nomination(victims=victims, nodes=nodes, deadline=deadline)
                 self._exclusions()
         return r
+
+    @property
+    def outside(self) -> Mapping[str, Amounts]:
+        """What charge_outside last charged, per leaf."""
+        return self._outside
+
+    def charge_outside(
+        self, usage: Mapping[str, Amounts], now: float, capacity: Mapping[str, int] | None = None
+    ) -> None:
+        """What leaves hold on GPUs this scheduler does not place (GPUs served through DRA, which
+        kube-scheduler's allocator hands out), counted as their running jobs' are: in their quotas (up the
+        tree), their fair share and their usage memory. Replaces the amounts given before (leaves not
+        named hold none); `capacity`, when given, is those GPUs' own (added to the cluster's for fair
+        shares, replacing the one given before). Unknown leaves are ignored."""
+        self._advance(now)
+        old, new = self._outside, {q: dict(a) for q, a in usage.items() if q in self._pending_demand}
+        for leaf in set(old) | set(new):
+            delta = {k: v for k, v in sub(new.get(leaf, {}), old.get(leaf, {})).items() if v}
+            if delta:
+                self.book.charge(leaf, delta)
+                self._order_charge(leaf, delta, 1)
+        self._outside = new
+        if capacity is not None and dict(capacity) != dict(self._outside_capacity or {}):
+            self._capacity = add(sub(self._capacity, self._outside_capacity or {}), capacity)
+            self._outside_capacity = dict(capacity)
+            self._shares_at = -float("inf")  # the shares are figured again at the next cycle
 
     def mark_idle(self, name: str, since: float | None) -> None:
         """A running job's GPUs have been idle since `since` (None: busy again); ignored if not running.
