@@ -7,7 +7,8 @@ publishing the node's pool as the agent does. The node is fake (pods are bound, 
 
 A governed pod whose claim holds a whole DRA GPU counts in its queue's usage (the controller's
 gpunode_queue_gpus_used); a second governed DRA pod, over that queue's quota of one GPU, stays gated with
-the quota reason, and is admitted once the first is gone.
+the quota reason, and is admitted once the first is gone. A pod whose claim comes from a template is
+admitted by the claim the real resourceclaim controller makes for it while it is gated.
 """
 
 from __future__ import annotations
@@ -155,6 +156,7 @@ def cluster(
         loop.stop()
         admin.delete(f"/api/v1/namespaces/{NAMESPACE}/pods")
         admin.delete(f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaims")
+        admin.delete(f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaimtemplates")
         admin.delete(f"/api/v1/nodes/{NODE}")
         for c in classes:
             admin.delete(f"{RESOURCE}/deviceclasses/{c['metadata']['name']}")
@@ -239,16 +241,81 @@ def test_a_dra_gpu_counts_in_its_queue_and_the_next_pod_waits_over_the_quota(clu
     assert not (claim.get("status") or {}).get("allocation"), claim["status"]
     assert gpus_used(port, "team-dra") == 1.0
     # the first ends: its GPU is no longer counted, and the second is admitted and allocated
-    api.request("DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods/first", {"gracePeriodSeconds": 0})
+    delete(api, "first")
+    eventually(partial(bound_with_device, api, "second"), timeout_s=WAIT_S, what="second allocated and bound")
+    assert not pod(api, "second")["metadata"].get("annotations", {}).get(QUEUE_REASON_ANNOTATION)
+    assert gpus_used(port, "team-dra") == 1.0
+    delete(api, "second")
+    assert eventually(
+        lambda: gpus_used(port, "team-dra") == 0.0 or None, timeout_s=WAIT_S, what="team-dra holding none"
+    )
+
+
+def delete(api: Api, name: str) -> None:
+    """Delete a pod at once and wait until it is gone."""
+    api.request("DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods/{name}", {"gracePeriodSeconds": 0})
 
     def gone() -> bool:
         try:
-            pod(api, "first")
+            pod(api, name)
         except ApiError as exc:
             return exc.status == 404
         return False
 
-    eventually(gone, timeout_s=WAIT_S, what="first deleted")
-    eventually(partial(bound_with_device, api, "second"), timeout_s=WAIT_S, what="second allocated and bound")
-    assert not pod(api, "second")["metadata"].get("annotations", {}).get(QUEUE_REASON_ANNOTATION)
-    assert gpus_used(port, "team-dra") == 1.0
+    eventually(gone, timeout_s=WAIT_S, what=f"{name} deleted")
+
+
+def test_a_pod_with_a_claim_template_is_admitted_by_the_claim_made_for_it(cluster: dict[str, Any]) -> None:
+    """A claim template's claim is made by the real resourceclaim controller while the pod is gated; the
+    controller reads its request (one whole GPU) and admits the pod within team-dra's quota."""
+    api: Api = cluster["admin"]
+    api.create(
+        f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaimtemplates",
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaimTemplate",
+            "metadata": {"name": "one-gpu"},
+            "spec": {
+                "spec": {
+                    "devices": {
+                        "requests": [{"name": "gpu", "exactly": {"deviceClassName": names.CLASS_WHOLE}}]
+                    }
+                }
+            },
+        },
+    )
+    api.create(
+        f"/api/v1/namespaces/{NAMESPACE}/pods",
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "templated", "labels": {QUEUE_LABEL: "team-dra"}},
+            "spec": {
+                "schedulingGates": [{"name": ADMISSION_GATE}],
+                "nodeSelector": {"kubernetes.io/hostname": NODE},
+                "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}],
+                "containers": [
+                    {
+                        "name": "main",
+                        "image": "gpunode.local/none:1",
+                        "resources": {"claims": [{"name": "gpu"}]},
+                    }
+                ],
+                "terminationGracePeriodSeconds": 0,
+                "automountServiceAccountToken": False,
+            },
+        },
+    )
+
+    def bound() -> str | None:
+        p = pod(api, "templated")
+        made = (p.get("status") or {}).get("resourceClaimStatuses") or []
+        return p["spec"].get("nodeName") if made else None
+
+    assert (
+        eventually(bound, timeout_s=WAIT_S, what="templated admitted, its claim made and allocated") == NODE
+    )
+    assert eventually(
+        lambda: gpus_used(cluster["port"], "team-dra") == 1.0 or None, timeout_s=WAIT_S, what="1 GPU counted"
+    )
+    delete(api, "templated")
