@@ -182,6 +182,7 @@ class DraPod:
     created: float
     device_plugin: bool  # it also asks GPUs by device-plugin resources (queued as a pod too)
     reason: str = ""  # its gpunode.io/queue-reason annotation now
+    problem: str = ""  # why it cannot be queued (its queue is no leaf)
 
     @property
     def ref(self) -> PodRef:
@@ -193,9 +194,14 @@ class DraPod:
 def dra_pod(pod: Mapping[str, Any], config: QueueConfig, *, device_plugin: bool) -> DraPod | None:
     """The pod's DRA side, or None: not governed (no leaf queue), finished, being deleted, or no claims."""
     queue = queue_of(pod, config.namespaces)
-    spec_q = config.queues.get(queue) if queue else None
-    if queue is None or spec_q is None or not spec_q.leaf:
+    if queue is None:
         return None
+    spec_q = config.queues.get(queue)
+    problem = (
+        ""
+        if spec_q is not None and spec_q.leaf
+        else f"queue {queue!r} is not a leaf queue of the queue configuration"
+    )
     meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
     if meta.get("deletionTimestamp") is not None or status.get("phase") in ("Succeeded", "Failed"):
         return None
@@ -231,6 +237,7 @@ def dra_pod(pod: Mapping[str, Any], config: QueueConfig, *, device_plugin: bool)
         created=parse_time(meta.get("creationTimestamp")) or 0.0,
         device_plugin=device_plugin,
         reason=str((meta.get("annotations") or {}).get(QUEUE_REASON_ANNOTATION) or ""),
+        problem=problem,
     )
 
 
@@ -318,14 +325,16 @@ def dra_usage(pods: Iterable[DraPod], claims: Mapping[str, DraClaim], gpus: GpuI
         for claim in mine:
             for k, v in claim_amounts(claim, gpus).items():
                 amounts[k] = amounts.get(k, 0) + v
-        if not p.gated:
+        if not p.gated and not p.problem:
             acc = out.held.setdefault(p.queue, {})
             for k, v in amounts.items():
                 acc[k] = acc.get(k, 0) + v
             continue
-        if p.device_plugin:
+        if p.device_plugin or not p.gated:
             continue  # admitted with its device-plugin GPUs by the engine; its claims count once it runs
-        problem = next((claims[c].problem for c in p.claims if c in claims and claims[c].problem), "")
+        problem = p.problem or next(
+            (claims[c].problem for c in p.claims if c in claims and claims[c].problem), ""
+        )
         missing = [c for c in p.claims if c not in claims]
         if not problem and (p.unresolved or missing):
             first = (p.unresolved or tuple(m.split("/", 1)[1] for m in missing))[0]

@@ -287,3 +287,11 @@ def test_the_webhook_gates_governed_pods_that_name_claims() -> None:
     assert governed(p, {})
     del p["metadata"]["labels"][QUEUE_LABEL]
     assert not governed(p, {})
+
+
+def test_a_gated_dra_pod_naming_no_leaf_queue_says_so() -> None:
+    core = make_core(claim("c"), dra_pod("p", ["c"], queue="nowhere", gated=True))
+    actions = core.reconcile(1000.0)
+    assert actions.release == []
+    reason = next(a.annotations[QUEUE_REASON_ANNOTATION] for a in actions.annotate if a.pod.name == "p")
+    assert reason == "queue 'nowhere' is not a leaf queue of the queue configuration"
