@@ -45,9 +45,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
-from lightkube.resources.resource_v1 import ResourceClaim, ResourceSlice
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpunode.cluster.extender.workload import WorkloadTracker
@@ -560,13 +557,6 @@ def main() -> None:
     reason = missing_reason()
     if reason is not None:
         raise SystemExit(f"bench/dra_placement.py: {reason}")
-    # The publishers run one event loop per node, each in a thread (as each node's agent runs its own); msgspec
-    # builds its decoders for a model on first use, which must not happen in several threads at once.
-    msgspec.json.decode(b'{"metadata": {"name": "warm-up"}, "spec": {}}', type=ResourceClaim)
-    msgspec.json.decode(
-        b'{"spec": {"driver": "d", "pool": {"name": "p", "generation": 1, "resourceSliceCount": 1}}}',
-        type=ResourceSlice,
-    )
     mix = scenario_mix()
     target = workload(mix)
     shares = [i for i in mix if i.gib]
