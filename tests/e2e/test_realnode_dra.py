@@ -581,6 +581,16 @@ def test_an_uninstalled_agent_leaves_no_slices_and_a_reinstalled_one_publishes_t
     the node's slices of that driver, so the scheduler stops offering devices nobody serves. Installed again:
     the same device names, so claims allocated before stay valid."""
     admin = dra_node.cp.api()
+    # The kubelet wipes the slices only of a driver it had registered: start an agent and wait for the
+    # kubelet's word on it (the agent logs it), then uninstall it.
+    registered = "the kubelet registered driver"
+    seen = dra_node.agent.log.read_text(errors="replace").count(registered)
+    dra_node.restart_agent()
+    eventually(
+        lambda: dra_node.agent.log.read_text(errors="replace").count(registered) > seen,
+        timeout_s=WAIT_S,
+        what="the kubelet registering the restarted agent's driver",
+    )
     before = eventually(lambda: _slices_of_driver(admin) or None, timeout_s=WAIT_S, what="the agent's slices")
     dra_node.agent.stop()
     dra_node.cp.procs.remove(dra_node.agent)
