@@ -563,6 +563,18 @@ def test_a_mig_profile_claim_on_an_a100_mig_node_gets_the_mig_device(dra_node: D
         dra_node.restart_agent_as("t4", [0, 1])
 
 
+def _complete_pool(api: Api) -> list[str] | None:
+    """The device names of this node's pool of our driver once it is complete (every slice of one
+    generation, as many slices as each says the pool has: what kube-scheduler itself waits for); None
+    while an agent is still replacing an older pool."""
+    listed = api.get(f"{RESOURCE}/resourceslices?fieldSelector=spec.nodeName={REAL_NODE}")
+    ours = [s for s in listed.get("items") or [] if s["spec"].get("driver") == DRIVER]
+    pools = {(s["spec"]["pool"]["generation"], s["spec"]["pool"]["resourceSliceCount"]) for s in ours}
+    if len(pools) != 1 or next(iter(pools))[1] != len(ours):
+        return None
+    return sorted(d["name"] for s in ours for d in s["spec"].get("devices") or [])
+
+
 def _slices_of_driver(api: Api) -> dict[str, list[str]]:
     """This node's ResourceSlices of our driver: name -> its devices' names."""
     listed = api.get(f"{RESOURCE}/resourceslices?fieldSelector=spec.nodeName={REAL_NODE}")
@@ -591,7 +603,13 @@ def test_an_uninstalled_agent_leaves_no_slices_and_a_reinstalled_one_publishes_t
         timeout_s=WAIT_S,
         what="the kubelet registering the restarted agent's driver",
     )
-    before = eventually(lambda: _slices_of_driver(admin) or None, timeout_s=WAIT_S, what="the agent's slices")
+
+    def t4_pool() -> list[str] | None:
+        """The t4 agent's pool (an earlier test ran the node as a100-mig: its pool may still be listed)."""
+        pool = _complete_pool(admin)
+        return pool if pool and not any("-mig-" in d for d in pool) else None
+
+    before = eventually(t4_pool, timeout_s=WAIT_S, what="the t4 agent's whole pool")
     dra_node.agent.stop()
     dra_node.cp.procs.remove(dra_node.agent)
     try:
@@ -601,7 +619,5 @@ def test_an_uninstalled_agent_leaves_no_slices_and_a_reinstalled_one_publishes_t
     finally:
         dra_node.agent = Proc("gpunode-agent", dra_node.argv, dra_node.cp.logs).start()
         dra_node.cp.procs.append(dra_node.agent)
-    after = eventually(lambda: _slices_of_driver(admin) or None, timeout_s=WAIT_S, what="the slices again")
-    assert sorted(d for devs in after.values() for d in devs) == sorted(
-        d for devs in before.values() for d in devs
-    )
+    after = eventually(lambda: _complete_pool(admin), timeout_s=WAIT_S, what="the whole pool again")
+    assert after == before
