@@ -533,19 +533,13 @@ BLOCK = "e2e-block-release"
 BLOCK_MESSAGE = "e2e: releases are held back"
 
 
-def test_a_leader_killed_after_marking_a_gated_gang_and_before_releasing_it_is_finished_by_the_next(
-    gates: Gates,
-) -> None:
-    """The window between the marks and the releases, held open: a policy of the test's own refuses every
-    removal of the gate (the controller's too), so the leader marks the gang and its releases are refused;
-    both controllers are then SIGKILLed, the policy deleted, and a controller started: it releases the gang
-    where the killed leader marked it, without admitting it again."""
-    qc = gates.qc
-    admin = qc.cp.api()
+def hold_back_releases(admin: Api, name: str) -> None:
+    """Apply a ValidatingAdmissionPolicy (and its binding) named `name` that refuses every removal of the
+    admission gate, the controller's too: the window between marking and releasing, held open."""
     policy = {
         "apiVersion": "admissionregistration.k8s.io/v1",
         "kind": "ValidatingAdmissionPolicy",
-        "metadata": {"name": BLOCK},
+        "metadata": {"name": name},
         "spec": {
             "failurePolicy": "Fail",
             "matchConstraints": {
@@ -577,11 +571,23 @@ def test_a_leader_killed_after_marking_a_gated_gang_and_before_releasing_it_is_f
     binding = {
         "apiVersion": "admissionregistration.k8s.io/v1",
         "kind": "ValidatingAdmissionPolicyBinding",
-        "metadata": {"name": BLOCK},
-        "spec": {"policyName": BLOCK, "validationActions": ["Deny"]},
+        "metadata": {"name": name},
+        "spec": {"policyName": name, "validationActions": ["Deny"]},
     }
     admin.apply(POLICIES, policy)
     admin.apply(BINDINGS, binding)
+
+
+def test_a_leader_killed_after_marking_a_gated_gang_and_before_releasing_it_is_finished_by_the_next(
+    gates: Gates,
+) -> None:
+    """The window between the marks and the releases, held open: a policy of the test's own refuses every
+    removal of the gate (the controller's too), so the leader marks the gang and its releases are refused;
+    both controllers are then SIGKILLed, the policy deleted, and a controller started: it releases the gang
+    where the killed leader marked it, without admitting it again."""
+    qc = gates.qc
+    admin = qc.cp.api()
+    hold_back_releases(admin, BLOCK)
     try:
         probe = gates.probe(keep=True)
         controller = qc.cp.api("queue")  # the chart's policy lets it release: the test's refuses it

@@ -27,7 +27,6 @@ from typing import Any
 import pytest
 
 from gpunode.contract.names import (
-    ADMISSION_GATE,
     ASSIGNMENT_ANNOTATION,
     GPU_RESOURCE,
     PREEMPTION_NOTICE_ANNOTATION,
@@ -53,6 +52,7 @@ from tests.e2e.queue import (
 )
 from tests.e2e.test_queue_gates import (
     BINDINGS,
+    BLOCK_MESSAGE,
     HOOK_NAME,
     HOOKS,
     POLICIES,
@@ -61,6 +61,7 @@ from tests.e2e.test_queue_gates import (
     bound,
     check_released_as_planned,
     gate_of,
+    hold_back_releases,
     mark_of,
 )
 from tests.ports import free_port
@@ -87,7 +88,6 @@ TENANT_BINDING = {
 RESUME_REFUSED = "only the queue controller resumes a Job or JobSet its queue governs"
 LABEL_REFUSED = "the queue label of a suspended Job or JobSet its queue governs is kept"
 BLOCK = "e2e-jobs-block-release"
-BLOCK_MESSAGE = "e2e: releases are held back"
 
 
 def job_body(
@@ -393,46 +393,7 @@ def test_a_leader_killed_between_resuming_a_job_and_releasing_its_pods_is_finish
     admitting the Job again."""
     qc = jobs.qc
     admin = qc.cp.api()
-    policy = {
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingAdmissionPolicy",
-        "metadata": {"name": BLOCK},
-        "spec": {
-            "failurePolicy": "Fail",
-            "matchConstraints": {
-                "resourceRules": [
-                    {
-                        "apiGroups": [""],
-                        "apiVersions": ["v1"],
-                        "operations": ["UPDATE"],
-                        "resources": ["pods"],
-                    }
-                ]
-            },
-            "matchConditions": [
-                {
-                    "name": "gated",
-                    "expression": "has(oldObject.spec.schedulingGates) && "
-                    f"oldObject.spec.schedulingGates.exists(g, g.name == '{ADMISSION_GATE}')",
-                }
-            ],
-            "validations": [
-                {
-                    "expression": "has(object.spec.schedulingGates) && "
-                    f"object.spec.schedulingGates.exists(g, g.name == '{ADMISSION_GATE}')",
-                    "message": BLOCK_MESSAGE,
-                }
-            ],
-        },
-    }
-    binding = {
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingAdmissionPolicyBinding",
-        "metadata": {"name": BLOCK},
-        "spec": {"policyName": BLOCK, "validationActions": ["Deny"]},
-    }
-    admin.apply(POLICIES, policy)
-    admin.apply(BINDINGS, binding)
+    hold_back_releases(admin, BLOCK)
     try:
         probe = jobs.probe(keep=True)
         controller = qc.cp.api("queue")
