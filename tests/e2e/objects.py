@@ -19,6 +19,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
 
+from gpunode.contract.names import GIB, NODE_STATE_ANNOTATION, Sharing
+from gpunode.contract.nodestate import encode
+from gpunode.node.devices.simnode.backend import SimBackend
+from gpunode.placement import GpuState, NodeState
+from gpunode.placement.published import published_state
 from tests.e2e.api import MERGE, STRATEGIC, Api, ApiError, eventually
 
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
@@ -264,3 +269,28 @@ def ensure_namespace(api: Api, name: str) -> None:
         timeout_s=NAMESPACE_WAIT_S,
         what=f"the default ServiceAccount of namespace {name}",
     )
+
+
+def create_dra_fake_node(admin: Api, name: str, backend: SimBackend) -> None:
+    """A fake node whose node-state annotation is the agent's for GPUs served through DRA: every GPU of
+    `backend` `sharing: dra`, nothing held (its ResourceSlices are the caller's to publish)."""
+    view = NodeState(
+        name,
+        tuple(
+            GpuState(
+                uuid=g.uuid,
+                index=g.index,
+                model=g.model,
+                milli_free=1000,
+                memory_total_bytes=g.memory_total_bytes,
+                memory_free_bytes=g.memory_total_bytes,
+                numa_node=g.numa_node,
+                sharing=Sharing.DRA,
+                serves_whole=False,
+            )
+            for g in backend.gpus()
+        ),
+        cpu_milli_free=8000,
+        memory_free_bytes=64 * GIB,
+    )
+    create_fake_node(admin, name, annotations={NODE_STATE_ANNOTATION: encode(published_state(view))})

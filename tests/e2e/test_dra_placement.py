@@ -22,19 +22,16 @@ from gpunode.cluster.extender.claims import ClaimView
 from gpunode.cluster.extender.nodes import NodeCache
 from gpunode.contract import dra as names
 from gpunode.contract.draclaims import gpu_device_name, shared_device_name
-from gpunode.contract.names import GIB, NODE_STATE_ANNOTATION, Sharing
-from gpunode.contract.nodestate import encode
+from gpunode.contract.names import GIB
 from gpunode.infra.kube import KubeClient
 from gpunode.node.devices.simnode.backend import SimBackend
 from gpunode.node.dra.order import ClaimUsage
 from gpunode.node.dra.slices import SlicePublisher, build_pool
-from gpunode.placement import GpuState, NodeState
-from gpunode.placement.published import published_state
 from tests.e2e import chart
 from tests.e2e.api import Api, eventually
 from tests.e2e.conftest import E2E_USERS
 from tests.e2e.controlplane import KUBE_MINOR, ControlPlane
-from tests.e2e.objects import create_fake_node, ensure_namespace
+from tests.e2e.objects import create_dra_fake_node, ensure_namespace
 
 pytestmark = pytest.mark.skipif(
     KUBE_MINOR < 36, reason=f"DRA mode needs Kubernetes 1.36+ (this is 1.{KUBE_MINOR})"
@@ -122,27 +119,7 @@ def placed(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
         admin.apply(f"{RESOURCE}/deviceclasses", c)
     backend = SimBackend.from_profile("t4")
     gpus = tuple(backend.gpus())
-    # The node-state annotation as the agent publishes GPUs served through DRA: `sharing: dra`, nothing held.
-    view = NodeState(
-        NODE,
-        tuple(
-            GpuState(
-                uuid=g.uuid,
-                index=g.index,
-                model=g.model,
-                milli_free=1000,
-                memory_total_bytes=g.memory_total_bytes,
-                memory_free_bytes=g.memory_total_bytes,
-                numa_node=g.numa_node,
-                sharing=Sharing.DRA,
-                serves_whole=False,
-            )
-            for g in gpus
-        ),
-        cpu_milli_free=8000,
-        memory_free_bytes=64 * GIB,
-    )
-    create_fake_node(admin, NODE, annotations={NODE_STATE_ANNOTATION: encode(published_state(view))})
+    create_dra_fake_node(admin, NODE, backend)
 
     def client(user: str) -> KubeClient:
         return KubeClient.for_host(

@@ -26,23 +26,18 @@ from gpunode.contract import dra as names
 from gpunode.contract.names import (
     ADMISSION_GATE,
     GIB,
-    NODE_STATE_ANNOTATION,
     QUEUE_LABEL,
     QUEUE_REASON_ANNOTATION,
-    Sharing,
 )
-from gpunode.contract.nodestate import encode
 from gpunode.infra.kube import KubeClient
 from gpunode.node.devices.simnode.backend import SimBackend
 from gpunode.node.dra.order import ClaimUsage
 from gpunode.node.dra.slices import SlicePublisher, build_pool
-from gpunode.placement import GpuState, NodeState
-from gpunode.placement.published import published_state
 from tests.e2e import chart
 from tests.e2e.api import Api, ApiError, eventually
 from tests.e2e.conftest import E2E_USERS
 from tests.e2e.controlplane import KUBE_MINOR, ControlPlane
-from tests.e2e.objects import create_fake_node, ensure_namespace
+from tests.e2e.objects import create_dra_fake_node, ensure_namespace
 from tests.e2e.procs import Proc
 from tests.e2e.test_dra_placement import Loop
 from tests.ports import free_port
@@ -84,26 +79,7 @@ def cluster(
         admin.apply(f"{RESOURCE}/deviceclasses", c)
     backend = SimBackend.from_profile("t4")
     gpus = tuple(backend.gpus())
-    view = NodeState(
-        NODE,
-        tuple(
-            GpuState(
-                uuid=g.uuid,
-                index=g.index,
-                model=g.model,
-                milli_free=1000,
-                memory_total_bytes=g.memory_total_bytes,
-                memory_free_bytes=g.memory_total_bytes,
-                numa_node=g.numa_node,
-                sharing=Sharing.DRA,
-                serves_whole=False,
-            )
-            for g in gpus
-        ),
-        cpu_milli_free=8000,
-        memory_free_bytes=64 * GIB,
-    )
-    create_fake_node(admin, NODE, annotations={NODE_STATE_ANNOTATION: encode(published_state(view))})
+    create_dra_fake_node(admin, NODE, backend)
 
     def client() -> KubeClient:
         return KubeClient.for_host(
