@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -137,18 +138,15 @@ def claim_slots(usage: Path, *pids: int) -> subprocess.Popen[str]:
     return proc
 
 
-def test_a_tenant_claiming_a_neighbours_pid_does_not_take_its_gpu_time(tmp_path: Path) -> None:
-    """The pids a region lists are the tenant's to write: the host's cgroup decides where it says anything."""
+def _shares_over_regions(
+    tmp_path: Path, checkpoint: Checkpoint, gpu: Any, keys: Iterable[str]
+) -> ComputeShares:
+    """A 1 GiB capped region for each key on `gpu`, checkpointed, and the share loop over them (no
+    containers listed: the tests set its plan themselves)."""
     from gpunode.node import memcap
-    from gpunode.node.allocation.shares import Planned
     from gpunode.node.memcap.checkpoint import CapRecord
 
-    now = [1000.0]
-    backend = SimBackend.from_profile("t4", wall_clock=lambda: now[0])
-    gpu = backend.gpus()[0]
-    checkpoint = Checkpoint(tmp_path)
-    keys = {"team/tenant": "a" * 20, "team/neighbour": "b" * 20}
-    for key in keys.values():
+    for key in keys:
         memcap.create_region(
             tmp_path / "memcap",
             key,
@@ -161,9 +159,21 @@ def test_a_tenant_claiming_a_neighbours_pid_does_not_take_its_gpu_time(tmp_path:
     async def no_containers() -> list[Any]:
         return []
 
-    shares = ComputeShares(
+    return ComputeShares(
         checkpoint=checkpoint, regions_root=tmp_path / "memcap", list_containers=no_containers, asks=dict
     )
+
+
+def test_a_tenant_claiming_a_neighbours_pid_does_not_take_its_gpu_time(tmp_path: Path) -> None:
+    """The pids a region lists are the tenant's to write: the host's cgroup decides where it says anything."""
+    from gpunode.node.allocation.shares import Planned
+
+    now = [1000.0]
+    backend = SimBackend.from_profile("t4", wall_clock=lambda: now[0])
+    gpu = backend.gpus()[0]
+    checkpoint = Checkpoint(tmp_path)
+    keys = {"team/tenant": "a" * 20, "team/neighbour": "b" * 20}
+    shares = _shares_over_regions(tmp_path, checkpoint, gpu, keys.values())
     shares.planned = {k: Planned(k, pod, gpu.uuid, 250, False) for pod, k in keys.items()}
     shares.owners = {k: pod for pod, k in keys.items()}
     uids = {
@@ -204,9 +214,7 @@ def test_an_event_the_api_refused_and_a_blocked_eviction_are_tried_again(tmp_pat
     """The API server fails the Event once and a PodDisruptionBudget blocks the eviction twice: the next
     windows post the one Event and evict the pod."""
     from gpunode.infra.kube import KubeClient
-    from gpunode.node import memcap
     from gpunode.node.allocation.shares import Planned
-    from gpunode.node.memcap.checkpoint import CapRecord
     from tests.fakes.apiserver import ApiServerStandIn
     from tests.node.test_publish import kubeconfig
 
@@ -215,21 +223,7 @@ def test_an_event_the_api_refused_and_a_blocked_eviction_are_tried_again(tmp_pat
     gpu = backend.gpus()[0]
     checkpoint = Checkpoint(tmp_path)
     key = "c" * 20
-    memcap.create_region(
-        tmp_path / "memcap",
-        key,
-        gpu_uuid=gpu.uuid,
-        limit_bytes=2**30,
-        device_total_bytes=gpu.memory_total_bytes,
-    )
-    checkpoint.replace(CapRecord(key, "r", (key,), gpu.uuid, 2**30, gpu.memory_total_bytes, False, 1.0))
-
-    async def no_containers() -> list[Any]:
-        return []
-
-    shares = ComputeShares(
-        checkpoint=checkpoint, regions_root=tmp_path / "memcap", list_containers=no_containers, asks=dict
-    )
+    shares = _shares_over_regions(tmp_path, checkpoint, gpu, [key])
     shares.planned = {key: Planned(key, "team/greedy", gpu.uuid, 100, False)}
     shares.owners = {key: "team/greedy"}
     uid = "12345678-1234-4234-8234-123456789abc"
