@@ -126,10 +126,16 @@ class OrderSettings:
     backfill plans it with: its estimate, corrected or learned when backfill.learnEstimates is on, or
     backfill.defaultRuntime). A big job is passed only by jobs that arrive less than its shift after it,
     so none waits behind later arrivals for ever. Only the gpunode preset reads it.
+
+    shift_up_to_gpus (0: every job): only jobs asking at most this many GPUs in all are shifted; larger
+    jobs and gangs keep their arrival as their place, so the short small jobs go first among the small
+    ones while no later arrival ever passes a big job in its queue (its reservation comes as soon as with
+    no shift at all).
     """
 
     shift_per_gpu_hour_s: float = 0.0
     shift_max_s: float = 0.0
+    shift_up_to_gpus: int = 0
 
 
 class NamespaceMap(dict[str, str]):
@@ -267,6 +273,9 @@ def parse_queue_config(data: object, where: str) -> QueueConfig:
     order = OrderSettings(
         shift_per_gpu_hour_s=sec.duration("shiftPerGpuHour", OrderSettings.shift_per_gpu_hour_s),
         shift_max_s=sec.duration("shiftMax", OrderSettings.shift_max_s),
+        shift_up_to_gpus=sec.integer(
+            "shiftUpToGpus", OrderSettings.shift_up_to_gpus, minimum=0, maximum=1_000_000
+        ),
     )
     sec.finish()
     gang = top.section("gang")

@@ -480,6 +480,8 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
         order = self.config.order
         if not self.preset.size_order or order.shift_max_s <= 0:
             return 0.0
+        if order.shift_up_to_gpus and job.gpu_milli > order.shift_up_to_gpus * MILLI_PER_GPU:
+            return 0.0  # a big job keeps its arrival as its place
         gpu_hours = job.gpu_milli / MILLI_PER_GPU * runtime / 3600.0
         return min(order.shift_per_gpu_hour_s * gpu_hours, order.shift_max_s)
 
