@@ -11,7 +11,9 @@ device-plugin pod's. The queue controller charges the same allocations, read by 
 queues of the pods holding them (queuectl/dra.py).
 
 Fed by one list+watch of ResourceClaims through gpunode's KubeClient (run()), or by replace_all() and
-claim_changed() from a caller's own watch. Thread safe: the extender reads from its worker threads.
+claim_changed() from a caller's own watch. With a `reader`, the same watch also keeps what that reader makes
+of each claim (the extender's DRA prioritize keeps the requests of claims on gpunode's DeviceClasses:
+drasteer.read_claim), so a pod's claims are looked up without reading the API server. Thread safe: the extender reads from its worker threads.
 Claims come from tenants: whatever a claim says is bounded by draclaims, and apply() clamps what is taken
 to the GPU's memory, so no claim can make a view inconsistent or fail a node.
 """
@@ -22,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -52,10 +54,15 @@ RETRY_S = 30.0  # after the watch is refused (no list/watch right on resourcecla
 class ClaimView:
     """DRA usage per node (pool) and device, from the claims' allocations (see the module docstring)."""
 
-    def __init__(self, driver: str = DEFAULT_DRIVER) -> None:
+    def __init__(
+        self, driver: str = DEFAULT_DRIVER, *, reader: Callable[[Mapping[str, Any]], object] | None = None
+    ) -> None:
+        """`reader`: what to keep of each claim (None: nothing kept for it) besides its allocation."""
         self.driver = driver
+        self.reader = reader
         self._lock = threading.Lock()
         self._uses: dict[str, list[DeviceUse]] = {}  # namespace/name -> devices of our driver it holds
+        self._kept: dict[str, object] = {}  # namespace/name -> what `reader` made of the claim
         self._usage: dict[str, dict[str, DeviceUsage]] = {}  # node -> device -> usage
         self.version = 0  # moves whenever some node's usage changes
         self.synced = False
@@ -69,25 +76,42 @@ class ClaimView:
             log.warning("DRA claims: %s (skipped)", said[0])
         return uses
 
+    def _keep(self, claim: Mapping[str, Any]) -> object:
+        if self.reader is None:
+            return None
+        try:
+            return self.reader(claim)
+        except Exception as exc:  # a defect of the reader must not stop the watch: the claim is not kept
+            self.problems += 1
+            log.warning("DRA claims: a claim could not be read: %r (skipped)", exc)
+            return None
+
     def replace_all(self, claims: Iterable[Mapping[str, Any]]) -> None:
         """A fresh list of every claim."""
         uses: dict[str, list[DeviceUse]] = {}
+        kept: dict[str, object] = {}
         for claim in claims:
             mine = self._read(claim)
             if mine:
                 uses[mine[0].claim] = mine
+            if (k := self._keep(claim)) is not None:
+                kept[_ref(claim)] = k
         with self._lock:
             self._uses = uses
+            self._kept = kept
             self.synced = True
             self._recount()
 
     def claim_changed(self, claim: Mapping[str, Any], *, deleted: bool = False) -> None:
         """One claim added, changed or deleted."""
-        meta = claim.get("metadata") if isinstance(claim, Mapping) else None
-        meta = meta if isinstance(meta, Mapping) else {}
-        ref = f"{meta.get('namespace', '?')}/{meta.get('name', '?')}"[:320]
+        ref = _ref(claim)
         mine = [] if deleted else self._read(claim)
+        kept = None if deleted or not isinstance(claim, Mapping) else self._keep(claim)
         with self._lock:
+            if kept is not None:
+                self._kept[ref] = kept
+            else:
+                self._kept.pop(ref, None)
             if not mine and ref not in self._uses:
                 return
             if mine:
@@ -101,6 +125,11 @@ class ClaimView:
         if _figures(usage) != _figures(self._usage):
             self.version += 1
         self._usage = usage
+
+    def kept(self, ref: str) -> object:
+        """What the reader made of claim `ref` (namespace/name); None when nothing is kept of it."""
+        with self._lock:
+            return self._kept.get(ref)
 
     def node_usage(self, node: str) -> dict[str, DeviceUsage]:
         """device -> usage on this node's pool."""
@@ -155,6 +184,12 @@ class ClaimView:
                     )
                     said = True
             await asyncio.sleep(retry_s)
+
+
+def _ref(claim: object) -> str:
+    meta = claim.get("metadata") if isinstance(claim, Mapping) else None
+    meta = meta if isinstance(meta, Mapping) else {}
+    return f"{meta.get('namespace', '?')}/{meta.get('name', '?')}"[:320]
 
 
 def _held(gpu: GpuState, memory: int, whole: bool) -> GpuState:

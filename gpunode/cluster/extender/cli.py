@@ -13,6 +13,7 @@ from typing import Any
 from gpunode.cluster.extender.binding import DEFAULT_SCHEDULER
 from gpunode.cluster.extender.claims import ClaimView
 from gpunode.cluster.extender.core import Extender, ExtenderConfig
+from gpunode.cluster.extender.drasteer import read_claim
 from gpunode.cluster.extender.ha import HighAvailability
 from gpunode.cluster.extender.kubeapi import (
     KubeApi,
@@ -481,7 +482,7 @@ def run_extender_cli(args: argparse.Namespace) -> int:
                 )
             )
         if api is not None and args.dra_driver:  # what DRA claims hold of the `dra` GPUs
-            extender.nodes.dra = ClaimView(args.dra_driver)
+            extender.nodes.dra = ClaimView(args.dra_driver, reader=read_claim(args.dra_driver))
             tasks.append(asyncio.create_task(extender.nodes.dra.run(api.client)))
         stopping = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait([stopping, *tasks], return_when=asyncio.FIRST_COMPLETED)

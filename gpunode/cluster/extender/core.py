@@ -50,6 +50,7 @@ from gpunode.cluster.extender.binding import (
     refuse,
 )
 from gpunode.cluster.extender.decide import NodeLocks, decide_and_reserve
+from gpunode.cluster.extender.drasteer import claim_request, dra_state, pod_claim_refs
 from gpunode.cluster.extender.nodes import NodeCache, NodeView, OnDemandRefresh
 from gpunode.cluster.extender.pods import pod_key, request_from_pod
 from gpunode.cluster.extender.preempt import answer_preemption
@@ -517,6 +518,46 @@ class Extender:
                 final=False,
                 annotation=view.fingerprint,
             )
+
+    # ----- prioritize-claims (pods with ResourceClaims, drasteer.py) --------------------------------
+
+    def prioritize_claims(self, body: object) -> list[dict[str, Any]]:
+        """Answer /prioritize-claims: a HostPriorityList (0..10) ranking the nodes for a pod whose
+        ResourceClaims ask gpunode's DRA devices, by the policy applied to each node's DRA GPUs as its
+        claims hold them; [] (kube-scheduler adds nothing) for any other pod, at once for a pod that names
+        no claims. No reservation is made: kube-scheduler's allocator picks the devices. Raises BadRequest
+        for malformed `body`.
+        """
+        args = parse_args(body)
+        refs = pod_claim_refs(args.pod)
+        claims = self.nodes.dra
+        if not refs or claims is None:
+            return []
+        try:
+            uid, _ = pod_key(args.pod)
+        except InvalidRequest:
+            return []
+        kept = [claims.kept(ref) for ref in refs]
+        request = claim_request(kept, pod_uid=uid, memory_unit_bytes=self.config.memory_unit_bytes)
+        if request is None:
+            return []
+        self.workload.observe(request)
+        views = self._views(args)
+        ctx = self._context(uid)
+        raw = np.full(len(views), np.nan)
+        for pos, view in enumerate(views):
+            state = dra_state(view.state) if view.state is not None else None
+            if state is None:
+                continue
+            try:
+                choice = score_node(state, request, policy=ctx.policy, workload=ctx.workload)
+            except Exception as exc:  # one node's state never fails the request: it scores 0
+                log.warning("node %s: its DRA GPUs could not be scored: %r", view.name, exc)
+                continue
+            if choice is not None:
+                raw[pos] = choice.score
+        scores = _scale_array(raw)
+        return [{"Host": v.name, "Score": int(s)} for v, s in zip(views, scores, strict=True) if v.name]
 
     # ----- preempt --------------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """The extender's HTTP server, on gpunode.infra.http.
 
-ExtenderServer routes POST <prefix>/filter, /prioritize, /bind, /preempt and GET /healthz
+ExtenderServer routes POST <prefix>/filter, /prioritize, /prioritize-claims (pods with ResourceClaims,
+drasteer.py), /bind, /preempt and GET /healthz
 (and /readyz) to an Extender. Malformed JSON and wrong shapes (bad UTF-8,
 nesting deeper than 1,024 levels, an empty body) get 400 with {"Error": "..."};
 an unknown path 404; a wrong method 405. Only a defect in our code gives 500,
@@ -81,7 +82,7 @@ DEFAULT_REQUEST_MEMORY_BYTES = (
     256 * 2**20
 )  # half of the chart's 512Mi: the rest for the process and its caches
 BUDGET_WAIT_S = 2.0  # how long a body waits for room in the budget before 503
-VERBS = ("filter", "prioritize", "bind", "preempt")
+VERBS = ("filter", "prioritize", "prioritize-claims", "bind", "preempt")
 _HINT = "choose another --listen address, or stop the process that already listens there"
 
 
@@ -255,9 +256,7 @@ class ExtenderServer:
             return self._metrics() if verb == "metrics" else _json(200, self._health())
         if verb not in VERBS:
             if request.method == "POST":
-                return _json(
-                    404, {"Error": f"no such verb {request.path_qs}; use filter, prioritize, bind or preempt"}
-                )
+                return _json(404, {"Error": f"no such verb {request.path_qs}; use {', '.join(VERBS)}"})
             return _json(404, {"Error": f"no such path {request.path_qs}"})
         if request.method != "POST":
             return _json(405, {"Error": f"{verb} takes POST"}, allow="POST")
@@ -306,6 +305,7 @@ class ExtenderServer:
         call = {
             "filter": self.extender.filter,
             "prioritize": self.extender.prioritize,
+            "prioritize-claims": self.extender.prioritize_claims,
             "bind": self.extender.bind,
             "preempt": self.extender.preempt,
         }
