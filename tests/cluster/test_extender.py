@@ -747,7 +747,11 @@ def test_example_scheduler_configuration_wires_the_extender() -> None:
     config = yaml.safe_load(text)
     assert config["apiVersion"] == "kubescheduler.config.k8s.io/v1"
     assert config["kind"] == "KubeSchedulerConfiguration"
-    (extender,) = config["extenders"]
+    extender, claims = config["extenders"]
+    # the second entry: pods with DRA claims, prioritize only, every pod (no managedResources), ignorable
+    assert claims["prioritizeVerb"] == "prioritize-claims" and claims["ignorable"] is True
+    assert "managedResources" not in claims and "filterVerb" not in claims and "bindVerb" not in claims
+    assert claims["urlPrefix"] == extender["urlPrefix"] and claims["tlsConfig"] == extender["tlsConfig"]
     assert (extender["filterVerb"], extender["prioritizeVerb"], extender["bindVerb"]) == (
         "filter",
         "prioritize",

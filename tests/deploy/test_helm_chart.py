@@ -806,6 +806,47 @@ def test_the_default_extender_tls_certificates_are_made_at_install_and_pass_a_re
 
 
 @needs_helm
+@pytest.mark.parametrize("tls", [True, False], ids=["tls", "plain-http"])
+def test_with_dra_the_scheduler_configuration_sends_claim_pods_to_prioritize_claims(tls: bool) -> None:
+    """A second extenders entry: prioritize-claims only, every pod (no managedResources), ignorable; the
+    extender's own server answers that verb (a pod without claims: nothing); off without DRA or by switch."""
+    from gpunode.cluster.extender.core import Extender
+    from gpunode.cluster.extender.server import ExtenderServer
+
+    dra = {"config": {"gpunode": {"dra": {"enabled": True}}}}
+    values = merged(dra, {"extender": {"enabled": True, "tls": {"enabled": tls}, "draClaims": {"weight": 7}}})
+
+    def entries(v: dict[str, Any]) -> list[dict[str, Any]]:
+        cm = render(v).named("ConfigMap", f"{FULLNAME}-scheduler-config")
+        return list(yaml.safe_load(cm["data"]["scheduler-config.yaml"])["extenders"])
+
+    main, claims = entries(values)
+    assert main["filterVerb"] == "filter" and main["managedResources"]  # the device-plugin entry unchanged
+    assert claims == {
+        "urlPrefix": main["urlPrefix"],
+        "prioritizeVerb": "prioritize-claims",
+        "weight": 7,
+        "enableHTTPS": tls,
+        **({"tlsConfig": main["tlsConfig"]} if tls else {}),
+        "httpTimeout": main["httpTimeout"],
+        "nodeCacheCapable": main["nodeCacheCapable"],
+        "ignorable": True,
+    }
+    assert len(entries(merged(values, {"extender": {"draClaims": {"enabled": False}}}))) == 1
+    assert len(entries({"extender": {"enabled": True}})) == 1  # DRA off: no claims to steer
+    server = ExtenderServer(Extender(), port=0)
+    server.start()
+    try:
+        pod = {"metadata": {"name": "p"}, "spec": {"containers": [{"name": "c"}]}}
+        body = json.dumps({"Pod": pod, "NodeNames": ["n"]}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{server.port}/{claims['prioritizeVerb']}", body)
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            assert (resp.status, json.loads(resp.read())) == (200, [])
+    finally:
+        server.stop()
+
+
+@needs_helm
 def test_extender_without_network_policy_and_with_an_insecure_bind() -> None:
     values = {"extender": {"enabled": True, "bind": True, "insecureBindWithoutTLS": True,
                            "tls": {"enabled": False}, "networkPolicy": {"enabled": False}}}  # fmt: skip
@@ -897,7 +938,7 @@ def test_scheduler_configuration_agrees_with_the_example_and_selects_its_api_ver
     example_config = yaml.safe_load(
         (ROOT / "gpunode" / "examples" / "kube-scheduler-config.yaml").read_text()
     )
-    (want,) = example_config["extenders"]
+    want, want_claims = example_config["extenders"]
 
     def entry(values: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         text = render(values).named("ConfigMap", f"{FULLNAME}-scheduler-config")["data"][
@@ -906,6 +947,14 @@ def test_scheduler_configuration_agrees_with_the_example_and_selects_its_api_ver
         config = yaml.safe_load(text)
         (got,) = config["extenders"]
         return config["apiVersion"], got
+
+    # the entry for pods with DRA claims, rendered with DRA on, is the example's second one
+    dra = merged(VALUE_SETS["extender-bind-node-cache"], {"config": {"gpunode": {"dra": {"enabled": True}}}})
+    text = render(dra).named("ConfigMap", f"{FULLNAME}-scheduler-config")["data"]["scheduler-config.yaml"]
+    _, got_claims = yaml.safe_load(text)["extenders"]
+    assert {k: v for k, v in got_claims.items() if k not in ("urlPrefix", "tlsConfig")} == {
+        k: v for k, v in want_claims.items() if k not in ("urlPrefix", "tlsConfig")
+    }
 
     version, got = entry(VALUE_SETS["extender-bind-node-cache"])
     assert version == example_config["apiVersion"] == "kubescheduler.config.k8s.io/v1"

@@ -302,12 +302,13 @@ def build_queue_cluster(cp: ControlPlane, tmp: Path, *, hold: str = "error") -> 
         entries = yaml.safe_load((ROOT / "gpunode/examples/kube-scheduler-config.yaml").read_text())[
             "extenders"
         ]
-        entries[0]["urlPrefix"] = f"https://127.0.0.1:{port}"
-        entries[0]["tlsConfig"] = {
-            "certFile": str(client.cert),
-            "keyFile": str(client.key),
-            "caFile": str(cp.ca_file),
-        }
+        for entry in entries:  # the device-plugin entry and the one for pods with DRA claims
+            entry["urlPrefix"] = f"https://127.0.0.1:{port}"
+            entry["tlsConfig"] = {
+                "certFile": str(client.cert),
+                "keyFile": str(client.key),
+                "caFile": str(cp.ca_file),
+            }
         scheduler = cp.start_scheduler(entries, name="kube-scheduler-queue")
     except BaseException:
         for node in nodes.values():

@@ -171,12 +171,13 @@ def build_cluster(cp: ControlPlane, tmp: Path) -> Cluster:
         )
     example = yaml.safe_load((ROOT / "gpunode/examples/kube-scheduler-config.yaml").read_text())
     entries = example["extenders"]
-    entries[0]["urlPrefix"] = f"https://127.0.0.1:{port}"
-    entries[0]["tlsConfig"] = {
-        "certFile": str(client.cert),
-        "keyFile": str(client.key),
-        "caFile": str(cp.ca_file),
-    }
+    for entry in entries:  # the device-plugin entry and the one for pods with DRA claims
+        entry["urlPrefix"] = f"https://127.0.0.1:{port}"
+        entry["tlsConfig"] = {
+            "certFile": str(client.cert),
+            "keyFile": str(client.key),
+            "caFile": str(cp.ca_file),
+        }
     scheduler = cp.start_scheduler(entries, name="kube-scheduler-scenario")
     return Cluster(cp, nodes, extender, scheduler, port, client, real)
 
