@@ -31,7 +31,7 @@ import re
 import signal
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -357,12 +357,19 @@ def test_an_agent_killed_mid_prepare_is_prepared_once_by_the_kubelets_retry(
         )
         runs_under_its_cap(dn, pod)
         assert claim_uid(admin, pod) == uid
-        assert new_claims(dn, known) == {uid: DONE}  # one region, one spec, one record; no temp file
+        running = new_claims(dn, known)
+        assert set(running) == {uid}  # nothing made for any other claim
+        assert replace(running[uid], temps=()) == DONE  # one region, one spec, one record
         assert prepared_lines(dn, uid) == 1  # the killed agent never finished it; the retry made it once
     finally:
         _delete_and_wait(admin, dn, pod)
-    eventually(lambda: new_claims(dn, known) == {}, timeout_s=WAIT_S, what="the claim unprepared")
-    assert new_claims(dn, known) == {}
+    eventually(
+        lambda: all(f == ClaimFiles(None, False, False, f.temps) for f in new_claims(dn, known).values()),
+        timeout_s=WAIT_S,
+        what="the claim unprepared: its record, region and spec gone",
+    )
+    # no temporary file of the claim while it ran, and none left after it
+    assert (running[uid].temps, new_claims(dn, known)) == ((), {})
 
 
 def test_a_kubelet_restarted_while_the_agent_is_stopped_mid_prepare_gets_the_claim_prepared_once(
