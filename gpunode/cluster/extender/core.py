@@ -50,7 +50,14 @@ from gpunode.cluster.extender.binding import (
     refuse,
 )
 from gpunode.cluster.extender.decide import NodeLocks, decide_and_reserve
-from gpunode.cluster.extender.drasteer import claim_request, dra_state, pod_claim_refs
+from gpunode.cluster.extender.drasteer import (
+    Assumed,
+    DraClaim,
+    claim_request,
+    dra_state,
+    pod_claim_refs,
+    with_assumed,
+)
 from gpunode.cluster.extender.nodes import NodeCache, NodeView, OnDemandRefresh
 from gpunode.cluster.extender.pods import pod_key, request_from_pod
 from gpunode.cluster.extender.preempt import answer_preemption
@@ -229,6 +236,7 @@ class Extender:
         self._scores: dict[tuple[object, ...], object] = {}
         self._lock = threading.Lock()  # the caches above; never held while deciding
         self._deciding = NodeLocks()  # bind's decide-and-reserve, per node
+        self.assumed = Assumed()  # prioritize-claims' answers whose claims are not allocated yet
 
     # ----- shared steps ---------------------------------------------------------------------------
 
@@ -524,8 +532,10 @@ class Extender:
     def prioritize_claims(self, body: object) -> list[dict[str, Any]]:
         """Answer /prioritize-claims: a HostPriorityList (0..10) ranking the nodes for a pod whose
         ResourceClaims ask gpunode's DRA devices, by the policy applied to each node's DRA GPUs as its
-        claims hold them; [] (kube-scheduler adds nothing) for any other pod, at once for a pod that names
-        no claims. No reservation is made: kube-scheduler's allocator picks the devices. Raises BadRequest
+        claims hold them and as the answers to other pods whose claims are not allocated yet assume; []
+        (kube-scheduler adds nothing) for any other pod, at once for a pod that names
+        no claims. The answer is assumed (drasteer.Assumed) until the pod's claims are allocated; no
+        reservation is made: kube-scheduler's allocator picks the devices. Raises BadRequest
         for malformed `body`.
         """
         args = parse_args(body)
@@ -544,18 +554,33 @@ class Extender:
         self.workload.observe(request)
         views = self._views(args)
         ctx = self._context(uid)
+
+        def allocated(ref: str) -> bool:
+            claim = claims.kept(ref)
+            return not isinstance(claim, DraClaim) or claim.allocated  # allocated, or gone
+
+        assumed = self.assumed.live(allocated, skip_pod=uid)
         raw = np.full(len(views), np.nan)
+        chosen: list[tuple[str, ...]] = [() for _ in views]
         for pos, view in enumerate(views):
             state = dra_state(view.state) if view.state is not None else None
             if state is None:
                 continue
             try:
-                choice = score_node(state, request, policy=ctx.policy, workload=ctx.workload)
+                choice = score_node(
+                    with_assumed(state, assumed), request, policy=ctx.policy, workload=ctx.workload
+                )
             except Exception as exc:  # one node's state never fails the request: it scores 0
                 log.warning("node %s: its DRA GPUs could not be scored: %r", view.name, exc)
                 continue
             if choice is not None:
                 raw[pos] = choice.score
+                chosen[pos] = choice.gpu_uuids
+        scored_at = np.flatnonzero(~np.isnan(raw))
+        if len(scored_at):
+            best = int(scored_at[raw[scored_at].argmax()])
+            mine = [ref for ref, k in zip(refs, kept, strict=True) if isinstance(k, DraClaim)]
+            self.assumed.assume(uid, views[best].name, chosen[best], request, mine)
         scores = _scale_array(raw)
         return [{"Host": v.name, "Score": int(s)} for v, s in zip(views, scores, strict=True) if v.name]
 

@@ -19,6 +19,13 @@ pods that name ResourceClaims, by the same placement policy the device-plugin po
   taking shares and whole requests as the agent publishes them (a shared device and a whole device per
   GPU, excluding each other).
 
+Pods come in bursts: kube-scheduler asks for the next pod before the claims of the last one are allocated
+and the ClaimView has seen them. So each answer is remembered as assumed (Assumed): the request on the GPUs
+the policy chose on the node it ranked first, counted in the other pods' node views until the ClaimView sees
+one of the pod's claims allocated (the allocation counts from then on), the pod is ranked again (its newer
+answer replaces it) or ASSUMED_TTL_S passes (a pod kube-scheduler put elsewhere, or could not place). At most
+MAX_ASSUMED are kept (the oldest go first), and only for pods whose claims exist and ask something.
+
 Claims come from tenants: a claim with a problem (an unreadable request list, a share without memory,
 allocationMode All), a claim already allocated (the allocator keeps it where it is) and a claim reserved
 for other pods add nothing to the request; a pod whose claims add nothing is not scored (an empty answer:
@@ -27,8 +34,11 @@ kube-scheduler adds nothing). Pure functions; no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import replace
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gpunode.cluster.queuectl.dra import MAX_CLAIMS, DraClaim
@@ -37,7 +47,23 @@ from gpunode.contract.dra import CLASS_SHARED, CLASS_WHOLE
 from gpunode.contract.names import Sharing
 from gpunode.placement import NodeState, Request
 
+__all__ = [
+    "ASSUMED_TTL_S",
+    "MAX_ASSUMED",
+    "Assumed",
+    "Assumption",
+    "DraClaim",
+    "claim_request",
+    "dra_state",
+    "names_claims",
+    "pod_claim_refs",
+    "read_claim",
+    "with_assumed",
+]
+
 MAX_GPUS = 1024  # whole GPUs one pod's claims may ask, as pods.MAX_GPUS for device-plugin pods
+ASSUMED_TTL_S = 30.0  # an answer counts this long at most before its claims are seen allocated
+MAX_ASSUMED = 4096  # answers remembered at once (a burst of pods being scheduled)
 
 
 def read_claim(driver: str) -> Callable[[Mapping[str, Any]], DraClaim | None]:
@@ -122,3 +148,82 @@ def dra_state(state: NodeState) -> NodeState | None:
     kept = {g.uuid for g in gpus}
     gpus = tuple(replace(g, nvlink_peers=g.nvlink_peers & kept) for g in gpus)
     return replace(state, gpus=gpus)
+
+
+@dataclass(frozen=True)
+class Assumption:
+    """What one answer assumed: the pod's request on these GPUs of this node, until its claims are allocated."""
+
+    node: str
+    gpus: tuple[str, ...]
+    request: Request
+    claims: tuple[str, ...]  # namespace/name of the claims that made the request
+    until: float
+
+
+class Assumed:
+    """The answers of prioritize-claims whose claims are not allocated yet (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        ttl_s: float = ASSUMED_TTL_S,
+        limit: int = MAX_ASSUMED,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ttl_s = ttl_s
+        self.limit = limit
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._by_pod: OrderedDict[str, Assumption] = OrderedDict()  # pod UID -> its last answer, oldest first
+
+    def assume(
+        self, pod_uid: str, node: str, gpus: tuple[str, ...], request: Request, claims: Iterable[str]
+    ) -> None:
+        """Remember the pod's answer (replacing its earlier one)."""
+        with self._lock:
+            self._by_pod.pop(pod_uid, None)
+            self._by_pod[pod_uid] = Assumption(node, gpus, request, tuple(claims), self._clock() + self.ttl_s)
+            while len(self._by_pod) > self.limit:
+                self._by_pod.popitem(last=False)
+
+    def live(self, allocated: Callable[[str], bool], *, skip_pod: str) -> list[Assumption]:
+        """The answers still to count (not this pod's); those whose claims are allocated, or that are too
+        old, are dropped."""
+        now = self._clock()
+        with self._lock:
+            for uid, a in list(self._by_pod.items()):
+                if a.until < now or any(allocated(c) for c in a.claims):
+                    del self._by_pod[uid]
+            return [a for uid, a in self._by_pod.items() if uid != skip_pod]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_pod)
+
+
+def with_assumed(state: NodeState, assumed: Iterable[Assumption]) -> NodeState:
+    """The node (dra_state's) with the assumed answers on it taken: a whole GPU all, a share its memory."""
+    taken: dict[str, tuple[int, bool]] = {}
+    for a in assumed:
+        if a.node != state.name:
+            continue
+        for uuid in a.gpus:
+            memory, whole = taken.get(uuid, (0, False))
+            if a.request.gpus:
+                taken[uuid] = (memory, True)
+            else:
+                taken[uuid] = (memory + a.request.gpu_memory_bytes, whole)
+    if not taken:
+        return state
+    gpus = []
+    for g in state.gpus:
+        if g.uuid not in taken:
+            gpus.append(g)
+            continue
+        memory, whole = taken[g.uuid]
+        if whole:
+            gpus.append(replace(g, milli_free=0, memory_free_bytes=0))
+        else:
+            gpus.append(replace(g, memory_free_bytes=max(0, g.memory_free_bytes - memory)))
+    return replace(state, gpus=tuple(gpus))

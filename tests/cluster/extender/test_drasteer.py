@@ -14,7 +14,14 @@ import pytest
 
 from gpunode.cluster.extender.claims import ClaimView
 from gpunode.cluster.extender.core import Extender, ExtenderConfig
-from gpunode.cluster.extender.drasteer import claim_request, dra_state, pod_claim_refs, read_claim
+from gpunode.cluster.extender.drasteer import (
+    Assumed,
+    claim_request,
+    dra_state,
+    pod_claim_refs,
+    read_claim,
+    with_assumed,
+)
 from gpunode.cluster.extender.server import ExtenderServer
 from gpunode.contract.dra import CLASS_MIG, CLASS_SHARED, CLASS_TIME_SLICED, CLASS_WHOLE, DEFAULT_DRIVER
 from gpunode.contract.draclaims import gpu_device_name, shared_device_name
@@ -366,3 +373,60 @@ def test_the_verb_is_served_over_http(extender: Extender, served: int) -> None:
     assert status == 400 and "Pod" in body["Error"]
     status, body = post(served, "/prioritize-claims", b"{not json")
     assert status == 400 and "malformed JSON" in body["Error"]
+
+
+def test_a_burst_counts_the_answers_given_until_their_claims_are_allocated() -> None:
+    """kube-scheduler asks for the next pod before the last one's claim is allocated: the answer given to
+    the first counts in the second's ranking, until the claim's allocation is seen (then it counts)."""
+    ext = Extender(config=ExtenderConfig(policy="bestfit"))
+    claims = ClaimView(DEFAULT_DRIVER, reader=read_claim(DEFAULT_DRIVER))
+    ext.nodes.dra = claims
+    ext.refresh_nodes([node_json(node_state(n)) for n in NODES])
+    for i in range(2):
+        claims.claim_changed(pending(f"c{i}", share(4)))
+    first = scores(ext.prioritize_claims(args(pod(by_name("c0"), uid="u0"))))
+    assert first == {"full": 10, "half": 10, "empty": 10}  # three empty nodes: the policy has no preference
+    assumed = ext.assumed.live(lambda _: False, skip_pod="")
+    assert [(a.node, a.request.gpu_memory_bytes) for a in assumed] == [("full", 4 * GIB)]
+    assert scores(ext.prioritize_claims(args(pod(by_name("c1"), uid="u1")))) == {
+        "full": 10,
+        "half": 0,
+        "empty": 0,
+    }
+    # c0 was allocated on `half` after all: the allocation counts, the answer no longer does
+    done = allocated("c0", "half", shared_device_name(uuid("half", 0)), "4Gi")
+    done["metadata"]["namespace"] = NS
+    done["spec"] = pending("c0", share(4))["spec"]
+    claims.claim_changed(done)
+    assert scores(ext.prioritize_claims(args(pod(by_name("c1"), uid="u1")))) == {
+        "full": 0,
+        "half": 10,
+        "empty": 0,
+    }
+    assert [a.node for a in ext.assumed.live(lambda _: False, skip_pod="")] == ["half"]  # u1's own answer
+
+
+def test_answers_are_forgotten_after_their_ttl_and_beyond_the_bound() -> None:
+    now = [0.0]
+    book = Assumed(ttl_s=30.0, limit=2, clock=lambda: now[0])
+    for i in range(3):
+        book.assume(f"u{i}", "full", (uuid("full", 0),), Request(gpu_memory_bytes=GIB), [f"{NS}/c{i}"])
+    assert [a.claims for a in book.live(lambda _: False, skip_pod="")] == [(f"{NS}/c1",), (f"{NS}/c2",)]
+    assert [a.claims for a in book.live(lambda _: False, skip_pod="u2")] == [(f"{NS}/c1",)]
+    now[0] = 31.0
+    assert book.live(lambda _: False, skip_pod="") == [] and len(book) == 0
+    state = node_state("full")
+    book.assume("w", "full", (uuid("full", 1),), Request(gpus=1), [])
+    book.assume("s", "full", (uuid("full", 0),), Request(gpu_memory_bytes=20 * GIB), [])  # beyond the GPU
+    got = with_assumed(state, book.live(lambda _: False, skip_pod=""))
+    assert [(g.milli_free, g.memory_free_bytes) for g in got.gpus[:3]] == [
+        (1000, 0),
+        (0, 0),
+        (1000, 16 * GIB),
+    ]
+
+
+def test_a_pod_whose_claims_do_not_exist_or_ask_nothing_leaves_no_answer_behind(extender: Extender) -> None:
+    for i in range(10):
+        extender.prioritize_claims(args(pod(by_name(f"ghost-{i}"), uid=f"g{i}")))
+    assert len(extender.assumed) == 0
