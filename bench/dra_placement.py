@@ -17,11 +17,16 @@ Node choice is kube-scheduler's own (nothing steers it for DRA pods): it is repo
 the node chosen is among the policy's best-scoring nodes.
 
 Side by side: the scenario's twenty shares alone, all created at once, through DRA (index and ordered
-order, --bursts times each: node choice is kube-scheduler's and varies) and, with --device-plugin, through
-the device plugin (the `gpunode extender` with --bind and three simulated-agent nodes of the same GPUs, all
-shared in 1 GiB units, as the scenario runs them): pods placed, GPUs used, GPUs left whole, nodes used.
+order, --bursts times each: node choice is kube-scheduler's and varies), with --steered through DRA with
+the extender ranking the nodes (gpunode's order; a second kube-scheduler configured by the example's two
+extenders entries, so prioritize-claims is asked for every pod; --bursts times) and, with --device-plugin,
+through the device plugin (the `gpunode extender` with --bind and three simulated-agent nodes of the same
+GPUs, all shared in 1 GiB units, as the scenario runs them): pods placed, GPUs used, GPUs left whole, nodes
+used. With --steered, also the time of one prioritize-claims call (p50, p99 over --calls calls, HTTPS
+with kube-scheduler's client certificate over one connection) for a pending pod with a claim and for a pod
+without claims: what the second extenders entry adds to each pod's scheduling.
 
-    .venv/bin/python bench/dra_placement.py --rounds 5 --bursts 3 --device-plugin \
+    .venv/bin/python bench/dra_placement.py --rounds 5 --bursts 3 --steered --device-plugin \
         > bench/results/dra_placement.json
 
 Prints one JSON document.
@@ -61,7 +66,7 @@ from tests.e2e import chart
 from tests.e2e.api import Api, ApiError, eventually
 from tests.e2e.conftest import E2E_USERS
 from tests.e2e.controlplane import ROOT, ControlPlane, kube_version, missing_reason
-from tests.e2e.objects import create_fake_node, ensure_namespace
+from tests.e2e.objects import create_dra_fake_node, ensure_namespace
 
 DRIVER = names.DEFAULT_DRIVER
 RESOURCE = "/apis/resource.k8s.io/v1"
@@ -111,7 +116,8 @@ class Node:
         self.gpus: tuple[Gpu, ...] = tuple(backend.gpus())
         self.pool: Pool = build_pool(self.gpus, unit_bytes=GIB, driver_version=backend.driver_version())
         self.uuid_of = {d["name"]: d["attributes"][names.ATTR_UUID]["string"] for d in self.pool.devices}
-        create_fake_node(api, name, labels={"bench-run": run})
+        create_dra_fake_node(api, name, backend)  # with the agent's node state: the extender reads it
+        api.patch(f"/api/v1/nodes/{name}", {"metadata": {"labels": {"bench-run": run}}})
         token = plane.token_file("agent")
 
         def client() -> KubeClient:
@@ -210,10 +216,16 @@ def claim_body(name: str, item: Item) -> dict[str, Any]:
 
 
 def pod_body(
-    name: str, run: str, *, claim: str | None = None, limits: Mapping[str, str] | None = None
+    name: str,
+    run: str,
+    *,
+    claim: str | None = None,
+    limits: Mapping[str, str] | None = None,
+    scheduler: str = "default-scheduler",
 ) -> dict[str, Any]:
     container: dict[str, Any] = {"name": "main", "image": "gpunode.local/none:1", "imagePullPolicy": "Never"}
     spec: dict[str, Any] = {
+        "schedulerName": scheduler,
         "nodeSelector": {"bench-run": run},
         "containers": [container],
         "terminationGracePeriodSeconds": 0,
@@ -398,9 +410,15 @@ def footprint(
 
 
 def shares_burst_dra(
-    plane: ControlPlane, api: Api, items: list[Item], *, ordered: bool, run: str
+    plane: ControlPlane,
+    api: Api,
+    items: list[Item],
+    *,
+    ordered: bool,
+    run: str,
+    scheduler: str = "default-scheduler",
 ) -> dict[str, Any]:
-    """The shares alone, created at once through DRA; where they went."""
+    """The shares alone, created at once through DRA (pods for `scheduler`); where they went."""
     ns = run
     ensure_namespace(api, ns)
     nodes = start_nodes(plane, api, run, ordered)
@@ -408,7 +426,10 @@ def shares_burst_dra(
         for item in items:
             claim = f"c-{item.name}"
             api.create(f"{RESOURCE}/namespaces/{ns}/resourceclaims", claim_body(claim, item))
-            api.create(f"/api/v1/namespaces/{ns}/pods", pod_body(f"p-{item.name}", run, claim=claim))
+            api.create(
+                f"/api/v1/namespaces/{ns}/pods",
+                pod_body(f"p-{item.name}", run, claim=claim, scheduler=scheduler),
+            )
         for item in items:
             allocated(api, ns, f"c-{item.name}")
         per_gpu: dict[tuple[str, str], int] = {}
@@ -428,38 +449,12 @@ def shares_burst_dra(
 def shares_burst_device_plugin(plane: ControlPlane, api: Api, items: list[Item], tmp: Path) -> dict[str, Any]:
     """The same shares through `gpunode extender` and the device plugin (simulated agents, all GPUs shared
     in 1 GiB units), created at once as the scenario's burst is."""
-    import yaml
-
-    from tests.e2e.procs import Proc
     from tests.e2e.simnodes import SimNode
-    from tests.ports import free_port
 
     run, ns = "dp", "bench-dra-dp"
     ensure_namespace(api, ns)
-    tmp.mkdir(parents=True, exist_ok=True)
-    docs = chart.render({"extender": {"enabled": True, "bind": True}}, tmp)
-    chart.apply_rbac(api, docs, "extender")
-    chart.apply_rbac(api, docs, "agent")
-    serving = plane.issue("bench-extender", common_name="gpunode-extender", server=True, hosts=("127.0.0.1",))
-    client = plane.issue("bench-scheduler", common_name="kube-scheduler", client=True)
-    port, health = free_port(), free_port()
-    extender = Proc(
-        "gpunode-extender-bench",
-        [
-            sys.executable, "-m", "gpunode.cli", "extender",
-            "--listen", f"127.0.0.1:{port}", "--health-listen", f"127.0.0.1:{health}",
-            "--kube-api", plane.server, "--kube-token-file", str(plane.token_file("extender")),
-            "--kube-ca-file", str(plane.ca_file), "--node-refresh", "10s", "--bind",
-            "--tls-cert-file", str(serving.cert), "--tls-key-file", str(serving.key),
-            "--client-ca-file", str(plane.ca_file), "--allowed-client-names", "kube-scheduler",
-        ],
-        plane.logs,
-    ).start()  # fmt: skip
-    plane.procs.append(extender)
-    extender.wait_until(
-        lambda: urllib.request.urlopen(f"http://127.0.0.1:{health}/readyz", timeout=5).status == 200,
-        timeout_s=WAIT_S,
-        what="ready extender",
+    extender, port, client = start_extender(
+        plane, api, tmp, {"extender": {"enabled": True, "bind": True}}, bind=True
     )
     fractional = {"fractional": {"devices": "all", "unit": "1Gi"}}
     sims = {
@@ -471,15 +466,7 @@ def shares_burst_device_plugin(plane: ControlPlane, api: Api, items: list[Item],
     for sim in sims.values():
         sim.start()
         api.patch(f"/api/v1/nodes/{sim.name}", {"metadata": {"labels": {"bench-run": run}}})
-    example = yaml.safe_load((ROOT / "gpunode/examples/kube-scheduler-config.yaml").read_text())
-    entries = example["extenders"]
-    entries[0]["urlPrefix"] = f"https://127.0.0.1:{port}"
-    entries[0]["tlsConfig"] = {
-        "certFile": str(client.cert),
-        "keyFile": str(client.key),
-        "caFile": str(plane.ca_file),
-    }
-    scheduler = plane.start_scheduler(entries, name="kube-scheduler-bench-dp")
+    scheduler = plane.start_scheduler(example_entries(plane, port, client), name="kube-scheduler-bench-dp")
     try:
         for node in sims:
 
@@ -534,6 +521,164 @@ def shares_burst_device_plugin(plane: ControlPlane, api: Api, items: list[Item],
                 api.delete(f"/api/v1/nodes/{node}")
 
 
+def start_extender(
+    plane: ControlPlane, api: Api, tmp: Path, values: Mapping[str, Any], *, bind: bool
+) -> tuple[Any, int, Any]:
+    """The real `gpunode extender` (HTTPS with client certificates, --kube-api, watching the DRA claims as
+    the chart's extender service account): (its process, its port, kube-scheduler's client certificate)."""
+    from tests.e2e.procs import Proc
+    from tests.ports import free_port
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    docs = chart.render(values, tmp)
+    chart.apply_rbac(api, docs, "extender")
+    chart.apply_rbac(api, docs, "agent")
+    serving = plane.issue(
+        f"bench-extender-{tmp.name}", common_name="gpunode-extender", server=True, hosts=("127.0.0.1",)
+    )
+    client = plane.issue(f"bench-scheduler-{tmp.name}", common_name="kube-scheduler", client=True)
+    port, health = free_port(), free_port()
+    extender = Proc(
+        f"gpunode-extender-bench-{tmp.name}",
+        [
+            sys.executable, "-m", "gpunode.cli", "extender",
+            "--listen", f"127.0.0.1:{port}", "--health-listen", f"127.0.0.1:{health}",
+            "--kube-api", plane.server, "--kube-token-file", str(plane.token_file("extender")),
+            "--kube-ca-file", str(plane.ca_file), "--node-refresh", "10s",
+            "--tls-cert-file", str(serving.cert), "--tls-key-file", str(serving.key),
+            "--client-ca-file", str(plane.ca_file), "--allowed-client-names", "kube-scheduler",
+            *(["--bind"] if bind else []),
+        ],
+        plane.logs,
+    ).start()  # fmt: skip
+    plane.procs.append(extender)
+    extender.wait_until(
+        lambda: urllib.request.urlopen(f"http://127.0.0.1:{health}/readyz", timeout=5).status == 200,
+        timeout_s=WAIT_S,
+        what="ready extender",
+    )
+    return extender, port, client
+
+
+def example_entries(plane: ControlPlane, port: int, client: Any) -> list[dict[str, Any]]:
+    """gpunode/examples/kube-scheduler-config.yaml's extenders (the device-plugin entry and the one for pods
+    with DRA claims), pointed at the extender on `port`."""
+    import yaml
+
+    entries: list[dict[str, Any]] = yaml.safe_load(
+        (ROOT / "gpunode/examples/kube-scheduler-config.yaml").read_text()
+    )["extenders"]
+    for entry in entries:
+        entry["urlPrefix"] = f"https://127.0.0.1:{port}"
+        entry["tlsConfig"] = {
+            "certFile": str(client.cert),
+            "keyFile": str(client.key),
+            "caFile": str(plane.ca_file),
+        }
+    return entries
+
+
+# -- DRA with the extender's prioritize-claims steering the node ------------------------------------------------
+
+STEERED = "gpunode-steered"  # the profile of the kube-scheduler that has the example's extenders
+
+
+def shares_burst_steered(
+    plane: ControlPlane, api: Api, items: list[Item], tmp: Path, *, bursts: int, calls: int
+) -> dict[str, Any]:
+    """The shares at once through DRA (gpunode's order), with a kube-scheduler configured by the example's
+    two extenders entries: the extender's prioritize-claims ranks the nodes. Then the latency of
+    prioritize-claims for a pod with a claim and one without (`calls` each, kube-scheduler's request
+    bodies sent over one HTTPS connection with its client certificate, as it sends them)."""
+    values = {"config": {"gpunode": {"dra": {"enabled": True}}}, "extender": {"enabled": True}}
+    extender, port, client = start_extender(plane, api, tmp, values, bind=True)
+    scheduler = plane.start_scheduler(
+        example_entries(plane, port, client),
+        profiles=[{"schedulerName": STEERED}],
+        name="kube-scheduler-bench-steer",
+    )
+    try:
+        runs = [
+            shares_burst_dra(plane, api, items, ordered=True, run=f"steer{b}", scheduler=STEERED)
+            for b in range(bursts)
+        ]
+        latency = prioritize_claims_latency(plane, api, port, client, calls)
+    finally:
+        scheduler.stop()
+        extender.stop()
+    return {
+        **{
+            f"mean_{k}": round(sum(r[k] for r in runs) / len(runs), 2)
+            for k in ("pods_placed", "gpus_used", "gpus_left_whole", "nodes_used")
+        },
+        "runs": runs,
+        "prioritize_claims_latency_ms": latency,
+    }
+
+
+def prioritize_claims_latency(
+    plane: ControlPlane, api: Api, port: int, client: Any, calls: int
+) -> dict[str, Any]:
+    """p50/p99 of POST /prioritize-claims for a pending pod with a 4 GiB claim and for a pod without claims,
+    with the three nodes' names (nodeCacheCapable, as the example configures it)."""
+    import http.client
+    import ssl
+
+    run = "lat"
+    ensure_namespace(api, run)
+    nodes = start_nodes(plane, api, run, ordered=True)
+    try:
+        api.create(f"{RESOURCE}/namespaces/{run}/resourceclaims", claim_body("c-lat", Item("lat", gib=4)))
+        # no scheduler serves this name: the pod stays pending, its claim unallocated
+        api.create(
+            f"/api/v1/namespaces/{run}/pods", pod_body("p-claim", run, claim="c-lat", scheduler="nobody")
+        )
+        api.create(f"/api/v1/namespaces/{run}/pods", pod_body("p-plain", run, scheduler="nobody"))
+        bodies = {
+            kind: json.dumps(
+                {"Pod": api.get(f"/api/v1/namespaces/{run}/pods/{pod}"), "NodeNames": sorted(nodes)}
+            ).encode()
+            for kind, pod in (("claim_pod", "p-claim"), ("pod_without_claims", "p-plain"))
+        }
+        context = ssl.create_default_context(cafile=str(plane.ca_file))
+        context.load_cert_chain(str(client.cert), str(client.key))
+        conn = http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=10)
+
+        def call(body: bytes) -> list[dict[str, Any]]:
+            conn.request(
+                "POST", "/prioritize-claims", body=body, headers={"Content-Type": "application/json"}
+            )
+            resp = conn.getresponse()
+            answer: list[dict[str, Any]] = json.loads(resp.read())
+            assert resp.status == 200, answer
+            return answer
+
+        # the extender's claim watch has the claim once the claim pod is ranked
+        eventually(
+            lambda: any(h["Score"] for h in call(bodies["claim_pod"])) or None,
+            timeout_s=WAIT_S,
+            what="claim pod ranked",
+        )
+        out: dict[str, Any] = {"calls": calls, "nodes": len(nodes)}
+        for kind, body in bodies.items():
+            times = []
+            for _ in range(calls):
+                start = time.perf_counter()
+                answer = call(body)
+                times.append((time.perf_counter() - start) * 1000)
+            times.sort()
+            out[kind] = {
+                "p50": round(times[len(times) // 2], 3),
+                "p99": round(times[min(len(times) - 1, int(len(times) * 0.99))], 3),
+                "max": round(times[-1], 3),
+                "answer": answer,
+            }
+        conn.close()
+        return out
+    finally:
+        stop_nodes(api, run, nodes)
+
+
 def setup_dra(plane: ControlPlane, api: Api, tmp: Path) -> None:
     docs = chart.render({"config": {"gpunode": {"dra": {"enabled": True}}}}, tmp)
     ensure_namespace(api, chart.NAMESPACE)
@@ -552,6 +697,15 @@ def main() -> None:
     )
     parser.add_argument(
         "--bursts", type=int, default=3, help="times the shares are placed at once through DRA, per order"
+    )
+    parser.add_argument(
+        "--steered",
+        action="store_true",
+        help="also place the shares at once through DRA with the extender's prioritize-claims (the example's "
+        "second extenders entry) ranking the nodes, --bursts times, and time that verb",
+    )
+    parser.add_argument(
+        "--calls", type=int, default=500, help="prioritize-claims calls timed per kind of pod"
     )
     args = parser.parse_args()
     reason = missing_reason()
@@ -602,6 +756,10 @@ def main() -> None:
                     }
             finally:
                 scheduler.stop()
+            if args.steered:
+                side["dra_steered"] = shares_burst_steered(
+                    plane, api, shares, tmp / "steer", bursts=args.bursts, calls=args.calls
+                )
             if args.device_plugin:
                 side["device_plugin"] = shares_burst_device_plugin(plane, api, shares, tmp / "dp")
         finally:
