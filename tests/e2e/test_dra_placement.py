@@ -1,11 +1,13 @@
 """Placement under DRA on a real Kubernetes 1.36: the agent's device order steers kube-scheduler's first fit
-onto the GPU gpunode's policy would take, and the extender's view counts what DRA claims hold.
+onto the GPU gpunode's policy would take, the extender's view counts what DRA claims hold, and the chart's
+second extenders entry (prioritize-claims) steers kube-scheduler's node choice onto the fullest GPU.
 
 What is real: kube-apiserver, kube-scheduler's DRA allocator (which picks the device), the resourceclaim
 controller (which deallocates a deleted claim), the chart's DeviceClasses and RBAC. gpunode's SlicePublisher
 with ClaimUsage (the agent's DRA wiring: gpunode.node.parts.build_dra_slices) publishes the pool and
 watches the claims as the chart's agent service account; the extender's ClaimView watches them as the
-chart's extender service account. The node is fake (pods are bound, not run).
+chart's extender service account; for the node choice, the extender's HTTP server behind the chart's
+KubeSchedulerConfiguration (plain HTTP), in this process. The nodes are fake (pods are bound, not run).
 """
 
 from __future__ import annotations
@@ -17,9 +19,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import yaml
 
 from gpunode.cluster.extender.claims import ClaimView
+from gpunode.cluster.extender.core import Extender, ExtenderConfig
+from gpunode.cluster.extender.drasteer import read_claim
 from gpunode.cluster.extender.nodes import NodeCache
+from gpunode.cluster.extender.server import ExtenderServer
 from gpunode.contract import dra as names
 from gpunode.contract.draclaims import gpu_device_name, shared_device_name
 from gpunode.contract.names import GIB
@@ -239,3 +245,163 @@ def test_first_fit_takes_the_fullest_gpu_that_fits_and_the_extender_counts_the_s
         shared_device_name(gpus[1].uuid): 14 * GIB
     }
     assert sorted(devices_on_api(api)) == sorted(d["name"] for d in placed["pool"].devices)
+
+
+# -- the node: the extender's prioritize-claims steering kube-scheduler's choice ---------------------------
+
+STEER_NODES = ("e2e-dra-steer-a", "e2e-dra-steer-b", "e2e-dra-steer-c")
+STEER_LABEL = "gpunode.io/e2e-dra-steer"
+STEERED, ALONE = "gpunode-steered", "dra-alone"  # the two schedulers' profiles
+
+
+@pytest.fixture(scope="module")
+def steered(
+    placed: dict[str, Any], control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    """Three fake T4 nodes served through DRA; the extender (in this process, its ClaimView watching as the
+    chart's extender service account) behind the chart's scheduler configuration with DRA on (both entries,
+    plain HTTP), as the profile STEERED of one kube-scheduler; another kube-scheduler with the profile
+    ALONE and no extender. (The module's first scheduler serves default-scheduler only.)"""
+    tmp = tmp_path_factory.mktemp("dra-steer")
+    admin: Api = placed["admin"]
+    values = {
+        "config": {"gpunode": {"dra": {"enabled": True}}},
+        "extender": {"enabled": True, "tls": {"enabled": False}, "schedulerNames": [STEERED]},
+    }
+    docs = chart.render(values, tmp)
+    (cm,) = [
+        d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-scheduler-config")
+    ]
+    config = yaml.safe_load(cm["data"]["scheduler-config.yaml"])
+    assert [e.get("prioritizeVerb") for e in config["extenders"]] == ["prioritize", "prioritize-claims"]
+
+    def client(user: str) -> KubeClient:
+        return KubeClient.for_host(
+            control_plane.server, token_file=control_plane.token_file(user), ca_file=control_plane.ca_file
+        )
+
+    loop = Loop()
+    for name in STEER_NODES:
+        backend = SimBackend.from_profile("t4")
+        create_dra_fake_node(admin, name, backend)
+        admin.patch(f"/api/v1/nodes/{name}", {"metadata": {"labels": {STEER_LABEL: "1"}}})
+        pool = build_pool(tuple(backend.gpus()), unit_bytes=GIB, driver_version=backend.driver_version())
+        publisher = SlicePublisher(
+            client_factory=lambda: client("agent"), node_name=name, driver=DRIVER, pool=lambda p=pool: p
+        )
+        loop.start(publisher.run())
+    for name in STEER_NODES:
+        eventually(lambda n=name: devices_of(admin, n), timeout_s=WAIT_S, what=f"{name}'s slices")
+    extender = Extender(
+        config=ExtenderConfig(policy="gpunode"), node_lister=lambda: admin.get("/api/v1/nodes")["items"]
+    )
+    claims = ClaimView(DRIVER, reader=read_claim(DRIVER))
+    extender.nodes.dra = claims
+    loop.start(claims.run(client("extender"), retry_s=1.0))
+    eventually(lambda: claims.synced, timeout_s=WAIT_S, what="the extender's claim watch listed")
+    calls: list[tuple[str, int]] = []  # (pod, hosts scored above 0) of each prioritize-claims call
+    answer = extender.prioritize_claims
+
+    def counted(body: Any) -> list[dict[str, Any]]:
+        out = answer(body)
+        calls.append((str(body["Pod"]["metadata"]["name"]), sum(1 for h in out if h["Score"] > 0)))
+        return out
+
+    extender.prioritize_claims = counted  # type: ignore[method-assign]
+    server = ExtenderServer(extender, port=0)
+    server.start()
+    for entry in config["extenders"]:
+        entry["urlPrefix"] = f"http://127.0.0.1:{server.port}"
+    schedulers = [
+        control_plane.start_scheduler(config=config, name="kube-scheduler-dra-steered"),
+        control_plane.start_scheduler(profiles=[{"schedulerName": ALONE}], name="kube-scheduler-dra-alone"),
+    ]
+    try:
+        yield {"admin": admin, "claims": claims, "calls": calls}
+    finally:
+        for s in schedulers:
+            s.stop()
+        server.stop()
+        loop.stop()
+        for name in STEER_NODES:
+            admin.delete(f"/api/v1/nodes/{name}")
+
+
+def devices_of(api: Api, node: str) -> list[str]:
+    items = api.get(f"{RESOURCE}/resourceslices?fieldSelector=spec.nodeName={node}")["items"]
+    return [d["name"] for s in items for d in s["spec"].get("devices") or ()]
+
+
+def place_share(api: Api, name: str, gib: int, scheduler: str) -> tuple[str, str]:
+    """A claim of `gib` GiB and its pod (half a CPU, so kube-scheduler's own scores spread) for
+    `scheduler`; the node and device it was allocated."""
+    api.create(f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaims", claim_body(f"c-{name}", gib))
+    pod = pod_body(f"p-{name}", f"c-{name}")
+    pod["spec"]["schedulerName"] = scheduler
+    pod["spec"]["nodeSelector"] = {STEER_LABEL: "1"}
+    pod["spec"]["containers"][0]["resources"]["requests"] = {"cpu": "500m"}
+    api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", pod)
+
+    def result() -> tuple[str, str] | None:
+        c = api.get(f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaims/c-{name}")
+        results = ((c.get("status") or {}).get("allocation") or {}).get("devices", {}).get("results")
+        return (str(results[0]["pool"]), str(results[0]["device"])) if results else None
+
+    return eventually(result, timeout_s=WAIT_S, what=f"claim c-{name} allocated", interval_s=0.1)
+
+
+def test_the_extender_packs_dra_shares_onto_the_fullest_gpu_where_kube_scheduler_alone_spreads_them(
+    steered: dict[str, Any],
+) -> None:
+    """Six 2 GiB shares, one after the other (each allocated before the next is made), on three empty T4
+    nodes. kube-scheduler alone spreads them over the nodes (its own scores prefer the least used node);
+    with the chart's second extender entry it asks prioritize-claims, which scores the node whose GPU is
+    fullest best, and all six share one GPU of one node, leaving the other eleven GPUs whole. A pod
+    without claims is scheduled through the same profile (the extender answers it with nothing)."""
+    api: Api = steered["admin"]
+    claims: ClaimView = steered["claims"]
+    calls: list[tuple[str, int]] = steered["calls"]
+
+    def seen(count: int) -> bool:  # the extender's view has every allocation so far, and no other
+        return sum(u.claims for n in STEER_NODES for u in claims.node_usage(n).values()) == count
+
+    alone = []
+    for i in range(6):
+        alone.append(place_share(api, f"alone-{i}", 2, ALONE))
+        eventually(lambda i=i: seen(i + 1), timeout_s=WAIT_S, what="the extender's view of the claims")
+    assert len({node for node, _ in alone}) >= 2, f"kube-scheduler alone put every share on one node: {alone}"
+    assert calls == []  # the ALONE profile has no extender
+    for i in range(6):
+        end(api, f"alone-{i}")
+    eventually(lambda: seen(0), timeout_s=WAIT_S, what="the extender's view without the ended claims")
+
+    packed = []
+    for i in range(6):
+        packed.append(place_share(api, f"steer-{i}", 2, STEERED))
+        eventually(lambda i=i: seen(i + 1), timeout_s=WAIT_S, what="the extender's view of the claims")
+    assert len(set(packed)) == 1, f"the shares went to {packed}, not onto the fullest GPU"
+    # kube-scheduler called prioritize-claims for every steered pod after the first, and the extender
+    # preferred some nodes over others (the first share found three empty nodes: all score alike)
+    steered_calls = [c for c in calls if c[0].startswith("p-steer-")]
+    assert {name for name, _ in steered_calls} >= {f"p-steer-{i}" for i in range(1, 6)}
+    assert all(scored == 1 for name, scored in steered_calls if name != "p-steer-0")
+
+    plain = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "p-no-claims"},
+        "spec": {
+            "schedulerName": STEERED,
+            "nodeSelector": {STEER_LABEL: "1"},
+            "containers": [{"name": "main", "image": "gpunode.local/none:1"}],
+            "terminationGracePeriodSeconds": 0,
+            "automountServiceAccountToken": False,
+        },
+    }
+    api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", plain)
+
+    def bound() -> str | None:
+        return api.get(f"/api/v1/namespaces/{NAMESPACE}/pods/p-no-claims")["spec"].get("nodeName")
+
+    eventually(bound, timeout_s=WAIT_S, what="the pod without claims bound")
+    assert ("p-no-claims", 0) in calls
