@@ -834,6 +834,8 @@ def test_with_dra_the_scheduler_configuration_sends_claim_pods_to_prioritize_cla
     }
     assert len(entries(merged(values, {"extender": {"draClaims": {"enabled": False}}}))) == 1
     assert len(entries({"extender": {"enabled": True}})) == 1  # DRA off: no claims to steer
+    no_api = {"nodeCacheCapable": False, "provisionalReservations": False}  # nothing to watch the claims with
+    assert len(entries(merged(values, {"extender": no_api}))) == 1
     server = ExtenderServer(Extender(), port=0)
     server.start()
     try:
