@@ -7,6 +7,8 @@
         devices: all               # the GPUs DRA serves: `all` or a list of GPU indexes / GPU UUIDs
         cdiDir: /var/run/cdi       # where the CDI specs of prepared claims are written
         kubeletRoot: /var/lib/kubelet  # plugins_registry/ and plugins/ are under it
+        mig:
+          partitioning: dynamic    # GPUs in MIG mode: `dynamic` (default) or `static`
 
 A GPU is served by exactly one of the two kubelet APIs: the GPUs `devices` selects are served by
 DRA and never advertised by the device plugin (whole, fractional or time-sliced); the device
@@ -16,7 +18,16 @@ since one of the two would silently lose, with one exception: a time-slicing res
 (sharing.timeSlicing, nvidia.com/gpu, not sharing.mps) may list GPUs DRA serves. DRA then publishes
 each of them time-sliced, as the device plugin would advertise it: `replicas` claims share the GPU,
 uncapped (time_sliced_replicas). DRA serves whole GPUs (shared by memory through claims' consumed
-capacity, or time-sliced so); MIG devices are not served by DRA.
+capacity, or time-sliced so) and GPUs in MIG mode, whose MIG placements it publishes; the list
+names GPUs, never MIG devices.
+
+`mig.partitioning` says which MIG placements of a GPU in MIG mode are published and how a claim for
+one is prepared. `dynamic` (the default): every placement that overlaps no MIG instance gpunode did
+not create, plus the placements of the instances the GPU has; a claim for a placement with no
+instance gets one created when it is prepared, destroyed when it is unprepared, so the scheduler
+packs profiles into what is left of the GPU. `static`: only the placements of the instances the GPU
+has (the operator's layout, e.g. from nvidia-mig-parted); gpunode never creates or destroys one.
+Either way instances gpunode did not create are never destroyed.
 
 This module only parses; the kubelet plugin is gpunode.node.dra.
 """
@@ -40,6 +51,8 @@ from gpunode.errors import ConfigError
 
 DEFAULT_DRIVER_NAME = "gpu.gpunode.io"
 DEFAULT_CDI_DIR = Path("/var/run/cdi")
+MIG_STATIC, MIG_DYNAMIC = "static", "dynamic"
+MIG_PARTITIONING = (MIG_DYNAMIC, MIG_STATIC)
 MAX_DRIVER_NAME_CHARS = 63  # the kubelet's limit: a driver name is a DNS subdomain of at most 63 characters
 MAX_PATH_CHARS = 4096
 # A DNS subdomain (RFC 1123): lower-case labels of letters, digits and '-', joined by dots. DRA driver
@@ -58,6 +71,12 @@ class DraConfig:
     devices: DeviceSelector = field(default_factory=DeviceSelector)
     cdi_dir: Path = DEFAULT_CDI_DIR
     kubelet_root: Path | None = None  # None: the parent of gpunode.kubeletDir (/var/lib/kubelet)
+    mig_partitioning: str = MIG_DYNAMIC  # MIG_DYNAMIC: create instances at prepare; MIG_STATIC: the GPU's own
+
+    @property
+    def mig_dynamic(self) -> bool:
+        """Whether MIG instances are created at prepare and destroyed at unprepare."""
+        return self.mig_partitioning == MIG_DYNAMIC
 
     def serves(self, index: int, uuid: str) -> bool:
         """Whether DRA serves this whole GPU (and the device plugin therefore does not)."""
@@ -116,9 +135,22 @@ def parse_dra_config(data: object, where: str) -> DraConfig:
         devices=devices,
         cdi_dir=_path(r, "cdiDir", str(DEFAULT_CDI_DIR)),
         kubelet_root=_path(r, "kubeletRoot", None),
+        mig_partitioning=_mig_partitioning(r),
     )
     r.finish()
     return cfg
+
+
+def _mig_partitioning(r: SectionReader) -> str:
+    """`mig.partitioning`: dynamic (the default) or static."""
+    if r.has("mig") and r.raw("mig", None) is None:
+        raise r.fail(
+            "mig", "the key is present but empty", hint="write `mig: {partitioning: dynamic}` or remove it"
+        )
+    mig = r.section("mig")
+    value = mig.choice("partitioning", MIG_PARTITIONING, MIG_DYNAMIC)
+    mig.finish()
+    return value
 
 
 def _path(r: SectionReader, key: str, default: str | None) -> Any:

@@ -213,6 +213,8 @@ class Agent:
         allocator.preload_lib = self._stage_preload(inventory)
         self._announce(inventory)
         self.dra = build_dra_plugin(self.config, self.backend, self.state)  # refused here, before serving
+        if self.dra is not None:  # a MIG instance created or destroyed for a claim: rediscover, republish
+            self.dra.preparer.on_mig_change = self.request_rediscovery
         sup = self.supervisor = Supervisor()
         stopper = asyncio.ensure_future(self._stop_async.wait())
         stopper.add_done_callback(lambda _: sup.stop())

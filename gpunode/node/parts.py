@@ -219,9 +219,11 @@ def build_dra_slices(
     """The publisher of this node's ResourceSlices (gpunode.node.dra.slices) for the GPUs gpunode.dra
     serves, tainted by the health monitor's verdicts; None when DRA is off or the node has no name.
     `config` and `health` are read at each publication (a reload applies at once)."""
-    from gpunode.config.dra import time_sliced_replicas
+    from gpunode.config.dra import MIG_STATIC, time_sliced_replicas
     from gpunode.infra.kube import KubeClient
+    from gpunode.node.devices.base import MigPartitioner
     from gpunode.node.dra.order import ClaimUsage
+    from gpunode.node.dra.prepare import created_migs
     from gpunode.node.dra.slices import Pool, SlicePublisher, build_pool
     from gpunode.node.dra.taints import device_taints
 
@@ -247,6 +249,8 @@ def build_dra_slices(
                 for g in served
                 if (n := time_sliced_replicas(cfg.dra, cfg.time_slicing, g.index, g.uuid)) is not None
             },
+            mig_partitioning=cfg.dra.mig_partitioning if isinstance(backend, MigPartitioner) else MIG_STATIC,
+            mig_owned=created_migs(cfg.state_dir),
         )
 
     async def changed(version: int) -> int:
@@ -279,6 +283,7 @@ def build_dra_plugin(config: Config, backend: Backend, state: DeviceState) -> An
         return None
     from gpunode.errors import ConfigError
     from gpunode.infra.kube import KubeClient
+    from gpunode.node.devices.base import MigPartitioner
     from gpunode.node.dra.claims import ClaimRef
     from gpunode.node.dra.devices import DeviceDirectory, kube_slice_lister
     from gpunode.node.dra.plugin import DraPlugin
@@ -320,6 +325,7 @@ def build_dra_plugin(config: Config, backend: Backend, state: DeviceState) -> An
         preload_lib=stage_preload_library(config.state_dir),
         with_device_nodes=not backend.name.startswith("sim"),
         fetch_pod=fetch_pod,
+        mig=backend if isinstance(backend, MigPartitioner) else None,
     )
     return DraPlugin(
         preparer=preparer,

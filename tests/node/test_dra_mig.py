@@ -1,10 +1,12 @@
-"""MIG placements through DRA: the allocated placement is prepared as the MIG device that sits there.
+"""MIG placements through DRA: the placement is prepared as the MIG device that sits there, or (dynamic
+partitioning) as the one created for the claim.
 
 On the simulated a100-mig node (real Preparer, CDI specs and records on disk): the spec makes the MIG
 device visible (`NVIDIA_VISIBLE_DEVICES=MIG-...`) with its GPU's device node and its GPU and compute
 instances' capability nodes; nothing is capped (a MIG device's memory is its own); unprepare removes
-it all. A placement no instance sits at, a GPU not in MIG mode, a driver without the capability
-minors: one line each, nothing left on disk.
+it all, and destroys only an instance gpunode created for the claim. A placement no instance sits at
+under static partitioning, a GPU not in MIG mode, a driver without the capability minors: one line
+each, nothing left on disk. Dynamic partitioning and its crash points: tests/node/test_dra_mig_dynamic.py.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from typing import Any
 import pytest
 
 from gpunode.contract import dra as names
-from gpunode.errors import ClaimRefused
+from gpunode.errors import ClaimRefused, KubeNotFound
 from gpunode.node.devices.base import Gpu
 from gpunode.node.devices.simnode.backend import SimBackend
+from gpunode.node.devices.simnode.mig import MIG_TABLES
 from gpunode.node.dra import cdi
 from gpunode.node.dra.claims import ClaimRef
 from gpunode.node.dra.devices import DeviceDirectory
@@ -33,56 +36,82 @@ DRIVER = names.DEFAULT_DRIVER
 
 
 def _placements(gpus: tuple[Gpu, ...]) -> list[dict[str, Any]]:
-    """The slice's MIG placements (those the tests name), attributes as the publisher writes them."""
+    """A slice that lists every placement of every profile (more than the publisher would: a stale or
+    forged slice), attributes as the publisher writes them."""
     devices = []
     for g in gpus:
-        for profile, start in (
-            ("1g.10gb", 0),
-            ("1g.10gb", 6),
-            ("3g.40gb", 0),
-            ("3g.40gb", 4),
-            ("7g.80gb", 0),
-        ):
-            attrs = {
-                "uuid": {"string": g.uuid},
-                "type": {"string": "mig"},
-                "sharing": {"string": "mig"},
-                "profile": {"string": profile},
-                "memorySliceStart": {"int": start},
-            }
-            devices.append({"name": mig_device_name(g.uuid, profile, start), "attributes": attrs})
+        for spec in MIG_TABLES["a100-80gb"].values():
+            for start in (*spec.starts, 7):  # memory slice 7 starts no placement: a placement that is none
+                attrs = {
+                    "uuid": {"string": g.uuid},
+                    "type": {"string": "mig"},
+                    "sharing": {"string": "mig"},
+                    "profile": {"string": spec.name},
+                    "memorySliceStart": {"int": start},
+                }
+                devices.append({"name": mig_device_name(g.uuid, spec.name, start), "attributes": attrs})
     spec = {"driver": DRIVER, "nodeName": NODE, "pool": {"name": NODE}, "devices": devices}
     return [{"metadata": {"name": f"{NODE}-{DRIVER}"}, "spec": spec}]
 
 
 class MigNode:
-    def __init__(self, root: Path, *, with_device_nodes: bool = True) -> None:
-        self.backend = SimBackend.from_profile("a100-mig")
-        self.gpus = self.backend.gpus()
-        self.config = dra_config(root)
+    """The simulated a100-mig node with a Preparer over a state directory; `restart()` is a new agent
+    over the same directories and GPUs."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        with_device_nodes: bool = True,
+        partitioning: str = "dynamic",
+        backend: SimBackend | None = None,
+    ) -> None:
+        self.root = root
+        self.backend = backend or SimBackend.from_profile("a100-mig")
+        self.config = dra_config(root, mig={"partitioning": partitioning})
         self.claims: dict[tuple[str, str], dict[str, Any]] = {}
         self.minors = root / "mig-minors"
+        self.changes = 0
+        self.with_device_nodes = with_device_nodes
         lines = []
         for g in self.gpus:
-            for m in g.mig_devices:
-                lines.append(f"gpu{g.minor}/gi{m.gi_id}/access {100 * g.minor + m.gi_id}")
-                lines.append(f"gpu{g.minor}/gi{m.gi_id}/ci{m.ci_id}/access {1000 + 100 * g.minor + m.gi_id}")
+            for gi in range(15):
+                lines.append(f"gpu{g.minor}/gi{gi}/access {100 * g.minor + gi}")
+                lines.append(f"gpu{g.minor}/gi{gi}/ci0/access {1000 + 100 * g.minor + gi}")
         self.minors.write_text("config 1\nmonitor 2\n" + "\n".join(lines) + "\n")
+        self.preparer = self._preparer()
 
+    @property
+    def gpus(self) -> tuple[Gpu, ...]:
+        return self.backend.gpus()
+
+    def _preparer(self) -> Preparer:
         async def fetch(ref: ClaimRef) -> dict[str, Any]:
+            if (ref.namespace, ref.name) not in self.claims:
+                raise KubeNotFound(f"no claim {ref.name}")
             return self.claims[(ref.namespace, ref.name)]
 
         async def lister() -> list[dict[str, Any]]:
             return _placements(self.gpus)
 
-        self.preparer = Preparer(
+        def changed() -> None:
+            self.changes += 1
+
+        return Preparer(
             config=self.config,
             fetch_claim=fetch,
             directory=DeviceDirectory(lister, driver=DRIVER, node=NODE),
-            gpus=lambda: self.gpus,
-            with_device_nodes=with_device_nodes,
+            gpus=self.backend.gpus,
+            with_device_nodes=self.with_device_nodes,
             mig_minors_file=self.minors,
+            mig=self.backend,
+            on_mig_change=changed,
         )
+
+    def restart(self) -> None:
+        """A new agent over the same state: it recovers as the plugin does at start."""
+        self.preparer = self._preparer()
+        self.preparer.recover()
 
     def claim(self, name: str, gpu: Gpu, profile: str, start: int) -> ClaimRef:
         body = claim_body(
@@ -90,6 +119,17 @@ class MigNode:
         )
         self.claims[("team-a", name)] = body
         return ClaimRef("team-a", body["metadata"]["uid"], name)
+
+    def prepare(self, ref: ClaimRef) -> Any:
+        return asyncio.run(self.preparer.prepare(ref))
+
+    def unprepare(self, ref: ClaimRef) -> None:
+        asyncio.run(self.preparer.unprepare(ref))
+
+    def instances(self, gpu: Gpu) -> dict[str, tuple[str, int | None]]:
+        """MIG UUID -> (profile, first memory slice) of the GPU's instances now."""
+        now = next(g for g in self.gpus if g.uuid == gpu.uuid)
+        return {m.uuid: (m.profile, m.start) for m in now.mig_devices}
 
     def on_disk(self) -> list[str]:
         state = self.config.state_dir / "dra"
@@ -107,7 +147,7 @@ class MigNode:
 def test_a_placement_is_prepared_as_the_mig_device_that_sits_there(tmp_path: Path) -> None:
     node = MigNode(tmp_path)
     gpu = node.gpus[4]  # 3g.40gb at 0 and at 4
-    [mig] = [m for m in gpu.mig_devices if m.gi_id == 2]  # the instance at memory slice 4
+    [mig] = [m for m in gpu.mig_devices if m.start == 4 and m.gi_id == 2]  # the instance at memory slice 4
     ref = node.claim("mig", gpu, "3g.40gb", 4)
     prepared = asyncio.run(node.preparer.prepare(ref))
     assert prepared.plan.devices[0].mig_uuid == mig.uuid
@@ -126,19 +166,24 @@ def test_a_placement_is_prepared_as_the_mig_device_that_sits_there(tmp_path: Pat
     assert asyncio.run(node.preparer.prepare(ref)).cdi_ids == prepared.cdi_ids
     asyncio.run(node.preparer.unprepare(ref))
     assert node.on_disk() == []
+    assert mig.uuid in node.instances(gpu)  # an instance gpunode did not create is never destroyed
+    assert node.changes == 0
 
 
-def test_a_placement_without_an_instance_is_refused_in_one_line(tmp_path: Path) -> None:
-    node = MigNode(tmp_path)
-    ref = node.claim("whole", node.gpus[0], "7g.80gb", 0)  # GPU 0 is seven 1g.10gb instances
+def test_static_partitioning_refuses_a_placement_without_an_instance_in_one_line(tmp_path: Path) -> None:
+    node = MigNode(tmp_path, partitioning="static")
+    gpu = node.gpus[4]
+    [half] = [m for m in gpu.mig_devices if m.start == 4]
+    node.backend.destroy_mig(half.uuid)  # the operator frees memory slices 4-7
+    before = node.instances(gpu)
+    ref = node.claim("one", gpu, "1g.10gb", 5)
     with pytest.raises(ClaimRefused) as refused:
-        asyncio.run(node.preparer.prepare(ref))
+        node.prepare(ref)
     message = str(refused.value)
     assert "\n" not in message
-    assert "7g.80gb at memory slice 0" in message and "has no such instance" in message
-    assert "its instances: 1g.10gb at 0, 1g.10gb at 1" in message
-    assert "does not create MIG instances" in refused.value.hint
-    assert node.on_disk() == []
+    assert "1g.10gb at memory slice 5" in message and "has no such instance" in message
+    assert "its instances: 3g.40gb at 0" in message and "partitioning is static" in message
+    assert node.instances(gpu) == before and node.on_disk() == [] and node.changes == 0
 
 
 def test_a_placement_on_a_gpu_not_in_mig_mode_is_refused(tmp_path: Path) -> None:
@@ -160,7 +205,7 @@ def test_without_the_drivers_capability_minors_nothing_is_half_prepared(tmp_path
 def test_the_simulated_node_prepares_without_device_nodes(tmp_path: Path) -> None:
     node = MigNode(tmp_path, with_device_nodes=False)
     gpu = node.gpus[0]
-    mig = next(m for m in gpu.mig_devices if m.gi_id == 13)  # 1g.10gb at memory slice 6
+    mig = next(m for m in gpu.mig_devices if m.start == 6)  # 1g.10gb at memory slice 6
     ref = node.claim("sim", gpu, "1g.10gb", 6)
     asyncio.run(node.preparer.prepare(ref))
     spec = json.loads(cdi.spec_path(node.config.dra.cdi_dir, DRIVER, ref.uid).read_text())

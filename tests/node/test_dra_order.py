@@ -133,7 +133,8 @@ def test_first_fit_over_the_order_is_the_bestfit_policys_gpu_on_random_states() 
 
 def test_mig_placements_of_the_gpu_with_fewest_free_of_the_profile_come_first() -> None:
     a100 = gpus("a100-mig")
-    pool = build_pool(a100[:2], unit_bytes=GIB)
+    # Every placement (dynamic partitioning around instances gpunode made), so both GPUs offer them all.
+    pool = build_pool(a100[:2], unit_bytes=GIB, mig_owned={m.uuid for g in a100[:2] for m in g.mig_devices})
     held = next(
         d["name"]
         for d in pool.devices

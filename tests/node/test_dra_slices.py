@@ -110,7 +110,8 @@ def test_a100_mig_placements_consume_their_slices() -> None:
     """A GPU in MIG mode: 7 compute and 8 memory-slice counters, one device per placement of each profile;
     the GPU with MIG disabled is whole and shared; the slices keep the API's limits."""
     all_gpus = gpus("a100-mig")
-    pool = build_pool(all_gpus, unit_bytes=GIB)
+    # Every placement, as dynamic partitioning publishes them when gpunode made every instance there is.
+    pool = build_pool(all_gpus, unit_bytes=GIB, mig_owned=created(all_gpus))
     g0 = all_gpus[0]
     counters = pool.counter_sets[0]["counters"]
     assert counters["compute-slices"] == {"value": "7"}
@@ -194,12 +195,17 @@ def test_a_mig_instance_taint_marks_the_placements_that_overlap_it() -> None:
     inst = next(m for m in g2.mig_devices if m.profile == "3g.40gb")
     assert inst.gi_id == 2  # the second half of the GPU
     taints = device_taints({inst.uuid: verdict(XID, xid=94, target=g2.uuid, mig=inst.uuid)}, XidPolicy())
-    pool = build_pool([g2], unit_bytes=GIB, taints=taints)
+    pool = build_pool([g2], unit_bytes=GIB, taints=taints, mig_owned=created([g2]))
     marked = {d["name"] for d in pool.devices if d.get("taints")}
     for profile, start in (("3g.40gb", 4), ("1g.10gb", 4), ("1g.20gb", 6), ("2g.20gb", 4), ("7g.80gb", 0)):
         assert mig_device_name(g2.uuid, profile, start) in marked
     for profile, start in (("3g.40gb", 0), ("1g.10gb", 3), ("4g.40gb", 0), ("2g.20gb", 2)):
         assert mig_device_name(g2.uuid, profile, start) not in marked
+
+
+def created(gpus: Any) -> set[str]:
+    """Every MIG instance of the GPUs, as if gpunode had created them for claims."""
+    return {m.uuid for g in gpus for m in g.mig_devices}
 
 
 # -- the publisher -----------------------------------------------------------------------------------------
@@ -284,7 +290,7 @@ def test_publisher_bumps_the_generation_on_change_and_a_restart_keeps_it() -> No
     assert asyncio.run(second.publish_once()) is True
     assert {s["spec"]["pool"]["generation"] for s in api.slices.values()} == {2}
     # Fewer slices: the extra one is deleted, the count in the pool is the new one.
-    pool[0] = build_pool(a100, unit_bytes=GIB)
+    pool[0] = build_pool(a100, unit_bytes=GIB, mig_owned=created(a100))
     asyncio.run(second.publish_once())
     assert len(api.slices) == 3
     pool[0] = build_pool(t4[:1], unit_bytes=GIB)

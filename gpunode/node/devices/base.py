@@ -26,6 +26,7 @@ class MigDevice:
     ci_id: int  # compute instance ID
     slices: int  # GPU slices the instance occupies (1..7)
     memory_total_bytes: int
+    start: int | None = None  # first memory slice of its placement (0..7); None where not known
 
 
 @dataclass(frozen=True)
@@ -195,4 +196,23 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Release the backend; wait_event answers None afterwards. Calling it again does nothing."""
+        ...
+
+
+@runtime_checkable
+class MigPartitioner(Protocol):
+    """A backend that can create and destroy MIG instances (the DRA plugin's dynamic MIG partitioning).
+
+    Implementations: NvmlBackend, SimBackend. Errors are gpunode errors: DeviceNotFound for an unknown
+    GPU or MIG device, BackendError (one line naming the GPU and why) for everything else.
+    """
+
+    def create_mig(self, gpu_uuid: str, profile: str, start: int) -> str:
+        """Create a GPU instance of `profile` whose memory slices start at `start`, with one compute
+        instance over all its slices; the new MIG device's UUID ("MIG-..."). Nothing is left behind on
+        failure. The next gpus() lists it."""
+        ...
+
+    def destroy_mig(self, mig_uuid: str) -> None:
+        """Destroy a MIG device's compute instance and GPU instance (refused while a process uses it)."""
         ...

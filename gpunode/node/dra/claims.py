@@ -71,6 +71,9 @@ class PlannedDevice:
     memory_bytes: int | None  # the cap (consumed capacity); None: the whole GPU, uncapped
     mig_uuid: str | None = None  # a MIG placement: the MIG device it is prepared as (set by prepare)
     compute_milli: int | None = None  # a share's consumedCapacity.compute; None: not asked (0)
+    mig_profile: str | None = None  # a MIG placement: its profile
+    mig_start: int | None = None  # and its first memory slice
+    mig_created: bool = False  # gpunode creates the instance for the claim (mig_uuid None until it has)
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,9 @@ class ClaimPlan:
                     "memory": d.memory_bytes,
                     "mig": d.mig_uuid,
                     "compute": d.compute_milli,
+                    "migProfile": d.mig_profile,
+                    "migStart": d.mig_start,
+                    "migCreated": d.mig_created,
                 }
                 for d in self.devices
             ],
@@ -118,6 +124,9 @@ class ClaimPlan:
                     memory_bytes=None if d["memory"] is None else int(d["memory"]),
                     mig_uuid=None if d.get("mig") is None else str(d["mig"]),
                     compute_milli=None if d.get("compute") is None else int(d["compute"]),
+                    mig_profile=None if d.get("migProfile") is None else str(d["migProfile"]),
+                    mig_start=None if d.get("migStart") is None else int(d["migStart"]),
+                    mig_created=d.get("migCreated") is True,
                 )
                 for d in data["devices"]
             ),
@@ -215,8 +224,8 @@ def plan_claim(
 
     device(pool, name) -> DeviceInfo | None: this node's published device of that name;
     gpu_memory(uuid) -> int | None: the memory of a GPU this node serves through DRA (None: not one);
-    mig_device(gpu uuid, profile, start) -> str: the UUID of the MIG device at that placement, or
-    ValueError saying why there is none (None: MIG placements are refused).
+    mig_device(gpu uuid, profile, start) -> str | None: the UUID of the MIG device at that placement,
+    None when prepare creates it, or ValueError saying why neither (None: MIG placements are refused).
     Raises ClaimRefused with the reason for the claim."""
     meta = _mapping(claim.get("metadata"), "metadata")
     if meta.get("uid") != ref.uid:
@@ -282,7 +291,20 @@ def plan_claim(
             )
         if info.kind == names.TYPE_MIG:
             mig = _mig_placement(info, mig_device, where)
-            planned.append(PlannedDevice(request, pool, name, share, info.gpu_uuid, None, mig))
+            planned.append(
+                PlannedDevice(
+                    request,
+                    pool,
+                    name,
+                    share,
+                    info.gpu_uuid,
+                    None,
+                    mig,
+                    mig_profile=info.profile,
+                    mig_start=info.start,
+                    mig_created=mig is None,
+                )
+            )
             fail_open = _config(configs, request, ref, fail_open)
             continue
         shared = info.sharing == names.SHARING_SHARED
@@ -316,8 +338,9 @@ def _config(configs: list[tuple[int, Any]], request: str, ref: ClaimRef, fail_op
     return fail_open
 
 
-def _mig_placement(info: DeviceInfo, mig_device: Any, where: str) -> str:
-    """The MIG device a placement is prepared as; ClaimRefused naming why there is none."""
+def _mig_placement(info: DeviceInfo, mig_device: Any, where: str) -> str | None:
+    """The MIG device a placement is prepared as, None when prepare is to create it; ClaimRefused
+    naming why it can be neither."""
     what = f"{where}: MIG placement {info.pool}/{info.name}"
     if info.profile is None or info.start is None:
         raise ClaimRefused(
@@ -326,13 +349,14 @@ def _mig_placement(info: DeviceInfo, mig_device: Any, where: str) -> str:
     if mig_device is None:
         raise ClaimRefused(f"{what}: this node does not prepare MIG placements")
     try:
-        return str(mig_device(info.gpu_uuid, info.profile, info.start))
+        found = mig_device(info.gpu_uuid, info.profile, info.start)
     except ValueError as exc:
         raise ClaimRefused(
             f"{what} ({info.profile} at memory slice {info.start}): {exc}",
-            hint="gpunode does not create MIG instances: partition the GPU so that the instance exists "
-            "(nvidia-smi mig -cgi ... -C), or select a placement of an existing instance",
+            hint="free the GPU's memory slices (nvidia-smi mig -dci/-dgi of the instance named) or delete "
+            "the pod so the scheduler picks a placement that fits",
         ) from None
+    return None if found is None else str(found)
 
 
 MAX_POD_CLAIMS = 128  # resource claims of one pod looked at (the API allows far fewer in practice)

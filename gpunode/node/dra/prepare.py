@@ -20,17 +20,18 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 from gpunode.config.agent import Config
 from gpunode.contract import dra as names
-from gpunode.errors import ClaimRefused, GpunodeError, KubeError, KubeNotFound, MemcapError
+from gpunode.errors import ClaimRefused, DeviceNotFound, GpunodeError, KubeError, KubeNotFound, MemcapError
 from gpunode.node import memcap
 from gpunode.node.allocation.allocator import MIG_MINORS_FILE
 from gpunode.node.allocation.allocator import _mig_minors as mig_minors
-from gpunode.node.devices.base import Gpu
+from gpunode.node.devices.base import Gpu, MigPartitioner
+from gpunode.node.devices.simnode.mig import MIG_TABLES, TOTAL_COMPUTE_SLICES
 from gpunode.node.dra import cdi
 from gpunode.node.dra.checkpoint import PREPARED, PREPARING, ClaimCheckpoint, ClaimRecord
 from gpunode.node.dra.claims import ClaimPlan, ClaimRef, check_uid, containers_with_other_caps, plan_claim
@@ -66,24 +67,100 @@ async def _to_completion(fn: Callable[..., T], *args: Any) -> T:
         raise
 
 
-def mig_device(gpu: Gpu, profile: str, start: int) -> str:
-    """The UUID of the GPU's MIG device of `profile` whose memory slices start at `start`; ValueError
-    naming what the GPU has instead. (gpunode does not create MIG instances: the GPU is partitioned by
-    its operator, and the ResourceSlice offers each placement.)"""
+@dataclass(frozen=True)
+class MigOwners:
+    """The MIG instances gpunode created for claims, from their records: MIG UUID -> claim UID, and
+    (GPU UUID, profile, first memory slice) -> claim UID of the creations whose UUID is not recorded
+    yet (an agent stopped between creating and recording)."""
+
+    by_uuid: dict[str, str] = field(default_factory=dict)
+    by_placement: dict[tuple[str, str, int], str] = field(default_factory=dict)
+
+    def created(self) -> set[str]:
+        """Every MIG UUID gpunode created."""
+        return set(self.by_uuid)
+
+
+def mig_owners(records: Sequence[ClaimRecord]) -> MigOwners:
+    """Who created which MIG instance, from the claims' records."""
+    owners = MigOwners()
+    for record in records:
+        for d in record.plan.devices:
+            if not d.mig_created:
+                continue
+            if d.mig_uuid is not None:
+                owners.by_uuid[d.mig_uuid] = record.plan.claim.uid
+            elif d.mig_profile is not None and d.mig_start is not None:
+                owners.by_placement[(d.gpu_uuid, d.mig_profile, d.mig_start)] = record.plan.claim.uid
+    return owners
+
+
+def created_migs(state_dir: Path) -> set[str]:
+    """The MIG UUIDs gpunode created for claims (read from their records under state_dir): the slices
+    publish placements around these, not around them as around an instance of the operator's."""
+    checkpoint = ClaimCheckpoint(state_dir / "dra" / "claims")
+    records = []
+    for uid in checkpoint.uids():
+        with contextlib.suppress(ValueError, OSError):
+            if (record := checkpoint.load(uid)) is not None:
+                records.append(record)
+    return mig_owners(records).created()
+
+
+def mig_device(
+    gpu: Gpu,
+    profile: str,
+    start: int,
+    *,
+    dynamic: bool = False,
+    owners: MigOwners | None = None,
+    claim: str = "",
+) -> str | None:
+    """The UUID of the GPU's MIG device of `profile` whose memory slices start at `start`; None when
+    `dynamic` and the placement is free (prepare creates it). ValueError naming what is in the way: an
+    instance of another profile on its slices (one gpunode did not create, or one it created for
+    another claim), one at the placement that another claim holds, or (static) no instance there."""
     if not gpu.mig_enabled:
         raise ValueError(f"GPU {gpu.uuid} is not in MIG mode")
     table = mig_table(gpu)
     if table is None:
         raise ValueError(f"GPU {gpu.uuid} ({gpu.model}) has no known MIG profile table")
+    spec = MIG_TABLES[table].get(profile)
+    if spec is None or start not in spec.starts:
+        raise ValueError(f"{profile} at memory slice {start} is not a MIG placement of GPU {gpu.uuid}")
+    owners = owners or MigOwners()
+    cells = set(range(start, start + spec.memory_slices))
+    compute = spec.compute_slices
     have = []
-    for uuid, cells in sorted(mig_instance_slices(gpu, table).items(), key=lambda kv: kv[1].start):
+    for uuid, taken in sorted(mig_instance_slices(gpu, table).items(), key=lambda kv: kv[1].start):
         mig = gpu.mig_by_uuid(uuid)
         if mig is None:
             continue
-        if mig.profile == profile and cells.start == start:
+        holder = owners.by_uuid.get(uuid) or owners.by_placement.get((gpu.uuid, mig.profile, taken.start))
+        if holder == claim:
+            holder = None  # this claim's own (an earlier attempt at it)
+        if mig.profile == profile and taken.start == start:
+            if holder is not None:
+                raise ValueError(f"MIG device {uuid} at this placement was created for claim {holder}")
             return uuid
-        have.append(f"{mig.profile} at {cells.start}")
-    raise ValueError(f"GPU {gpu.uuid} has no such instance (its instances: {', '.join(have) or 'none'})")
+        if cells & set(taken):
+            whose = f"created for claim {holder}" if holder else "which gpunode did not create"
+            raise ValueError(
+                f"MIG device {uuid} ({mig.profile} at memory slice {taken.start}), {whose}, takes its memory slices"
+            )
+        compute += mig.slices
+        have.append(f"{mig.profile} at {taken.start}")
+    if not dynamic:
+        raise ValueError(
+            f"GPU {gpu.uuid} has no such instance (its instances: {', '.join(have) or 'none'}) and "
+            "gpunode.dra.mig.partitioning is static"
+        )
+    if compute > TOTAL_COMPUTE_SLICES:
+        raise ValueError(
+            f"GPU {gpu.uuid} has {TOTAL_COMPUTE_SLICES - compute + spec.compute_slices} compute slice(s) free, "
+            f"{profile} needs {spec.compute_slices} (its instances: {', '.join(have)})"
+        )
+    return None
 
 
 def compute_share(plan: ClaimPlan, caps: Sequence[memcap.DeviceCap]) -> int:
@@ -94,6 +171,11 @@ def compute_share(plan: ClaimPlan, caps: Sequence[memcap.DeviceCap]) -> int:
     if asked:
         return max(asked)
     return max(share_from_memory(c.limit_bytes, c.device_total_bytes) for c in caps)
+
+
+def _creates(record: ClaimRecord) -> bool:
+    """Whether gpunode created (or set out to create) a MIG instance for the claim."""
+    return any(d.mig_created for d in record.plan.devices)
 
 
 def region_key(uid: str) -> str:
@@ -113,6 +195,8 @@ class Preparer:
     with_device_nodes: bool = True  # False on the simulated backend, whose /dev/nvidia* do not exist
     mig_minors_file: Path = MIG_MINORS_FILE  # the driver's MIG capability minors
     fetch_pod: PodFetcher | None = None  # reads a pod (namespace, name): checks a container's caps
+    mig: MigPartitioner | None = None  # creates and destroys MIG instances (dynamic partitioning)
+    on_mig_change: Callable[[], None] | None = None  # told after a create or destroy (republish the slices)
     _locks: dict[str, tuple[asyncio.Lock, list[int]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -122,11 +206,28 @@ class Preparer:
         self.driver = self.config.dra.driver_name
         self.cdi_dir = self.config.dra.cdi_dir
 
+    @property
+    def dynamic(self) -> bool:
+        """Whether MIG instances are created at prepare (gpunode.dra.mig.partitioning, and a backend that can)."""
+        return self.config.dra.mig_dynamic and self.mig is not None
+
+    def records(self) -> list[ClaimRecord]:
+        """Every claim's record that reads back."""
+        out = []
+        for uid in self.checkpoint.uids():
+            with contextlib.suppress(ValueError):
+                if (record := self.checkpoint.load(uid)) is not None:
+                    out.append(record)
+        return out
+
     # -- start-up ----------------------------------------------------------------------------
 
     def recover(self) -> tuple[int, int]:
         """At start: roll back claims the last agent left mid-prepare (their region, spec and record go;
-        the kubelet prepares them again) and keep prepared ones. Returns (rolled back, kept)."""
+        the kubelet prepares them again) and keep prepared ones. A claim left mid-prepare with MIG
+        instances gpunode created for it keeps its record and its instances (only its spec and region
+        go): the kubelet's retry adopts them, and collect_orphans destroys them if the claim is gone.
+        Returns (rolled back, kept)."""
         memcap.secure_root(self.regions_root)
         rolled = kept = 0
         for uid in self.checkpoint.uids():
@@ -139,8 +240,11 @@ class Preparer:
                 kept += 1
                 continue
             try:
-                self._remove(uid)
-            except (OSError, MemcapError) as exc:  # kept for the next start; the kubelet's retry fails alone
+                if record is not None and _creates(record):
+                    self._remove_files(uid)
+                else:
+                    self._remove(uid)
+            except (OSError, GpunodeError) as exc:  # kept for the next start; the kubelet's retry fails alone
                 log.error("DRA: cannot roll back claim %s left mid-prepare: %s", uid, exc)
                 continue
             rolled += 1
@@ -177,10 +281,10 @@ class Preparer:
             record = None
         if record is not None and record.state == PREPARED and await asyncio.to_thread(self._intact, record):
             return Prepared(record.plan, record.cdi_ids)
-        if record is not None:  # mid-prepare, or damaged since: start again from nothing
-            await asyncio.to_thread(self._remove, ref.uid)
+        if record is not None:  # mid-prepare, or damaged since: start again (keeping its MIG instances)
+            await asyncio.to_thread(self._remove_files, ref.uid)
         plan = await self._plan(ref)
-        return await _to_completion(self._make, plan)
+        return await _to_completion(self._make, plan, record)
 
     async def _plan(self, ref: ClaimRef) -> ClaimPlan:
         try:
@@ -207,6 +311,8 @@ class Preparer:
                     if info is not None:
                         known[(pool, name)] = info
         gpus = {g.uuid: g for g in self.gpus()}
+        owners = await asyncio.to_thread(lambda: mig_owners(self.records()))
+        dynamic = self.dynamic
 
         def memory(uuid: str) -> int | None:
             gpu = gpus.get(uuid)
@@ -220,7 +326,9 @@ class Preparer:
             driver=self.driver,
             device=lambda pool, name: known.get((pool, name)),
             gpu_memory=memory,
-            mig_device=lambda uuid, profile, start: mig_device(gpus[uuid], profile, start),
+            mig_device=lambda uuid, profile, start: mig_device(
+                gpus[uuid], profile, start, dynamic=dynamic, owners=owners, claim=ref.uid
+            ),
         )
         if any(d.memory_bytes is not None for d in plan.devices) and self.fetch_pod is not None:
             await self._one_cap_per_container(ref, claim)
@@ -300,14 +408,20 @@ class Preparer:
             limits[d.gpu_uuid] = min(total, used)
         return tuple(memcap.DeviceCap(uuid, limit, totals[uuid]) for uuid, limit in limits.items())
 
-    def _make(self, plan: ClaimPlan) -> Prepared:
-        """Record, make the region and the spec, record as prepared; on failure remove what was made."""
+    def _make(self, plan: ClaimPlan, before: ClaimRecord | None = None) -> Prepared:
+        """Record, create the MIG instances to create, make the region and the spec, record as prepared;
+        on failure remove what was made. `before`: the claim's record from an earlier attempt, whose MIG
+        instances the plan adopts (those it does not are destroyed)."""
         uid = plan.claim.uid
         caps = self._caps(plan)
         key = region_key(uid) if caps else None
         ids = tuple(cdi.device_id(self.driver, uid, n) for n in range(len(plan.devices)))
         try:
-            self.checkpoint.write(ClaimRecord(PREPARING, plan, key))
+            plan = self._adopt(plan, before)
+            self.checkpoint.write(ClaimRecord(PREPARING, plan, key))  # the intent, before any instance
+            if before is not None:
+                self._destroy_unadopted(before, plan)
+            plan = self._create_migs(plan, key)
             cap_spec = None
             if key is not None:
                 region = memcap.replace_region(self.regions_root, key, devices=caps, fail_open=plan.fail_open)
@@ -331,17 +445,21 @@ class Preparer:
             )
             cdi.write_spec(self.cdi_dir, self.driver, uid, spec)
             self.checkpoint.write(ClaimRecord(PREPARED, plan, key, ids))
-        except (OSError, MemcapError) as exc:
+        except (OSError, GpunodeError) as exc:
             try:
                 self._remove(uid)
-            except (OSError, MemcapError) as cleanup:  # the record stays: the next prepare or start retries
+            except (OSError, GpunodeError) as cleanup:  # the record stays: the next prepare or start retries
                 log.error(
                     "DRA: claim %s: cannot remove what the failed prepare made: %s", plan.claim, cleanup
                 )
             what = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            hint = (
+                exc.hint
+                if isinstance(exc, GpunodeError) and not isinstance(exc, MemcapError)
+                else f"check that {self.config.state_dir} and {self.cdi_dir} are writable by the agent"
+            )
             raise ClaimRefused(
-                f"claim {plan.claim}: cannot prepare it on this node: {what}",
-                hint=f"check that {self.config.state_dir} and {self.cdi_dir} are writable by the agent",
+                f"claim {plan.claim}: cannot prepare it on this node: {what}", hint=hint
             ) from None
         log.info(
             "DRA: prepared claim %s: %s",
@@ -352,6 +470,77 @@ class Preparer:
             ),
         )
         return Prepared(plan, ids)
+
+    def _adopt(self, plan: ClaimPlan, before: ClaimRecord | None) -> ClaimPlan:
+        """The plan with the MIG instances an earlier attempt at the claim created marked as created by
+        gpunode (planning found them at their placements as any instance), so that unprepare destroys them."""
+        if before is None:
+            return plan
+        mine = {
+            (d.gpu_uuid, d.mig_profile, d.mig_start): d.mig_uuid for d in before.plan.devices if d.mig_created
+        }
+        devices = []
+        for d in plan.devices:
+            key = (d.gpu_uuid, d.mig_profile, d.mig_start)
+            if d.mig_uuid is not None and key in mine and mine[key] in (None, d.mig_uuid):
+                d = replace(d, mig_created=True)
+                log.info(
+                    "DRA: claim %s: adopting MIG device %s, created for it before", plan.claim, d.mig_uuid
+                )
+            devices.append(d)
+        return replace(plan, devices=tuple(devices))
+
+    def _destroy_unadopted(self, before: ClaimRecord, plan: ClaimPlan) -> None:
+        """Destroy the instances an earlier attempt created that the plan does not use."""
+        kept = {d.mig_uuid for d in plan.devices if d.mig_created}
+        for d in before.plan.devices:
+            if d.mig_created and d.mig_uuid is not None and d.mig_uuid not in kept:
+                self._destroy(before.plan.claim, d.mig_uuid)
+
+    def _create_migs(self, plan: ClaimPlan, key: str | None) -> ClaimPlan:
+        """Create the plan's MIG instances still to create, recording each UUID as soon as it exists."""
+        devices = list(plan.devices)
+        for i, d in enumerate(devices):
+            if not d.mig_created or d.mig_uuid is not None:
+                continue
+            assert d.mig_profile is not None and d.mig_start is not None
+            if self.mig is None:
+                raise ClaimRefused(f"claim {plan.claim}: this node's backend cannot create MIG instances")
+            uuid = self.mig.create_mig(d.gpu_uuid, d.mig_profile, d.mig_start)
+            devices[i] = replace(d, mig_uuid=uuid)
+            plan = replace(plan, devices=tuple(devices))
+            self.checkpoint.write(ClaimRecord(PREPARING, plan, key))
+            log.info(
+                "DRA: claim %s: created MIG device %s (%s at memory slice %d on GPU %s)",
+                plan.claim,
+                uuid,
+                d.mig_profile,
+                d.mig_start,
+                d.gpu_uuid,
+            )
+            self._mig_changed()
+        return plan
+
+    def _destroy(self, claim: ClaimRef, uuid: str) -> None:
+        """Destroy a MIG instance gpunode created for the claim (one already gone is no error)."""
+        if self.mig is None:
+            raise ClaimRefused(
+                f"claim {claim}: MIG device {uuid} was created for it, but this node's backend cannot destroy it"
+            )
+        try:
+            self.mig.destroy_mig(uuid)
+        except DeviceNotFound:
+            log.info("DRA: claim %s: MIG device %s created for it is gone already", claim, uuid)
+            return
+        log.info("DRA: claim %s: destroyed MIG device %s created for it", claim, uuid)
+        self._mig_changed()
+
+    def _mig_changed(self) -> None:
+        if self.on_mig_change is not None:
+            try:
+                self.on_mig_change()
+            except Exception:
+                log.exception("DRA: telling the agent of a MIG change failed")
 
     def _mig_nodes(self, plan: ClaimPlan, gpus: dict[str, Gpu]) -> list[tuple[str, ...]]:
         """Per result, the capability device nodes of its MIG device (none for a GPU)."""
@@ -379,6 +568,9 @@ class Preparer:
         uid = record.plan.claim.uid
         if not cdi.spec_path(self.cdi_dir, self.driver, uid).is_file():
             return False
+        migs = {d.mig_uuid for d in record.plan.devices if d.mig_uuid is not None}
+        if migs and not migs <= {m.uuid for g in self.gpus() for m in g.mig_devices}:
+            return False  # an instance of the claim is gone: prepare it again
         return record.region is None or (self.regions_root / record.region / memcap.LIMIT_FILE).is_file()
 
     # -- unprepare ---------------------------------------------------------------------------
@@ -389,14 +581,39 @@ class Preparer:
         async with self._serial(ref.uid):
             try:
                 await _to_completion(self._remove, ref.uid)
-            except (OSError, MemcapError) as exc:
+            except (OSError, GpunodeError) as exc:
                 raise ClaimRefused(f"claim {ref}: cannot unprepare it: {exc}") from None
         log.info("DRA: unprepared claim %s", ref)
 
-    def _remove(self, uid: str) -> None:
-        """Spec first (no new container gets the claim), then the region, then the record."""
+    def _remove_files(self, uid: str) -> None:
+        """The claim's spec and region (its record and MIG instances stay)."""
         cdi.remove_spec(self.cdi_dir, self.driver, uid)
         memcap.remove_region(self.regions_root, region_key(uid))
+
+    def _remove(self, uid: str) -> None:
+        """Spec first (no new container gets the claim), then the region, then the MIG instances gpunode
+        created for the claim, then the record (kept while an instance cannot be destroyed)."""
+        self._remove_files(uid)
+        try:
+            record = self.checkpoint.load(uid)
+        except ValueError as exc:
+            log.warning("DRA: %s; MIG instances it may name are left alone", exc)
+            record = None
+        if record is not None:
+            for d in record.plan.devices:
+                if not d.mig_created:
+                    continue
+                if d.mig_uuid is not None:
+                    self._destroy(record.plan.claim, d.mig_uuid)
+                else:
+                    log.warning(
+                        "DRA: claim %s: the agent stopped while creating %s at memory slice %s on GPU %s; "
+                        "an instance there now is left alone (nvidia-smi mig -lgi shows it)",
+                        record.plan.claim,
+                        d.mig_profile,
+                        d.mig_start,
+                        d.gpu_uuid,
+                    )
         self.checkpoint.remove(uid)
 
     async def collect_orphans(self) -> list[str]:
@@ -404,7 +621,8 @@ class Preparer:
         made again under a new UID): a kubelet that lost its own record of them never will. Any other
         answer (the API server unreachable, a refusal) keeps the claim. The UIDs removed."""
         removed = []
-        for record in await asyncio.to_thread(self.prepared):
+        records = await asyncio.to_thread(self.records)
+        for record in [r for r in records if r.state == PREPARED or _creates(r)]:
             ref = record.plan.claim
             try:
                 claim = await self.fetch_claim(ref)
@@ -416,8 +634,17 @@ class Preparer:
             if claim is not None and (claim.get("metadata") or {}).get("uid") == ref.uid:
                 continue
             async with self._serial(ref.uid):
-                await _to_completion(self._remove, ref.uid)
-            log.info("DRA: claim %s is gone from the API server; its spec and region are removed", ref)
+                try:
+                    await _to_completion(self._remove, ref.uid)
+                except (OSError, GpunodeError) as exc:
+                    log.error(
+                        "DRA: claim %s is gone from the API server; removing what it had failed: %s", ref, exc
+                    )
+                    continue
+            log.info(
+                "DRA: claim %s is gone from the API server; its spec, region and MIG instances are removed",
+                ref,
+            )
             removed.append(ref.uid)
         return removed
 

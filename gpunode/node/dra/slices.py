@@ -12,9 +12,11 @@ order, which is the order kube-scheduler's allocator tries them in:
   once a share is taken the whole GPU is not (the allocator takes a multi-allocation device's
   counters once, when its first share is allocated).
 - A GPU in MIG mode gives its 7 compute slices and 8 memory slices as shared counters, and one
-  device per placement of each MIG profile of its model (`<uuid>-mig-<profile>-<start>`) that
-  takes the slices the placement covers; a placement that overlaps one allocated is not offered,
-  so the scheduler only picks profiles that fit what is left.
+  device per placement of a MIG profile of its model (`<uuid>-mig-<profile>-<start>`) that takes
+  the slices the placement covers; a placement that overlaps one allocated is not offered, so the
+  scheduler only picks profiles that fit what is left. Which placements are published is
+  mig_placements': those of the GPU's instances, and with dynamic partitioning every placement
+  that overlaps no instance gpunode did not create (gpunode.node.dra.prepare creates it).
 
 Device names are derived from the GPU's UUID, so a restarted agent publishes the same names and
 existing allocations stay valid. Unhealthy GPUs and MIG instances carry the taints of
@@ -36,19 +38,26 @@ import json
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from lightkube.resources.resource_v1 import ResourceSlice
 
+from gpunode.config.dra import MIG_DYNAMIC
 from gpunode.contract import dra as names
 from gpunode.contract.draclaims import gpu_device_name, shared_device_name  # the names both sides read
 from gpunode.contract.names import MILLI_PER_GPU
 from gpunode.errors import GpunodeError, KubeConflict, KubeNotFound
 from gpunode.infra.kube import KubeClient
 from gpunode.node.devices.base import Gpu
-from gpunode.node.devices.simnode.mig import MIG_TABLES, TOTAL_COMPUTE_SLICES, TOTAL_MEMORY_SLICES
+from gpunode.node.devices.simnode.mig import (
+    MIG_TABLES,
+    TOTAL_COMPUTE_SLICES,
+    TOTAL_MEMORY_SLICES,
+    MigProfileSpec,
+    table_of_model,
+)
 from gpunode.node.dra.taints import DeviceTaint
 
 log = logging.getLogger(__name__)
@@ -72,8 +81,6 @@ _CAPABILITY = {
     "blackwell": "10.0",
 }
 _CAPABILITY_BY_MODEL = (("A100", "8.0"), ("A30", "8.0"), ("P100", "6.0"), ("GB200", "10.0"), ("B200", "10.0"))
-# The MIG profile tables of the models that have MIG (placements as NVIDIA documents them).
-_MIG_TABLE_BY_MODEL = (("A100", 60, "a100-80gb"), ("A100", 0, "a100-40gb"), ("H100", 60, "h100-80gb"))
 
 
 # -- names -------------------------------------------------------------------------------------------
@@ -122,11 +129,7 @@ def compute_capability(gpu: Gpu) -> str | None:
 
 def mig_table(gpu: Gpu) -> str | None:
     """The MIG profile table of the GPU's model (gpunode.node.devices.simnode.mig), or None."""
-    gib = gpu.memory_total_bytes / 2**30
-    for token, min_gib, table in _MIG_TABLE_BY_MODEL:
-        if token in gpu.model and gib > min_gib:
-            return table
-    return None
+    return table_of_model(gpu.model, gpu.memory_total_bytes)
 
 
 def nvlink_domains(gpus: Sequence[Gpu]) -> dict[str, int]:
@@ -210,12 +213,15 @@ def build_pool(
     driver_version: str | None = None,
     taints: Mapping[str, DeviceTaint] | None = None,
     time_sliced: Mapping[str, int] | None = None,
+    mig_partitioning: str = MIG_DYNAMIC,
+    mig_owned: Collection[str] = (),
 ) -> Pool:
     """The devices of these GPUs (the ones DRA serves), tainted where `taints` (GPU/MIG UUID -> taint) says.
 
     unit_bytes is the minimum, step and default of a share of a GPU's memory. time_sliced (GPU UUID ->
     replicas) names the GPUs a time-slicing resource lists: each offers `replicas` uncapped claims
-    (`<uuid>-timesliced`) instead of memory shares.
+    (`<uuid>-timesliced`) instead of memory shares. mig_partitioning (gpunode.dra.mig.partitioning) and
+    mig_owned (the MIG UUIDs gpunode created for claims) decide the MIG placements (mig_placements).
     """
     gpus = sorted(gpus, key=lambda g: g.index)
     taints = taints or {}
@@ -234,7 +240,8 @@ def build_pool(
                 )
                 continue
             sets.append(_mig_counters(gpu))
-            devices.extend(_mig_devices(gpu, table, driver_version, domain, taints))
+            placements = mig_placements(gpu, table, dynamic=mig_partitioning == MIG_DYNAMIC, owned=mig_owned)
+            devices.extend(_mig_devices(gpu, table, driver_version, domain, taints, placements))
             continue
         sets.append(
             {
@@ -351,56 +358,80 @@ def _mig_counters(gpu: Gpu) -> dict[str, Any]:
 
 
 def mig_instance_slices(gpu: Gpu, table: str) -> dict[str, range]:
-    """MIG UUID -> the memory slices of each instance the GPU has now (from its GPU instance ID)."""
-    first_gi = {8: 0, 4: 1, 2: 3, 1: 7}  # GPU instance IDs by placement size (simnode.mig numbers them so)
+    """MIG UUID -> the memory slices of each instance the GPU has now: its placement as the backend
+    reads it, else (a backend that cannot say) from its GPU instance ID as simnode.mig numbers them."""
+    first_gi = {8: 0, 4: 1, 2: 3, 1: 7}
     out: dict[str, range] = {}
     for mig in gpu.mig_devices:
         spec = MIG_TABLES[table].get(mig.profile)
         if spec is None or spec.memory_slices not in first_gi:
             continue
-        start = (mig.gi_id - first_gi[spec.memory_slices]) * spec.memory_slices
+        start = mig.start
+        if start is None:
+            start = (mig.gi_id - first_gi[spec.memory_slices]) * spec.memory_slices
         out[mig.uuid] = range(start, start + spec.memory_slices)
     return out
 
 
+def mig_placements(
+    gpu: Gpu, table: str, *, dynamic: bool, owned: Collection[str] = ()
+) -> list[tuple[MigProfileSpec, int]]:
+    """The placements (profile, first memory slice) of a GPU in MIG mode that can be prepared, in the
+    profile table's order: those of the instances the GPU has, and, when `dynamic`, every other one
+    that overlaps no instance gpunode did not create (`owned`: the MIG UUIDs it created for claims;
+    their slices are the scheduler's to count, through the counters their claims consume)."""
+    instances = mig_instance_slices(gpu, table)
+    have = {(m.profile, instances[m.uuid].start) for m in gpu.mig_devices if m.uuid in instances}
+    foreign = [set(cells) for uuid, cells in instances.items() if uuid not in owned]
+    out = []
+    for spec in MIG_TABLES[table].values():
+        for start in spec.starts:
+            cells = set(range(start, start + spec.memory_slices))
+            if (spec.name, start) in have or (dynamic and not any(cells & f for f in foreign)):
+                out.append((spec, start))
+    return out
+
+
 def _mig_devices(
-    gpu: Gpu, table: str, driver_version: str | None, domain: int | None, taints: Mapping[str, DeviceTaint]
+    gpu: Gpu,
+    table: str,
+    driver_version: str | None,
+    domain: int | None,
+    taints: Mapping[str, DeviceTaint],
+    placements: list[tuple[MigProfileSpec, int]],
 ) -> list[dict[str, Any]]:
     instances = mig_instance_slices(gpu, table)
     out: list[dict[str, Any]] = []
-    for spec in MIG_TABLES[table].values():
-        for start in spec.starts:
-            cells = range(start, start + spec.memory_slices)
-            counters = {names.COUNTER_COMPUTE_SLICES: spec.compute_slices}
-            counters.update({names.MIG_MEMORY_SLICE_COUNTER.format(c): 1 for c in cells})
-            device: dict[str, Any] = {
-                "name": mig_device_name(gpu.uuid, spec.name, start),
-                "attributes": _attributes(
-                    gpu,
-                    driver_version,
-                    domain,
-                    **{
-                        names.ATTR_TYPE: names.TYPE_MIG,
-                        names.ATTR_SHARING: names.SHARING_MIG,
-                        names.ATTR_MIG_PROFILE: spec.name,
-                        names.ATTR_MIG_START: start,
-                    },
-                ),
-                "capacity": {names.CAPACITY_MEMORY: {"value": str(spec.memory_bytes)}},
-                "consumesCounters": _consumes(gpu, counters),
-            }
-            # The GPU's taint, or that of an instance whose memory slices the placement overlaps.
-            found = [taints[gpu.uuid]] if gpu.uuid in taints else []
-            found += [
-                taints[uuid]
-                for uuid, slices in instances.items()
-                if uuid in taints and set(slices) & set(cells)
-            ]
-            if found:
-                unique = list(dict.fromkeys(found))
-                unique.sort(key=lambda t: t.effect != names.NO_EXECUTE)
-                device["taints"] = [t.as_json() for t in unique[:16]]
-            out.append(device)
+    for spec, start in placements:
+        cells = range(start, start + spec.memory_slices)
+        counters = {names.COUNTER_COMPUTE_SLICES: spec.compute_slices}
+        counters.update({names.MIG_MEMORY_SLICE_COUNTER.format(c): 1 for c in cells})
+        device: dict[str, Any] = {
+            "name": mig_device_name(gpu.uuid, spec.name, start),
+            "attributes": _attributes(
+                gpu,
+                driver_version,
+                domain,
+                **{
+                    names.ATTR_TYPE: names.TYPE_MIG,
+                    names.ATTR_SHARING: names.SHARING_MIG,
+                    names.ATTR_MIG_PROFILE: spec.name,
+                    names.ATTR_MIG_START: start,
+                },
+            ),
+            "capacity": {names.CAPACITY_MEMORY: {"value": str(spec.memory_bytes)}},
+            "consumesCounters": _consumes(gpu, counters),
+        }
+        # The GPU's taint, or that of an instance whose memory slices the placement overlaps.
+        found = [taints[gpu.uuid]] if gpu.uuid in taints else []
+        found += [
+            taints[uuid] for uuid, slices in instances.items() if uuid in taints and set(slices) & set(cells)
+        ]
+        if found:
+            unique = list(dict.fromkeys(found))
+            unique.sort(key=lambda t: t.effect != names.NO_EXECUTE)
+            device["taints"] = [t.as_json() for t in unique[:16]]
+        out.append(device)
     return out
 
 

@@ -49,6 +49,7 @@ from gpunode.node.devices.base import (
     MigDevice,
     ProcessUtilization,
 )
+from gpunode.node.devices.nvml import partition
 from gpunode.node.devices.nvml.discovery import (
     discover_mig,
     memory_total,
@@ -62,6 +63,7 @@ from gpunode.node.devices.nvml.query import (
     NvmlQuery,
 )
 from gpunode.node.devices.nvml.sample import GpmState, read_sample
+from gpunode.node.devices.simnode.mig import table_of_model
 
 log = logging.getLogger(__name__)
 
@@ -282,6 +284,32 @@ class NvmlBackend:
                 self._q.call("nvmlEventSetFree", self._event_set, absent=(ERR_UNINITIALIZED,))
                 self._event_set = None
             self._q.call("nvmlShutdown", absent=(ERR_UNINITIALIZED,))
+
+    # -- MIG partitioning (MigPartitioner) --------------------------------------------------------
+
+    def create_mig(self, gpu_uuid: str, profile: str, start: int) -> str:
+        """Create a MIG instance of `profile` at memory slice `start` (see nvml/partition.py); its UUID."""
+        handle = self._handle(gpu_uuid)
+        gpu = next((g for g in self.gpus() if g.uuid == gpu_uuid), None)
+        if gpu is None or not gpu.mig_enabled:
+            raise BackendError(f"GPU {gpu_uuid} is not in MIG mode; no MIG instance can be created on it")
+        table = table_of_model(gpu.model, gpu.memory_total_bytes)
+        if table is None:
+            raise BackendError(
+                f"GPU {gpu_uuid} ({gpu.model}): gpunode knows no MIG profile table of this model"
+            )
+        gi_id, ci_id = partition.create(self._q, handle, gpu_uuid, table, profile, start)
+        for mig in next((g for g in self.gpus() if g.uuid == gpu_uuid), gpu).mig_devices:
+            if mig.gi_id == gi_id and mig.ci_id == ci_id:
+                return mig.uuid
+        raise BackendError(
+            f"GPU {gpu_uuid}: MIG instance {profile} at memory slice {start} was created (GPU instance {gi_id}) "
+            "but NVML lists no MIG device for it"
+        )
+
+    def destroy_mig(self, mig_uuid: str) -> None:
+        """Destroy a MIG device's compute and GPU instance (see nvml/partition.py)."""
+        partition.destroy(self._q, mig_uuid)
 
     # -- discovery --------------------------------------------------------------------------------
 

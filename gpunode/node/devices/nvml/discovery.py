@@ -85,18 +85,30 @@ def discover_mig(q: NvmlQuery, handle: Any, uuid: str) -> tuple[tuple[Any, MigDe
         mem = q.call("nvmlDeviceGetMemoryInfo", mh, uuid=uuid)
         if mem is None and attrs is None:
             raise BackendError(f"cannot tell the memory of MIG device {i} on GPU {uuid}")
+        gi_id = int(q.require("nvmlDeviceGetGpuInstanceId", mh, uuid=uuid))
         device = MigDevice(
             uuid=str(q.require("nvmlDeviceGetUUID", mh, uuid=uuid)),
             parent_uuid=uuid,
             index=i,
             profile=profile or f"{slices}g",
-            gi_id=int(q.require("nvmlDeviceGetGpuInstanceId", mh, uuid=uuid)),
+            gi_id=gi_id,
             ci_id=int(q.require("nvmlDeviceGetComputeInstanceId", mh, uuid=uuid)),
             slices=slices,
             memory_total_bytes=int(mem.total) if mem is not None else int(attrs.memorySizeMB) * MIB,
+            start=placement_start(q, handle, gi_id, uuid),
         )
         found.append((mh, device))
     return tuple(found)
+
+
+def placement_start(q: NvmlQuery, handle: Any, gi_id: int, uuid: str) -> int | None:
+    """The first memory slice of GPU instance gi_id (nvmlGpuInstanceGetInfo's placement); None where
+    NVML does not say (the caller must not guess it from the instance ID: the driver numbers them)."""
+    gi = q.call("nvmlDeviceGetGpuInstanceById", handle, gi_id, uuid=uuid, absent=(ERR_INVALID_ARGUMENT,))
+    info = q.call("nvmlGpuInstanceGetInfo", gi, uuid=uuid) if gi is not None else None
+    placement = getattr(info, "placement", None)
+    start = getattr(placement, "start", None)
+    return int(start) if isinstance(start, int) else None
 
 
 def nvlink_peers(q: NvmlQuery, found: Sequence[tuple[Gpu, Any]]) -> dict[str, set[str]]:

@@ -47,6 +47,7 @@ from gpunode.node.devices.simnode.profile import (
 )
 from gpunode.node.devices.simnode.snapshot import (
     SimGpuState,
+    created_mig,
     gpu_state,
     gpu_uuid,
     hotplug_slot,
@@ -84,6 +85,7 @@ class SimBackend:
         self._events: queue.Queue[DeviceEvent] = queue.Queue()
         self._closed = threading.Event()
         self._added = 0
+        self._created_migs = 0  # MIG instances created so far (each gets a new UUID, as NVML's)
         self._busy: dict[str, list[tuple[int, dict[int, int]]]] = {}  # uuid -> (wall us, busy ns by pid)
         now = clock()
         self._gpus: dict[str, SimGpu] = {}
@@ -171,6 +173,44 @@ class SimBackend:
     def close(self) -> None:
         """Close the node: a probe waiting out its delay returns at once and wait_event answers None."""
         self._closed.set()
+
+    # -- MIG partitioning (MigPartitioner) --------------------------------------------------------
+
+    def create_mig(self, gpu_uuid: str, profile: str, start: int) -> str:
+        """Create a MIG instance of `profile` at memory slice `start` on a GPU in MIG mode; its UUID.
+
+        The placement must be one of the profile's and free (no instance on its memory slices, enough
+        compute slices left), as NVML requires; SimFaultError names why it is not."""
+        with self._lock:
+            gs = self._readable(gpu_uuid)
+            if not gs.gpu.mig_enabled or gs.model.mig_table is None:
+                raise SimFaultError(
+                    f"GPU {gpu_uuid} is not in MIG mode; no MIG instance can be created on it"
+                )
+            self._created_migs += 1
+            mig = created_mig(gs.gpu, gs.model.mig_table, profile, start, self._created_migs)
+            gs.gpu = replace(gs.gpu, mig_devices=(*gs.gpu.mig_devices, mig))
+            return mig.uuid
+
+    def destroy_mig(self, mig_uuid: str) -> None:
+        """Destroy a MIG instance; refused while a simulated process runs on it (NVML: in use)."""
+        with self._lock:
+            for gs in self._gpus.values():
+                mig = gs.gpu.mig_by_uuid(mig_uuid)
+                if mig is None:
+                    continue
+                if gs.lost:
+                    raise GpuLostError(gs.gpu.uuid)
+                users = sorted(p.pid for p in gs.processes.values() if p.mig_uuid == mig_uuid)
+                if users:
+                    raise SimFaultError(
+                        f"MIG device {mig_uuid} is in use by process(es) {', '.join(map(str, users))}"
+                    )
+                gs.gpu = replace(
+                    gs.gpu, mig_devices=tuple(m for m in gs.gpu.mig_devices if m.uuid != mig_uuid)
+                )
+                return
+            raise DeviceNotFound(f"no MIG device {mig_uuid} on simulated node {self.profile.name}")
 
     # -- per-process utilisation (the driver's view of who used the GPU) -------------------------
 

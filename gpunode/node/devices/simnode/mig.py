@@ -63,8 +63,21 @@ MIG_TABLES: dict[str, dict[str, MigProfileSpec]] = {
     ),
 }
 
+# The MIG profile tables of the models that have MIG: (model name token, more than this many GiB, table).
+_TABLE_BY_MODEL = (("A100", 60, "a100-80gb"), ("A100", 0, "a100-40gb"), ("H100", 60, "h100-80gb"))
+
+
+def table_of_model(model: str, memory_total_bytes: int) -> str | None:
+    """The MIG profile table of a GPU model (by its name and memory), or None when gpunode knows none."""
+    gib = memory_total_bytes / 2**30
+    for token, min_gib, table in _TABLE_BY_MODEL:
+        if token in model and gib > min_gib:
+            return table
+    return None
+
+
 # First GPU instance ID of each placement size (memory slices): a heap-style numbering.
-_GI_ID_BASE = {8: 0, 4: 1, 2: 3, 1: 7}
+GI_ID_BASE = {8: 0, 4: 1, 2: 3, 1: 7}
 
 
 @dataclass(frozen=True)
@@ -120,7 +133,7 @@ def place_mig_layout(table: str, profiles: Sequence[str], *, where: str) -> tupl
             memory_slices=s.memory_slices,
             compute_slices=s.compute_slices,
             memory_bytes=s.memory_bytes,
-            gi_id=_GI_ID_BASE[s.memory_slices] + starts[i] // s.memory_slices,
+            gi_id=GI_ID_BASE[s.memory_slices] + starts[i] // s.memory_slices,
         )
         for i, s in enumerate(specs)
     )

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from gpunode.errors import SimFaultError
 from gpunode.node.devices.base import Gpu, MigDevice
 from gpunode.node.devices.simnode.gpu import SimGpu
+from gpunode.node.devices.simnode.mig import GI_ID_BASE, MIG_TABLES, TOTAL_COMPUTE_SLICES
 from gpunode.node.devices.simnode.profile import MigPlacement, SimModel, SimProfile
 
 _NAMESPACE = uuidlib.uuid5(uuidlib.NAMESPACE_DNS, "sim.gpunode.io")
@@ -75,6 +76,7 @@ def make_gpu(
             ci_id=p.ci_id,
             slices=p.compute_slices,
             memory_total_bytes=p.memory_bytes,
+            start=p.start,
         )
         for i, p in enumerate(mig or ())
     )
@@ -89,6 +91,51 @@ def make_gpu(
         mig_enabled=mig is not None,
         mig_devices=devices,
         architecture=model.architecture,
+    )
+
+
+def created_mig(gpu: Gpu, table: str, profile: str, start: int, serial: int) -> MigDevice:
+    """The MIG device an instance created at run time is (SimBackend.create_mig): its GPU instance ID
+    numbered as the profile layouts number them, a UUID new for every creation (as NVML's), the lowest
+    free MIG device index. SimFaultError naming why the placement is not possible on the GPU."""
+    spec = MIG_TABLES[table].get(profile)
+    if spec is None:
+        raise SimFaultError(
+            f"GPU {gpu.uuid}: {profile!r} is not a MIG profile of this GPU (profiles: {', '.join(MIG_TABLES[table])})"
+        )
+    if start not in spec.starts:
+        raise SimFaultError(
+            f"GPU {gpu.uuid}: {profile} cannot start at memory slice {start} "
+            f"(its placements start at {', '.join(map(str, spec.starts))})"
+        )
+    cells = set(range(start, start + spec.memory_slices))
+    compute = spec.compute_slices
+    for mig in gpu.mig_devices:
+        other = MIG_TABLES[table].get(mig.profile)
+        if other is None or mig.start is None:
+            continue
+        compute += other.compute_slices
+        if cells & set(range(mig.start, mig.start + other.memory_slices)):
+            raise SimFaultError(
+                f"GPU {gpu.uuid}: {profile} at memory slice {start} overlaps MIG device {mig.uuid} "
+                f"({mig.profile} at {mig.start})"
+            )
+    if compute > TOTAL_COMPUTE_SLICES:
+        raise SimFaultError(
+            f"GPU {gpu.uuid}: {profile} needs {spec.compute_slices} more compute slices than are free"
+        )
+    gi_id = GI_ID_BASE[spec.memory_slices] + start // spec.memory_slices
+    taken = {m.index for m in gpu.mig_devices}
+    return MigDevice(
+        uuid=f"MIG-{uuidlib.uuid5(_NAMESPACE, f'{gpu.uuid}/mig/{gi_id}/0/created/{serial}')}",
+        parent_uuid=gpu.uuid,
+        index=next(i for i in range(len(taken) + 1) if i not in taken),
+        profile=profile,
+        gi_id=gi_id,
+        ci_id=0,
+        slices=spec.compute_slices,
+        memory_total_bytes=spec.memory_bytes,
+        start=start,
     )
 
 
