@@ -88,7 +88,7 @@ class MigNode:
     def _preparer(self) -> Preparer:
         async def fetch(ref: ClaimRef) -> dict[str, Any]:
             if (ref.namespace, ref.name) not in self.claims:
-                raise KubeNotFound(f"no claim {ref.name}")
+                raise KubeNotFound(f"no claim {ref.name}", status=404)
             return self.claims[(ref.namespace, ref.name)]
 
         async def lister() -> list[dict[str, Any]]:
