@@ -16,6 +16,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -261,7 +262,7 @@ def dra(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -
     gpus = {
         "shared": t4.gpus()[0],
         "whole": t4.gpus()[1],
-        "mig": a100.gpus()[0],
+        "mig": replace(a100.gpus()[0], mig_devices=()),  # MIG mode, no instance yet: every placement offered
         "compute": t4.gpus()[2],
         "timesliced": t4.gpus()[3],
     }
@@ -328,7 +329,8 @@ def test_the_api_server_accepts_the_slices_and_classes(dra: dict[str, Any]) -> N
 def test_the_api_server_refuses_a_slice_over_its_limits(dra: dict[str, Any]) -> None:
     """The limits build_pool keeps to are the API server's: 65 devices with counters in one slice fail."""
     api: Api = dra["admin"]
-    pool = build_pool([SimBackend.from_profile("a100-mig").gpus()[i] for i in range(4)], unit_bytes=GIB)
+    a100 = SimBackend.from_profile("a100-mig").gpus()
+    pool = build_pool([replace(a100[i], mig_devices=()) for i in range(4)], unit_bytes=GIB)  # every placement
     body = {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceSlice",
