@@ -38,6 +38,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import platform
 import random
 import sys
@@ -659,7 +660,7 @@ def prioritize_claims_latency(
             timeout_s=WAIT_S,
             what="claim pod ranked",
         )
-        out: dict[str, Any] = {"calls": calls, "nodes": len(nodes)}
+        out: dict[str, Any] = {"calls": calls, "nodes": len(nodes), "load_average_1m": os.getloadavg()[0]}
         for kind, body in bodies.items():
             times = []
             for _ in range(calls):
