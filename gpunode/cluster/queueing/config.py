@@ -131,11 +131,16 @@ class OrderSettings:
     jobs and gangs keep their arrival as their place, so the short small jobs go first among the small
     ones while no later arrival ever passes a big job in its queue (its reservation comes as soon as with
     no shift at all).
+
+    learned_size: the shift reads the runtime corrected from the queue's completed jobs (history.py, as
+    backfill.learnEstimates computes it) even when backfill plans with the estimates as given, so a queue
+    whose users under-estimate is ordered by what its jobs really run without moving any reservation.
     """
 
     shift_per_gpu_hour_s: float = 0.0
     shift_max_s: float = 0.0
     shift_up_to_gpus: int = 0
+    learned_size: bool = False
 
 
 class NamespaceMap(dict[str, str]):
@@ -276,6 +281,7 @@ def parse_queue_config(data: object, where: str) -> QueueConfig:
         shift_up_to_gpus=sec.integer(
             "shiftUpToGpus", OrderSettings.shift_up_to_gpus, minimum=0, maximum=1_000_000
         ),
+        learned_size=sec.flag("learnedSize", OrderSettings.learned_size),
     )
     sec.finish()
     gang = top.section("gang")

@@ -158,7 +158,10 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
         self.reservations_per_queue = config.backfill.reservations_per_queue
         self.reserve_after_s = config.backfill.reserve_after_s
         self.reserved_share = config.backfill.reserved_share
-        self._history = RuntimeHistory() if self.backfill and config.backfill.learn_estimates else None
+        # backfill plans with the runtimes learned from history; the size order may read them on its own
+        self._plan_learned = self.backfill and config.backfill.learn_estimates
+        self._size_learned = preset.size_order and config.order.learned_size and config.order.shift_max_s > 0
+        self._history = RuntimeHistory() if self._plan_learned or self._size_learned else None
         self._restarted: set[str] = set()  # jobs stopped before completing once (their runtime is no length)
         self.shares: dict[str, Amounts] = {}
         self._touched: list[Pending] = []
@@ -471,7 +474,7 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
 
     def _planned_runtime(self, job: Job) -> float:
         """What backfill plans the job with: its estimate (or the default), corrected by history when on."""
-        if self._history is not None:
+        if self._plan_learned and self._history is not None:
             return self._history.estimate(job, self.default_runtime_s)
         return self.default_runtime_s if job.runtime_estimate is None else job.runtime_estimate
 
@@ -482,6 +485,8 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
             return 0.0
         if order.shift_up_to_gpus and job.gpu_milli > order.shift_up_to_gpus * MILLI_PER_GPU:
             return 0.0  # a big job keeps its arrival as its place
+        if self._size_learned and not self._plan_learned and self._history is not None:
+            runtime = self._history.estimate(job, self.default_runtime_s)
         gpu_hours = job.gpu_milli / MILLI_PER_GPU * runtime / 3600.0
         return min(order.shift_per_gpu_hour_s * gpu_hours, order.shift_max_s)
 

@@ -90,3 +90,41 @@ def test_shift_up_to_gpus_is_read_and_checked() -> None:
     for bad in (-1, "4", True):
         with pytest.raises(QueueConfigError, match="shiftUpToGpus"):
             config(ONE_QUEUE, order={"shiftUpToGpus": bad})
+
+
+@pytest.mark.parametrize(("learned", "expected"), [(False, ["one", "four"]), (True, ["four", "one"])])
+def test_the_learned_size_orders_by_what_the_queue_s_jobs_really_ran(
+    learned: bool, expected: list[str]
+) -> None:
+    # Without estimates both sizes are planned with the default hour: `one` (1 GPU-hour, place 60 s after its
+    # arrival) goes before `four` (4 GPU-hours, 240 s). The queue's history says its one-GPU jobs run 10 h
+    # and its four-GPU jobs a minute: with order.learnedSize `four` (4 s) goes before `one` (600 s). Backfill
+    # still plans with the default hour: learnedSize moves no reservation.
+    order = {"shiftPerGpuHour": "60s", "shiftMax": "1h", "shiftUpToGpus": 4, "learnedSize": learned}
+    s = scheduler(config(ONE_QUEUE, order=order), nodes=1)
+    for i in range(3):
+        s.submit(job(f"o{i}", "a", 1), 0.0)
+    t = 0.0
+    for i in range(3):
+        s.submit(job(f"f{i}", "a", 4, t=t), t)
+        assert f"f{i}" in [a.job.name for a in s.cycle(t).admit]
+        t += 60.0
+        s.finished(f"f{i}", t)
+    for i in range(3):
+        s.finished(f"o{i}", 36_000.0)
+    s.submit(job("L", "a", 8, t=36_000.0, est=1e6), 36_000.0)
+    s.cycle(36_000.0)
+    s.submit(job("one", "a", 1, t=36_001.0), 36_001.0)
+    s.submit(job("four", "a", 4, t=36_001.0), 36_001.0)
+    s.cycle(36_001.0)
+    assert _order(s) == expected
+    s.finished("L", 40_000.0)
+    assert {a.job.name for a in s.cycle(40_000.0).admit} == {"one", "four"}
+    assert s.running["one"].expected_end(3600.0) == 40_000.0 + 3600.0
+
+
+def test_learned_size_is_read_and_checked() -> None:
+    assert not config(ONE_QUEUE).order.learned_size
+    assert config(ONE_QUEUE, order={"learnedSize": True}).order.learned_size
+    with pytest.raises(QueueConfigError, match="learnedSize"):
+        config(ONE_QUEUE, order={"learnedSize": "yes"})
