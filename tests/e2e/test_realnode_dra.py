@@ -502,11 +502,44 @@ def _environ_of(marker: str) -> dict[str, str] | None:
     return None
 
 
+def _mig_template(api: Api, name: str, cel: str) -> None:
+    exactly = {"deviceClassName": names.CLASS_MIG, "selectors": [{"cel": {"expression": cel}}]}
+    spec = {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}
+    body = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": name},
+        "spec": {"spec": spec},
+    }
+    api.apply(f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaimtemplates", body)
+
+
+def _unschedulable(api: Api, pod: str) -> str | None:
+    for e in pod_events(api, NAMESPACE, pod):
+        if e.get("reason") == "FailedScheduling":
+            return str(e.get("message"))
+    return None
+
+
+def _mig_placements(api: Api, gpu_uuid: str) -> set[tuple[str, int]] | None:
+    """(profile, first memory slice) of the GPU's MIG placements in the node's slices; None if none."""
+    found = set()
+    for d in _slice_devices(api):
+        if d["name"].startswith(f"{gpu_uuid.lower()}-mig-"):
+            a = d["attributes"]
+            found.add((a["profile"]["string"], a["memorySliceStart"]["int"]))
+    return found or None
+
+
+MIG_ATTRS = f'device.attributes["{DRIVER}"]'
+
+
 def test_a_mig_profile_claim_on_an_a100_mig_node_gets_the_mig_device(dra_node: DraNode) -> None:
     """The agent restarted on the simulated a100-mig node, DRA serving GPU 4 (two 3g.40gb instances, at
-    memory slices 0 and 4): a claim for 3g.40gb at slice 4 runs with that MIG device, and a claim for a
-    placement no instance sits at (4g.40gb) is refused with the agent's one line on the pod. Last in the
-    module: it ends by restarting the agent as the T4 node it was."""
+    memory slices 0 and 4, made by the operator): only their two placements are offered (every other one
+    overlaps them); a claim for 3g.40gb at slice 4 runs with that MIG device, a claim for 4g.40gb stays
+    Pending with the scheduler's reason, and the operator's instance outlives the claim. It ends by
+    restarting the agent as the T4 node it was."""
     from gpunode.node.devices.simnode.backend import SimBackend
 
     admin = dra_node.cp.api()
@@ -514,26 +547,16 @@ def test_a_mig_profile_claim_on_an_a100_mig_node_gets_the_mig_device(dra_node: D
     [at4] = [m for m in gpu.mig_devices if m.gi_id == 2]  # gi 2: the 3g.40gb instance at memory slice 4
     try:
         dra_node.restart_agent_as("a100-mig", [4])
+        layout = {("3g.40gb", 0), ("3g.40gb", 4)}  # every other placement overlaps the operator's instances
+        eventually(
+            lambda: _mig_placements(admin, gpu.uuid) == layout or None,
+            timeout_s=WAIT_S,
+            what="GPU 4's MIG placements: those of its two instances only",
+        )
 
-        def mig_devices() -> list[dict[str, Any]] | None:
-            found = [d for d in _slice_devices(admin) if d["name"].startswith(f"{gpu.uuid.lower()}-mig-")]
-            return found or None
-
-        eventually(mig_devices, timeout_s=WAIT_S, what="GPU 4's MIG placements in the node's slice")
-
-        def template(name: str, cel: str) -> None:
-            exactly = {"deviceClassName": names.CLASS_MIG, "selectors": [{"cel": {"expression": cel}}]}
-            spec = {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}
-            body = {
-                "apiVersion": "resource.k8s.io/v1",
-                "kind": "ResourceClaimTemplate",
-                "metadata": {"name": name},
-                "spec": {"spec": spec},
-            }
-            admin.apply(f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaimtemplates", body)
-
-        attrs = f'device.attributes["{DRIVER}"]'
-        template("mig-3g-4", f'{attrs}.profile == "3g.40gb" && {attrs}.memorySliceStart == 4')
+        _mig_template(
+            admin, "mig-3g-4", f'{MIG_ATTRS}.profile == "3g.40gb" && {MIG_ATTRS}.memorySliceStart == 4'
+        )
         _claim_pod(admin, "dra-mig", "mig-3g-4")
         report = _report(dra_node, "dra-mig")
         assert report.allocated > 0  # the container ran with the claim's CDI device
@@ -544,21 +567,96 @@ def test_a_mig_profile_claim_on_an_a100_mig_node_gets_the_mig_device(dra_node: D
         environ = eventually(lambda: _environ_of("dra-mig"), timeout_s=WAIT_S, what="the probe's process")
         assert environ.get("NVIDIA_VISIBLE_DEVICES") == at4.uuid
 
-        # 4g.40gb at slice 0 is a placement of the GPU's model, but no instance sits there.
-        template("mig-4g", f'{attrs}.profile == "4g.40gb"')
+        # 4g.40gb at slice 0 is a placement of the GPU's model, but the operator's instances take its slices.
+        _mig_template(admin, "mig-4g", f'{MIG_ATTRS}.profile == "4g.40gb"')
         _claim_pod(admin, "dra-mig-absent", "mig-4g")
-
-        def refused() -> str | None:
-            for e in pod_events(admin, NAMESPACE, "dra-mig-absent"):
-                if "has no such instance" in (e.get("message") or ""):
-                    return str(e["message"])
-            return None
-
-        message = eventually(refused, timeout_s=WAIT_S, what="the agent's reason on the pod")
-        assert "4g.40gb at memory slice 0" in message and "3g.40gb at 0, 3g.40gb at 4" in message
+        message = eventually(
+            lambda: _unschedulable(admin, "dra-mig-absent"),
+            timeout_s=WAIT_S,
+            what="the 4g.40gb claim Pending",
+        )
+        assert "claim" in message
         for pod in ("dra-mig", "dra-mig-absent"):
             _delete_and_wait(admin, dra_node, pod)
         eventually(lambda: _clean(dra_node), timeout_s=WAIT_S, what="the MIG claim unprepared")
+        # The operator's instance was not destroyed: its placement is still offered, and only it.
+        assert _mig_placements(admin, gpu.uuid) == {("3g.40gb", 0), ("3g.40gb", 4)}
+    finally:
+        dra_node.restart_agent_as("t4", [0, 1])
+
+
+def test_dynamic_mig_creates_the_instance_for_the_claim_and_destroys_it_after(
+    dra_node: DraNode, tmp_path: Path
+) -> None:
+    """The a100-mig node with GPU 4 half partitioned by its operator (one 3g.40gb instance, at memory
+    slice 0): the placements on slices 4-7 are offered. A claim for 3g.40gb at slice 4 runs with the
+    MIG device the agent created for it (the container sees MIG-<uuid>, an instance of no layout); while
+    it runs a 1g.10gb claim on that GPU fits nowhere and stays Pending with the scheduler's reason;
+    deleting the pod destroys the instance, so the 1g.10gb claim is then scheduled onto those slices and
+    runs with an instance created for it in turn. It ends by restarting the agent as the T4 node."""
+    from gpunode.node.devices import simnode
+    from gpunode.node.devices.simnode.backend import SimBackend
+
+    admin = dra_node.cp.api()
+    # The same node (its name, hence its GPUs' UUIDs, kept), GPU 4 partitioned otherwise.
+    layout = yaml.safe_load((Path(simnode.__file__).parent / "profiles" / "a100-mig.yaml").read_text())
+    layout["gpus"][4]["mig"] = ["3g.40gb"]  # the operator's layout: half the GPU
+    profile = tmp_path / "a100-mig-half.yaml"
+    profile.write_text(yaml.safe_dump(layout))
+    gpu = SimBackend.from_profile(profile).gpus()[4]
+    [operators] = gpu.mig_devices
+    try:
+        dra_node.restart_agent_as(str(profile), [4])
+        free_half = {
+            ("3g.40gb", 0),
+            ("3g.40gb", 4),
+            ("2g.20gb", 4),
+            ("1g.20gb", 4),
+            ("1g.20gb", 6),
+            ("1g.10gb", 4),
+            ("1g.10gb", 5),
+            ("1g.10gb", 6),
+        }
+        eventually(
+            lambda: _mig_placements(admin, gpu.uuid) == free_half or None,
+            timeout_s=WAIT_S,
+            what="GPU 4's MIG placements: its instance's and every one on memory slices 4-7",
+        )
+
+        _mig_template(
+            admin, "mig-3g-4", f'{MIG_ATTRS}.profile == "3g.40gb" && {MIG_ATTRS}.memorySliceStart == 4'
+        )
+        _claim_pod(admin, "dra-mig-new", "mig-3g-4")
+        assert _report(dra_node, "dra-mig-new").allocated > 0
+        [spec_name] = dra_node.specs
+        [env] = json.loads((dra_node.node.cdi_dir / spec_name).read_text())["containerEdits"]["env"]
+        created = env.removeprefix("NVIDIA_VISIBLE_DEVICES=")
+        assert created.startswith("MIG-") and created != operators.uuid
+        environ = eventually(lambda: _environ_of("dra-mig-new"), timeout_s=WAIT_S, what="the probe's process")
+        assert environ.get("NVIDIA_VISIBLE_DEVICES") == created
+        [record] = dra_node.records
+        plan = json.loads((dra_node.state / "dra" / "claims" / record).read_text())["plan"]
+        assert [(d["mig"], d["migCreated"]) for d in plan["devices"]] == [(created, True)]
+
+        # While it runs, nothing on GPU 4 fits a 1g.10gb: the operator's instance and the claim hold it all.
+        _mig_template(
+            admin, "mig-1g", f'{MIG_ATTRS}.profile == "1g.10gb" && {MIG_ATTRS}.uuid == "{gpu.uuid}"'
+        )
+        _claim_pod(admin, "dra-mig-small", "mig-1g")
+        message = eventually(
+            lambda: _unschedulable(admin, "dra-mig-small"), timeout_s=WAIT_S, what="the 1g.10gb claim Pending"
+        )
+        assert "claim" in message
+
+        # Deleting the pod destroys the instance: the 1g.10gb claim gets those slices, and an instance.
+        _delete_and_wait(admin, dra_node, "dra-mig-new")
+        assert _report(dra_node, "dra-mig-small").allocated > 0
+        [spec_name] = dra_node.specs
+        [env] = json.loads((dra_node.node.cdi_dir / spec_name).read_text())["containerEdits"]["env"]
+        second = env.removeprefix("NVIDIA_VISIBLE_DEVICES=")
+        assert second.startswith("MIG-") and second not in (created, operators.uuid)
+        _delete_and_wait(admin, dra_node, "dra-mig-small")
+        eventually(lambda: _clean(dra_node), timeout_s=WAIT_S, what="the MIG claims unprepared")
     finally:
         dra_node.restart_agent_as("t4", [0, 1])
 
