@@ -17,6 +17,7 @@ from gpunode.errors import BackendError, ConfigError, DeviceNotFound, SimFaultEr
 from gpunode.node.devices.base import MigPartitioner
 from gpunode.node.devices.nvml import partition
 from gpunode.node.devices.nvml.backend import NvmlBackend
+from gpunode.node.devices.nvml.discovery import placement_start
 from gpunode.node.devices.nvml.query import NvmlQuery
 from gpunode.node.devices.simnode.backend import SimBackend
 
@@ -219,3 +220,29 @@ def test_nvml_destroys_the_compute_instance_then_the_gpu_instance() -> None:
     busy = FakePartitionNvml(fail={"destroyGI": 19})  # IN_USE
     with pytest.raises(BackendError, match="destroying MIG device MIG-1: nvmlGpuInstanceDestroy failed"):
         partition.destroy(NvmlQuery(busy), "MIG-1")
+
+
+class FakeDiscoveryNvml:
+    """nvmlDeviceGetGpuInstanceById and nvmlGpuInstanceGetInfo as discovery reads a placement."""
+
+    NVMLError = NVMLError
+
+    def __init__(self, starts: dict[int, int]) -> None:
+        self.starts = starts
+
+    def nvmlDeviceGetGpuInstanceById(self, h: Any, gi_id: int) -> Any:
+        if gi_id not in self.starts:
+            raise NVMLError(2)  # INVALID_ARGUMENT: no such GPU instance
+        return gi_id
+
+    def nvmlGpuInstanceGetInfo(self, gi: int) -> Any:
+        return Obj(id=gi, placement=Obj(start=self.starts[gi], size=1))
+
+
+def test_discovery_reads_the_placement_nvml_gives_not_one_guessed_from_the_instance_id() -> None:
+    """The driver numbers GPU instances in its own order: GPU instance 9 may sit at memory slice 0."""
+    q = NvmlQuery(FakeDiscoveryNvml({9: 0, 7: 3}))
+    assert placement_start(q, "gpu-handle", 9, "GPU-a") == 0
+    assert placement_start(q, "gpu-handle", 7, "GPU-a") == 3
+    assert placement_start(q, "gpu-handle", 11, "GPU-a") is None  # NVML cannot say: None, not a guess
+    assert placement_start(NvmlQuery(Obj(NVMLError=NVMLError)), "gpu-handle", 9, "GPU-a") is None
