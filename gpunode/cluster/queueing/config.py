@@ -100,7 +100,7 @@ class PreemptionSettings:
     # reclaim towards the fair share (preempt.py): from queues holding more than share_above x their
     # fair share, for a job of a queue below its own that has waited share_after_s; None: off
     share_above: float | None = 1.25
-    share_after_s: float = 3600.0
+    share_after_s: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -137,9 +137,9 @@ class OrderSettings:
     whose users under-estimate is ordered by what its jobs really run without moving any reservation.
     """
 
-    shift_per_gpu_hour_s: float = 0.0
-    shift_max_s: float = 0.0
-    shift_up_to_gpus: int = 0
+    shift_per_gpu_hour_s: float = 3600.0
+    shift_max_s: float = 43200.0
+    shift_up_to_gpus: int = 4
     learned_size: bool = False
 
 
@@ -312,7 +312,7 @@ def parse_queue_config(data: object, where: str) -> QueueConfig:
 
 
 def _share_reclaim(pre: SectionReader) -> tuple[float | None, float]:
-    """preemption.shareReclaim: (above: a multiple of the fair share, after: a wait); `false`: (None, 1h)."""
+    """preemption.shareReclaim: (above: a multiple of the fair share, after: a wait); `false`: (None, the default after)."""
     d = PreemptionSettings()
     if pre.has("shareReclaim") and pre.raw("shareReclaim") is False:
         return None, d.share_after_s

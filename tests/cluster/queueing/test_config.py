@@ -438,11 +438,11 @@ def test_idle_first_is_off_by_default_and_read_with_its_minimum() -> None:
 
 def test_share_reclaim_is_on_unless_turned_off_and_read_with_its_defaults() -> None:
     pre = parse_queue_config(base(), "q.yaml").preemption
-    assert (pre.share_above, pre.share_after_s) == (1.25, 3600.0)
+    assert (pre.share_above, pre.share_after_s) == (1.25, 300.0)
     pre = parse_queue_config({**base(), "preemption": {"shareReclaim": False}}, "q.yaml").preemption
     assert pre.share_above is None
     pre = parse_queue_config({**base(), "preemption": {"shareReclaim": {}}}, "q.yaml").preemption
-    assert (pre.share_above, pre.share_after_s) == (1.25, 3600.0)
+    assert (pre.share_above, pre.share_after_s) == (1.25, 300.0)
     data = {**base(), "preemption": {"shareReclaim": {"above": 2, "after": "30m"}}}
     pre = parse_queue_config(data, "q.yaml").preemption
     assert (pre.share_above, pre.share_after_s) == (2.0, 1800.0)

@@ -99,12 +99,12 @@ def test_the_settings_are_read_and_checked() -> None:
     ("order", "first"),
     [
         ({}, "B"),
-        ({"shiftPerGpuHour": "60s", "shiftMax": "1h"}, "S"),
-        ({"shiftPerGpuHour": "60s", "shiftMax": "50s"}, "B"),
+        ({"shiftPerGpuHour": "60s", "shiftMax": "1h", "shiftUpToGpus": 0}, "S"),
+        ({"shiftPerGpuHour": "60s", "shiftMax": "50s", "shiftUpToGpus": 0}, "B"),
     ],
 )
 def test_a_small_job_passes_a_big_one_that_arrived_shortly_before_it(
-    order: dict[str, str], first: str
+    order: dict[str, object], first: str
 ) -> None:
     # B (8 GPUs x 1 h: 8 GPU-hours) arrives at 0, S (1 GPU x 10 min) at 100 s. Shifted by 60 s per GPU-hour,
     # B's place is 480 s, S's 110 s: S goes first. With the shift capped at 50 s, B's place is 50 s.

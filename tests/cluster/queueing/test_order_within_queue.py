@@ -75,7 +75,7 @@ def test_a_shifted_job_is_passed_only_by_jobs_arriving_within_its_shift() -> Non
 
 
 def test_without_the_shift_the_order_is_arrival() -> None:
-    s = scheduler(config(ONE_QUEUE, order={"shiftUpToGpus": 4}), nodes=1)  # no shiftMax: no shift at all
+    s = scheduler(config(ONE_QUEUE, order={"shiftMax": "0s"}), nodes=1)  # shiftMax 0: no shift at all
     s.submit(job("L", "a", 8, est=1e6), 0.0)
     s.cycle(0.0)
     s.submit(job("long", "a", 2, t=10.0, est=3 * 3600.0), 10.0)
@@ -85,8 +85,13 @@ def test_without_the_shift_the_order_is_arrival() -> None:
 
 
 def test_shift_up_to_gpus_is_read_and_checked() -> None:
-    assert config(ONE_QUEUE).order.shift_up_to_gpus == 0
-    assert config(ONE_QUEUE, order={"shiftUpToGpus": 4}).order.shift_up_to_gpus == 4
+    default = config(ONE_QUEUE).order
+    assert (default.shift_per_gpu_hour_s, default.shift_max_s, default.shift_up_to_gpus) == (
+        3600.0,
+        43200.0,
+        4,
+    )
+    assert config(ONE_QUEUE, order={"shiftUpToGpus": 0}).order.shift_up_to_gpus == 0
     for bad in (-1, "4", True):
         with pytest.raises(QueueConfigError, match="shiftUpToGpus"):
             config(ONE_QUEUE, order={"shiftUpToGpus": bad})

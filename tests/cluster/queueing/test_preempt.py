@@ -88,7 +88,8 @@ def test_young_unpreemptible_and_noticed_jobs_are_passed_over() -> None:
 
 
 def test_priority_preemption_in_the_engine_respects_the_minimum_runtime() -> None:
-    s = scheduler(config(ONE_QUEUE, preemption={"notice": "1m", "minRuntime": "10m"}), nodes=1)
+    pre = {"notice": "1m", "minRuntime": "10m", "shareReclaim": False}  # priority alone, not the share
+    s = scheduler(config(ONE_QUEUE, preemption=pre), nodes=1)
     start(s, [(job("low", "a", 8), 0.0)])
     s.submit(job("urgent", "hi", 8, t=100.0, priority=5), 100.0)
     assert s.cycle(100.0).notices == []  # low has run 100 s of its 600
