@@ -19,9 +19,8 @@ times.
   and one CDI spec per claim, the node's ResourceSlices keep their names and devices.
 
 A kill while the agent stages the claim's region, or writes its record, leaves the staged directory
-`.tmp-claim-<uid>-*` (or the file `.<uid>.json.<pid>.tmp`) under `<stateDir>/dra`: neither the restarted
-agent's roll-back nor the unprepare removes it. Those cases are the xfail-marked parameters of the first
-test.
+`.tmp-claim-<uid>-*` (or the file `.<uid>.json.<pid>.tmp`) under `<stateDir>/dra`; the restarted agent
+removes it before it serves (two parameters of the first test).
 
 What counts as the claim's files: its record `<stateDir>/dra/claims/<uid>.json`, its region
 `<stateDir>/dra/memcap/claim-<uid>`, its spec `<cdiDir>/<driver>-<uid>.json`, and any temporary file or
@@ -337,26 +336,8 @@ def catch(dn: DraNode, admin: Api, prefix: str, known: set[str], want: Want, wha
     "want",
     [
         pytest.param(region_without_spec, id="region-made-spec-not"),
-        pytest.param(
-            region_staged,
-            id="region-staged",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=AssertionError,
-                reason="a SIGKILL while the agent stages a claim's region leaves <stateDir>/dra/memcap/"
-                ".tmp-claim-<uid>-*: neither the roll-back at start nor the unprepare removes it",
-            ),
-        ),
-        pytest.param(
-            record_staged,
-            id="record-staged",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=AssertionError,
-                reason="a SIGKILL while the agent writes a claim's record leaves <stateDir>/dra/claims/"
-                ".<uid>.json.<pid>.tmp: neither the roll-back at start nor the unprepare removes it",
-            ),
-        ),
+        pytest.param(region_staged, id="region-staged"),  # the restarted agent removes the staging directory
+        pytest.param(record_staged, id="record-staged"),  # and the record's temporary file
     ],
 )
 def test_an_agent_killed_mid_prepare_is_prepared_once_by_the_kubelets_retry(

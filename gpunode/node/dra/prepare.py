@@ -37,6 +37,7 @@ from gpunode.node.dra.checkpoint import PREPARED, PREPARING, ClaimCheckpoint, Cl
 from gpunode.node.dra.claims import ClaimPlan, ClaimRef, check_uid, containers_with_other_caps, plan_claim
 from gpunode.node.dra.devices import DeviceDirectory
 from gpunode.node.dra.slices import mig_instance_slices, mig_table
+from gpunode.node.memcap.checkpoint import remove_stale_temps
 from gpunode.node.memcap.compute import DEFAULT_MODE, read_compute, set_compute_share, share_from_memory
 
 log = logging.getLogger(__name__)
@@ -229,6 +230,12 @@ class Preparer:
         go): the kubelet's retry adopts them, and collect_orphans destroys them if the claim is gone.
         Returns (rolled back, kept)."""
         memcap.secure_root(self.regions_root)
+        # What a killed agent was staging: a region's directory, a record's or a region file's
+        # temporary file. Nothing is being prepared yet, so every one is stale.
+        staged = memcap.remove_staging(self.regions_root, older_than_s=0)
+        staged += len(remove_stale_temps([self.checkpoint.root], region_roots=[self.regions_root]))
+        if staged:
+            log.info("DRA: removed %d file(s) a stopped agent left half-written", staged)
         rolled = kept = 0
         for uid in self.checkpoint.uids():
             try:
@@ -589,6 +596,7 @@ class Preparer:
         """The claim's spec and region (its record and MIG instances stay)."""
         cdi.remove_spec(self.cdi_dir, self.driver, uid)
         memcap.remove_region(self.regions_root, region_key(uid))
+        memcap.remove_staging(self.regions_root, older_than_s=0, key=region_key(uid))  # the claim is locked
 
     def _remove(self, uid: str) -> None:
         """Spec first (no new container gets the claim), then the region, then the MIG instances gpunode

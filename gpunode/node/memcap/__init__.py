@@ -37,7 +37,14 @@ from gpunode.node.memcap.container import (
     default_region_dir,
     preload_library_path,
 )
-from gpunode.node.memcap.directory import gc_regions, list_regions, remove_region, scan_regions, secure_root
+from gpunode.node.memcap.directory import (
+    gc_regions,
+    list_regions,
+    remove_region,
+    remove_staging,
+    scan_regions,
+    secure_root,
+)
 from gpunode.node.memcap.problems import RegionProblem, region_problems
 from gpunode.node.memcap.region import (
     LIMIT_FILE,
@@ -90,6 +97,7 @@ __all__ = [
     "reclaim_dead",
     "region_problems",
     "remove_region",
+    "remove_staging",
     "replace_region",
     "scan_regions",
     "secure_root",

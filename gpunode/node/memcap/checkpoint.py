@@ -243,19 +243,26 @@ def _pid_alive(pid: int) -> bool:
 
 def remove_stale_temp_files(state_dir: Path) -> list[Path]:
     """Remove the ``.<name>.<pid>.tmp`` files a killed agent left in state_dir, lib/ (and its layout-<N>/),
-    checkpoint.d/, status/ and the region directories; the paths removed.
+    checkpoint.d/, status/ and the region directories; the paths removed (see remove_stale_temps)."""
+    state_dir = Path(state_dir)
+    dirs = [state_dir, state_dir / "lib", state_dir / DIR_NAME, state_dir / "status"]
+    with contextlib.suppress(OSError):  # the staged interposers, one directory per region layout
+        dirs += [d for d in (state_dir / "lib").iterdir() if d.is_dir() and d.name.startswith("layout-")]
+    return remove_stale_temps(dirs, region_roots=[state_dir / "memcap"])
+
+
+def remove_stale_temps(dirs: Iterable[Path], *, region_roots: Iterable[Path] = ()) -> list[Path]:
+    """Remove the ``.<name>.<pid>.tmp`` files a killed agent left in `dirs` and in every region directory
+    of `region_roots`; the paths removed.
 
     A file is stale when its pid is no live process, or is this process's own pid (a restarted agent
     in a container often gets the pid its predecessor had; call this before staging any file). A file
     of another live process is kept: it may be another agent's write in progress.
     """
-    state_dir = Path(state_dir)
-    dirs = [state_dir, state_dir / "lib", state_dir / DIR_NAME, state_dir / "status"]
-    with contextlib.suppress(OSError):  # the staged interposers, one directory per region layout
-        dirs += [d for d in (state_dir / "lib").iterdir() if d.is_dir() and d.name.startswith("layout-")]
-    regions = state_dir / "memcap"
-    with contextlib.suppress(OSError):
-        dirs += [d for d in regions.iterdir() if d.is_dir() and not d.is_symlink()]
+    dirs = list(dirs)
+    for regions in region_roots:
+        with contextlib.suppress(OSError):
+            dirs += [d for d in regions.iterdir() if d.is_dir() and not d.is_symlink()]
     removed = []
     own = os.getpid()
     for directory in dirs:
@@ -279,5 +286,7 @@ def remove_stale_temp_files(state_dir: Path) -> list[Path]:
                 continue
             removed.append(entry)
     if removed:
-        log.info("removed %d stale temporary file(s) in %s", len(removed), state_dir)
+        log.info(
+            "removed %d stale temporary file(s): %s", len(removed), ", ".join(str(p) for p in removed[:5])
+        )
     return removed

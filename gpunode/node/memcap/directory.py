@@ -140,9 +140,30 @@ def gc_regions(
     )
     for key in removed:
         PROBLEMS.gone(root / key)
-    now = time.time()
-    with contextlib.suppress(OSError):
-        for entry in root.iterdir():  # half-made (.tmp-) and half-removed (.trash-) regions
-            if entry.name.startswith(_TEMP_PREFIXES) and now - entry.lstat().st_mtime > STALE_TEMP_AGE_S:
-                shutil.rmtree(entry, ignore_errors=True)
+    remove_staging(root)
     return removed
+
+
+def remove_staging(
+    root: str | os.PathLike[str], *, older_than_s: float = STALE_TEMP_AGE_S, key: str | None = None
+) -> int:
+    """Remove half-made (``.tmp-<key>-*``) and half-removed (``.trash-<key>-*``) regions under `root` that
+    were last changed more than older_than_s ago (0: every one; only when nothing stages a region now),
+    of one region key or of all; how many went."""
+    root = Path(root)
+    prefixes = _TEMP_PREFIXES if key is None else tuple(f"{p}{_check_key(key)}-" for p in _TEMP_PREFIXES)
+    now = time.time()
+    gone = 0
+    with contextlib.suppress(OSError):
+        for entry in root.iterdir():
+            if not entry.name.startswith(prefixes):
+                continue
+            with contextlib.suppress(OSError):
+                if older_than_s > 0 and now - entry.lstat().st_mtime <= older_than_s:
+                    continue
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink()
+                gone += 1
+    return gone
