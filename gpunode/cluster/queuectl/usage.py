@@ -28,6 +28,9 @@ import msgspec
 
 from gpunode.cluster.queueing.config import QueueConfig
 from gpunode.cluster.queueing.engine import Scheduler
+from gpunode.cluster.queueing.lossbudget import HALF_LIFE_S
+from gpunode.cluster.queueing.model import GPU
+from gpunode.contract.names import MILLI_PER_GPU
 from gpunode.errors import QueueUsageRefused
 
 VERSION = 1
@@ -39,6 +42,13 @@ CLOCK_SKEW_S = 60.0
 PLAUSIBLE = 10.0
 
 
+class SavedLosses(msgspec.Struct, forbid_unknown_fields=True):
+    """The loss budget's sums (queueing/lossbudget.py), decayed to the same `at` as the usage."""
+
+    lost: float = msgspec.field(name="lostGpuSeconds")
+    delivered: float = msgspec.field(name="deliveredGpuSeconds")
+
+
 class SavedUsage(msgspec.Struct, forbid_unknown_fields=True):
     """The saved state (the JSON of the ConfigMap's usage.json)."""
 
@@ -48,6 +58,7 @@ class SavedUsage(msgspec.Struct, forbid_unknown_fields=True):
     window_s: float = msgspec.field(name="windowSeconds")
     usage: dict[str, dict[str, float]]  # leaf queue -> resource -> decayed resource-seconds
     saved_by: str = msgspec.field(name="savedBy", default="")
+    losses: SavedLosses | None = None  # with preemption.shareReclaim.lossBudget
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,9 @@ def snapshot(sched: Scheduler, now: float, identity: str) -> SavedUsage | None:
     usage, at = got
     kept = {q: {r: v for r, v in amounts.items() if v > 0} for q, amounts in usage.items()}
     fair = sched.config.fair_share
+    losses = None
+    if sched.loss_budget is not None:
+        losses = SavedLosses(*sched.loss_budget.state(at))
     return SavedUsage(
         version=VERSION,
         at=at,
@@ -79,6 +93,7 @@ def snapshot(sched: Scheduler, now: float, identity: str) -> SavedUsage | None:
         window_s=fair.window_s,
         usage={q: a for q, a in sorted(kept.items()) if a},
         saved_by=identity,
+        losses=losses,
     )
 
 
@@ -123,6 +138,9 @@ def decode(text: str, now: float, where: str) -> SavedUsage:
             if not resource or len(resource) > MAX_NAME:
                 raise QueueUsageRefused(f"{where}: queue {_name(queue)}: a resource named {_name(resource)}")
             _finite(value, f"queue {_name(queue)}, {_name(resource)}", where)
+    if state.losses is not None:
+        _finite(state.losses.lost, "the GPU-seconds lost to preemption", where)
+        _finite(state.losses.delivered, "the GPU-seconds delivered", where)
     state.at = min(state.at, now)
     return state
 
@@ -157,11 +175,24 @@ def seed(sched: Scheduler, state: SavedUsage, config: QueueConfig, where: str) -
                     QueueUsageRefused.default_hint,
                 )
             kept[resource] = value
+    budget = sched.loss_budget
+    if state.losses is not None and budget is not None:
+        bound = PLAUSIBLE * capacity.get(GPU, 0) / MILLI_PER_GPU * HALF_LIFE_S / math.log(2)
+        if max(state.losses.lost, state.losses.delivered) > bound:
+            return Outcome(
+                "refused",
+                f"{where}: {max(state.losses.lost, state.losses.delivered):.4g} GPU-seconds delivered or lost, "
+                f"more than the whole cluster can in a half-life of {HALF_LIFE_S:g} s ({bound:.4g}, with slack): "
+                "fair-share usage starts afresh",
+                QueueUsageRefused.default_hint,
+            )
     dropped = sorted(set(state.usage) - leaves)
     try:
         seeded = sched.seed_usage(usage, state.at)
     except ValueError as exc:  # decode() lets nothing through that seed_usage refuses
         return Outcome("refused", f"{where}: {exc}", QueueUsageRefused.default_hint)
+    if state.losses is not None and budget is not None:
+        budget.seed(state.losses.lost, state.losses.delivered, state.at)
     more = ""
     if dropped:
         named = ", ".join(_name(q) for q in dropped[:3])

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from gpunode.cluster.queueing.fairshare import UsageLedger
+from gpunode.cluster.queueing.lossbudget import LossBudget
 from gpunode.cluster.queueing.model import Amounts, Decisions, Job, Plan, RunningJob, add, sub
 from gpunode.cluster.queueing.pending import Nomination, Pending
 
@@ -47,6 +48,7 @@ class Adoption:
         _version: int
         _seq: Iterator[int]
         _ledger: UsageLedger | None
+        loss_budget: LossBudget | None
         _charged_to: float | None
         _now: float
         _capacity: Amounts
@@ -195,6 +197,9 @@ class Adoption:
         previous._advance(max(now, previous._now))
         self._ledger = old
         self._charged_to = max(now, self._now)
+        budget = self.loss_budget
+        if budget is not None and previous.loss_budget is not None:  # the losses spent go on counting
+            budget.seed(*previous.loss_budget.state(previous._now), previous._now)
         return True
 
     def usage_memory(self, now: float | None = None) -> tuple[dict[str, dict[str, float]], float] | None:

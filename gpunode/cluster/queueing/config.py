@@ -101,6 +101,10 @@ class PreemptionSettings:
     # fair share, for a job of a queue below its own that has waited share_after_s; None: off
     share_above: float | None = 1.25
     share_after_s: float = 300.0
+    # the share of the delivered GPU-time preemption losses may reach before share reclaim stops (lossbudget.py)
+    share_loss_budget: float | None = None
+    # share reclaim makes room only off the nodes of backfill reservations that start before the preemptor ends
+    share_keeps_reservations: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,8 @@ class BackfillSettings:
     # reservation always counts; a further one that would pass it waits)
     reserved_share: float = 0.1
     learn_estimates: bool = False  # runtime estimates corrected from each queue's completed jobs (history.py)
+    # jobs without an estimate planned with their queue's learned runtime per size instead of default_runtime_s
+    learn_missing: bool = False
 
 
 @dataclass(frozen=True)
@@ -251,7 +257,7 @@ def parse_queue_config(data: object, where: str) -> QueueConfig:
     )
     fair.finish()
     pre = top.section("preemption")
-    share_above, share_after_s = _share_reclaim(pre)
+    share_above, share_after_s, share_loss_budget, share_keeps = _share_reclaim(pre)
     preemption = PreemptionSettings(
         notice_s=pre.duration("notice", 300.0),
         min_runtime_s=pre.duration("minRuntime", 600.0),
@@ -261,6 +267,8 @@ def parse_queue_config(data: object, where: str) -> QueueConfig:
         idle_minimum_s=pre.duration("idleMinimum", 0.0),
         share_above=share_above,
         share_after_s=share_after_s,
+        share_loss_budget=share_loss_budget,
+        share_keeps_reservations=share_keeps,
     )
     pre.finish()
     back = top.section("backfill")
@@ -272,6 +280,7 @@ def parse_queue_config(data: object, where: str) -> QueueConfig:
         reserve_after_s=back.duration("reserveAfter", 0.0),
         reserved_share=back.number("reservedShare", BackfillSettings.reserved_share, minimum=0, maximum=1),
         learn_estimates=back.flag("learnEstimates", BackfillSettings.learn_estimates),
+        learn_missing=back.flag("learnMissing", BackfillSettings.learn_missing),
     )
     back.finish()
     sec = top.section("order")
@@ -311,16 +320,21 @@ def parse_queue_config(data: object, where: str) -> QueueConfig:
     )
 
 
-def _share_reclaim(pre: SectionReader) -> tuple[float | None, float]:
-    """preemption.shareReclaim: (above: a multiple of the fair share, after: a wait); `false`: (None, the default after)."""
+def _share_reclaim(pre: SectionReader) -> tuple[float | None, float, float | None, bool]:
+    """preemption.shareReclaim: (above: a multiple of the fair share, after: a wait, lossBudget: a share of
+    the delivered GPU-time or None, keepReservations); `false`: (None, the default after, None, default)."""
     d = PreemptionSettings()
     if pre.has("shareReclaim") and pre.raw("shareReclaim") is False:
-        return None, d.share_after_s
+        return None, d.share_after_s, None, d.share_keeps_reservations
     sec = pre.section("shareReclaim")
     above = sec.number("above", d.share_above, minimum=1, maximum=100)
     after = sec.duration("after", d.share_after_s)
+    budget: float | None = None
+    if sec.raw("lossBudget", d.share_loss_budget) is not False:  # false: no budget
+        budget = sec.number("lossBudget", d.share_loss_budget, minimum=0, maximum=1)
+    keeps = sec.flag("keepReservations", d.share_keeps_reservations)
     sec.finish()
-    return above, after
+    return above, after, budget, keeps
 
 
 def _positive_duration(reader: SectionReader, key: str, default: float) -> float:

@@ -60,6 +60,7 @@ from gpunode.cluster.queueing.capacity import ClusterCapacity
 from gpunode.cluster.queueing.config import QueueConfig
 from gpunode.cluster.queueing.fairshare import UsageLedger
 from gpunode.cluster.queueing.history import RuntimeHistory
+from gpunode.cluster.queueing.lossbudget import LossBudget
 from gpunode.cluster.queueing.lostwork import LostWork
 from gpunode.cluster.queueing.model import (
     GPU,
@@ -150,6 +151,14 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
             self.share_reclaim = (1.0, 0.0)
         elif self.reclaim and preset.share_reclaim == "configured" and pre.share_above is not None:
             self.share_reclaim = (pre.share_above, pre.share_after_s)
+        # what share reclaim may spend in lost work (lossbudget.py); the kai preset's reclaim has no budget
+        self.loss_budget: LossBudget | None = None
+        if (
+            preset.share_reclaim == "configured"
+            and self.share_reclaim is not None
+            and pre.share_loss_budget is not None
+        ):
+            self.loss_budget = LossBudget(pre.share_loss_budget)
         self.priority_preemption = preset.priority_preemption and pre.priority
         self.idle_first, self.idle_minimum_s = pre.idle_first, pre.idle_minimum_s
         self.backfill = preset.backfill and config.backfill.enabled
@@ -160,8 +169,10 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
         self.reserved_share = config.backfill.reserved_share
         # backfill plans with the runtimes learned from history; the size order may read them on its own
         self._plan_learned = self.backfill and config.backfill.learn_estimates
+        self._plan_missing = self.backfill and config.backfill.learn_missing  # only jobs without an estimate
         self._size_learned = preset.size_order and config.order.learned_size and config.order.shift_max_s > 0
-        self._history = RuntimeHistory() if self._plan_learned or self._size_learned else None
+        learns = self._plan_learned or self._plan_missing or self._size_learned
+        self._history = RuntimeHistory() if learns else None
         self._restarted: set[str] = set()  # jobs stopped before completing once (their runtime is no length)
         self.shares: dict[str, Amounts] = {}
         self._touched: list[Pending] = []
@@ -181,7 +192,7 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
         """A running job completed: release what it holds."""
         self._advance(now)
         if name in self.running:
-            r = self._stop(name)
+            r = self._stop(name, completed=True)
             if self._history is not None and name not in self._restarted:
                 self._history.completed(r.job, now - r.start)
             self._restarted.discard(name)
@@ -235,6 +246,13 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
     def excluded_for_preemptors(self) -> frozenset[str]:
         """Nodes already promised to preemptors: a new preemptor's room must be elsewhere."""
         return self._excl_base
+
+    def share_exclusion(self, p: Pending, now: float) -> frozenset[str]:
+        """The nodes a share reclaim for p keeps off (preempt.preemption_for): promised to preemptors and, with
+        preemption.shareReclaim.keepReservations, those of every reservation but p's own that starts before p ends."""
+        if not self.config.preemption.share_keeps_reservations:
+            return self._excl_base
+        return self._exclusion(p, now)
 
     @property
     def reservation(self) -> tuple[str, Reservation] | None:
@@ -415,8 +433,10 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
         elif self._extra.pop(job.name, None) is not None:
             self._exclusions()
 
-    def _stop(self, name: str) -> RunningJob:
+    def _stop(self, name: str, completed: bool = False) -> RunningJob:
         r = self.running.pop(name)
+        if self.loss_budget is not None and r.notice_deadline is not None and not completed:
+            self.loss_budget.lost(r.lost_work(self._now), self._now)  # a victim stopped (lossbudget.py)
         del self._by_queue[r.job.queue][name]
         self._lost.remove(name)
         del self._ends[bisect.bisect_left(self._ends, (r.expected_end(self.default_runtime_s), name))]
@@ -445,6 +465,9 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
                 held = self.book.allocated[leaf]
                 if any(held.values()):
                     self._ledger.charge(leaf, held, self._charged_to, now)
+        if self.loss_budget is not None and self._charged_to is not None and now > self._charged_to:
+            gpus = sum(self.book.allocated[leaf].get(GPU, 0) for leaf in self.config.leaves) / MILLI_PER_GPU
+            self.loss_budget.delivered(gpus, self._charged_to, now)
         self._charged_to = now
         self._now = now
 
@@ -474,7 +497,9 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
 
     def _planned_runtime(self, job: Job) -> float:
         """What backfill plans the job with: its estimate (or the default), corrected by history when on."""
-        if self._plan_learned and self._history is not None:
+        if self._history is not None and (
+            self._plan_learned or (self._plan_missing and job.runtime_estimate is None)
+        ):
             return self._history.estimate(job, self.default_runtime_s)
         return self.default_runtime_s if job.runtime_estimate is None else job.runtime_estimate
 

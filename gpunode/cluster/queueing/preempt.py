@@ -37,6 +37,7 @@ from gpunode.cluster.queueing.quotas import QuotaBook
 if TYPE_CHECKING:
     from gpunode.cluster.queueing.capacity import ClusterCapacity
     from gpunode.cluster.queueing.config import QueueConfig
+    from gpunode.cluster.queueing.lossbudget import LossBudget
     from gpunode.cluster.queueing.pending import Pending
     from gpunode.cluster.queueing.presets import Preset
 
@@ -93,6 +94,7 @@ class PreemptionHost(Protocol):
     shares: dict[str, Amounts]
     reclaim: bool
     share_reclaim: tuple[float, float] | None
+    loss_budget: LossBudget | None
     priority_preemption: bool
     idle_first: bool
     idle_minimum_s: float
@@ -101,6 +103,9 @@ class PreemptionHost(Protocol):
     @property
     def excluded_for_preemptors(self) -> frozenset[str]:
         """Nodes already promised to preemptors."""
+
+    def share_exclusion(self, p: Pending, now: float) -> frozenset[str]:
+        """The nodes a share reclaim for p keeps off: promised to preemptors, or reserved (keepReservations)."""
 
     def lowest_priority(self, queue: str) -> int | None:
         """The lowest priority among the leaf's running jobs (None: it runs none)."""
@@ -271,13 +276,21 @@ def preemption_for(sched: PreemptionHost, p: Pending, now: float) -> tuple[Victi
     candidates are jobs of strictly lower priority (only p's own queue when the
     preset says so). choose_victims then keeps every queue at or above its guarantee.
     With idle_first, the idle best-effort candidates go first (reason "idle"; module docstring).
+    No share reclaim while a loss budget (lossbudget.py) is spent. With keepReservations the
+    share reclaim's room keeps off the reservations that start before p would end; when that
+    finds nothing, the search is made again without the share reclaim.
     """
     leaf = p.job.queue
     book = sched.book
-    reclaim = sched.reclaim and book.mode != "none"
     over_share: set[str] = set()
     share_reclaim = sched.share_reclaim
-    if share_reclaim is not None and sched.shares and now - p.since >= share_reclaim[1]:
+    budget = sched.loss_budget
+    if (
+        share_reclaim is not None
+        and sched.shares
+        and now - p.since >= share_reclaim[1]
+        and (budget is None or budget.allows(now))
+    ):
         above, shares = share_reclaim[0], sched.shares
         if book.allocated[leaf].get(GPU, 0) + p.demand.get(GPU, 0) <= shares.get(leaf, {}).get(GPU, 0):
             over_share = {
@@ -285,6 +298,21 @@ def preemption_for(sched: PreemptionHost, p: Pending, now: float) -> tuple[Victi
                 for q in sched.config.leaves
                 if book.allocated[q].get(GPU, 0) > above * shares[q].get(GPU, 0)
             }
+    if not over_share:
+        return _search(sched, p, now, over_share, sched.excluded_for_preemptors)
+    found = _search(sched, p, now, over_share, sched.share_exclusion(p, now))
+    if found is not None or not sched.config.preemption.share_keeps_reservations:
+        return found
+    return _search(sched, p, now, set(), sched.excluded_for_preemptors)
+
+
+def _search(
+    sched: PreemptionHost, p: Pending, now: float, over_share: set[str], exclude: frozenset[str]
+) -> tuple[Victims, dict[str, str]] | None:
+    """preemption_for's search, share reclaim taking from the over_share queues, the room off `exclude`."""
+    leaf = p.job.queue
+    book = sched.book
+    reclaim = sched.reclaim and book.mode != "none"
     reasons: dict[str, str] = {}
     keyed: list[tuple[bool, float, int, str, RunningJob]] = []
     idle: set[str] = set()
@@ -349,7 +377,7 @@ def preemption_for(sched: PreemptionHost, p: Pending, now: float) -> tuple[Victi
         now,
         min_runtime_s=sched.min_runtime_s,
         units=sched.units_of,
-        exclude_nodes=sched.excluded_for_preemptors,
+        exclude_nodes=exclude,
         idle=frozenset(idle),
     )
     return None if victims is None else (victims, reasons)

@@ -33,6 +33,7 @@ from gpunode.contract.names import MILLI_PER_GPU
 
 if TYPE_CHECKING:
     from gpunode.cluster.queueing.capacity import ClusterCapacity
+    from gpunode.cluster.queueing.lossbudget import LossBudget
     from gpunode.cluster.queueing.presets import Preset
     from gpunode.cluster.queueing.reasons import Reasons
     from gpunode.cluster.queueing.waitlist import DeadShapes, WaitList
@@ -54,6 +55,7 @@ class Rooms:
         reasons: Reasons
         reclaim: bool
         share_reclaim: tuple[float, float] | None
+        loss_budget: LossBudget | None
         reservations_per_queue: int
         reserve_after_s: float
         reserved_share: float
@@ -72,7 +74,7 @@ class Rooms:
         preset: Preset
 
         def _try(self, p: Pending, now: float, d: Decisions) -> str: ...
-        def _stop(self, name: str) -> RunningJob: ...
+        def _stop(self, name: str, completed: bool = False) -> RunningJob: ...
         def _enqueue(self, job: Job, now: float) -> None: ...
         def _list_of(self, job: Job) -> WaitList: ...
 
@@ -111,6 +113,8 @@ class Rooms:
             ripens = self._youngest_ripens(now)
             if self.share_reclaim is not None and (waited := p.since + self.share_reclaim[1]) > now:
                 ripens = min(ripens, waited)
+            if self.loss_budget is not None and not self.loss_budget.allows(now):
+                ripens = min(ripens, now + PREEMPT_RETRY_S)  # the budget frees up as the cluster delivers
             self._preempt_failed[p.job.name] = (*stamp, ripens, now + PREEMPT_RETRY_S)
             return False
         victims, reasons = chosen

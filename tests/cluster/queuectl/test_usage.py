@@ -259,6 +259,10 @@ HOSTILE: dict[str, Callable[[], dict[str, str]]] = {
     "not JSON": lambda: {DATA_KEY: "{version: 1"},
     "no usage.json": lambda: {"other": "x"},
     "a log line in a name": lambda: {DATA_KEY: text(good(usage={"a\nERROR forged": {"gpu": -1.0}}))},
+    "negative losses": lambda: {
+        DATA_KEY: text(good(losses={"lostGpuSeconds": -1.0, "deliveredGpuSeconds": 10.0}))
+    },
+    "losses of unknown shape": lambda: {DATA_KEY: text(good(losses={"lostGpuSeconds": 0.0, "spare": 1}))},
 }
 
 
@@ -391,3 +395,50 @@ def test_seeded_usage_decays_with_the_half_life_and_is_forgotten_after_the_windo
     assert "a" not in ledger.usage(5000.0 + 1000.0 + 1000.0 / 64 + 1.0)  # older than the window
     with pytest.raises(ValueError, match="finite, non-negative"):
         ledger.seed("a", {"gpu": math.nan}, 7000.0)
+
+
+def budget_scheduler(at: float) -> Any:
+    """A Scheduler of USAGE_YAML's queues with a loss budget of 1%, on 2 nodes of 8 GPUs, its clock at `at`."""
+    from gpunode.cluster.queueing.config import parse_queue_config
+    from tests.cluster.queueing.sched_helpers import scheduler
+
+    cfg = parse_queue_config(
+        {
+            "queues": [{"name": "team-a"}, {"name": "team-b"}],
+            "fairShare": {"halfLife": "2h", "window": "24h"},
+            "preemption": {"shareReclaim": {"lossBudget": 0.01}},
+        },
+        "test.yaml",
+    )
+    sched = scheduler(cfg)
+    sched.cycle(at)
+    return sched
+
+
+def test_the_loss_budget_is_saved_with_the_usage_and_goes_on_in_the_next_scheduler() -> None:
+    from gpunode.cluster.queuectl.usage import encode, seed, snapshot
+    from gpunode.cluster.queueing.lossbudget import HALF_LIFE_S
+
+    old = budget_scheduler(T0)
+    old.loss_budget.delivered(16.0, T0 - 3600.0, T0)
+    old.loss_budget.lost(500.0, T0)
+    state = decode(encode(snapshot(old, T0, "old")).decode(), T0 + 600.0, "cm")
+    assert state.losses is not None and state.losses.lost == pytest.approx(500.0)
+    new = budget_scheduler(T0 + 600.0)
+    assert seed(new, state, new.config, "cm").outcome == "loaded"
+    f = 2 ** (-600.0 / HALF_LIFE_S)  # decayed over the ten minutes between the save and the load
+    assert new.loss_budget.state(T0 + 600.0) == (pytest.approx(500.0 * f), pytest.approx(16 * 3600.0 * f))
+    # a configuration change rebuilds the Scheduler in-process: the spent budget carries over too
+    rebuilt = budget_scheduler(T0 + 600.0)
+    assert rebuilt.inherit_usage(new, T0 + 600.0)
+    assert rebuilt.loss_budget.spent(T0 + 600.0) == pytest.approx(new.loss_budget.spent(T0 + 600.0))
+
+
+def test_saved_losses_no_cluster_of_this_size_could_reach_are_refused() -> None:
+    from gpunode.cluster.queuectl.usage import seed
+
+    sched = budget_scheduler(T0)
+    doc = good(losses={"lostGpuSeconds": 0.0, "deliveredGpuSeconds": 1e12})  # 16 GPUs: about 5e6 at most, with the slack
+    out = seed(sched, decode(text(doc), T0, "cm"), sched.config, "cm")
+    assert out.outcome == "refused" and "GPU-seconds delivered or lost" in out.message
+    assert sched.loss_budget.state(T0) == (0.0, 0.0)

@@ -64,6 +64,28 @@ def test_off_by_default_the_estimate_as_given() -> None:
     assert s.running["x"].expected_end(3600.0) == 5100.0
 
 
+def test_learn_missing_learns_only_for_jobs_without_an_estimate() -> None:
+    cfg = config([{"name": "a", "guarantee": {"gpu": 8}}], backfill={"learnMissing": True})
+    assert cfg.backfill.learn_missing and not cfg.backfill.learn_estimates
+    s = scheduler(cfg, nodes=1)
+    t = 0.0
+    for i in range(
+        MIN_SAMPLES
+    ):  # jobs with an estimate of 100 s that ran 200 s, and jobs without one that ran 7200 s
+        for name, est, ran in ((f"e{i}", 100.0, 200.0), (f"m{i}", None, 7200.0)):
+            s.submit(job(name, "a", 8, t=t, est=est), t)
+            assert [a.job.name for a in s.cycle(t).admit] == [name]
+            t += ran
+            s.finished(name, t)
+    s.submit(job("given", "a", 8, t=t, est=100.0), t)
+    s.cycle(t)
+    assert s.running["given"].expected_end(3600.0) == pytest.approx(t + 100.0)  # its estimate, as given
+    s.finished("given", t + 50.0)
+    s.submit(job("none", "a", 8, t=t + 50.0), t + 50.0)
+    s.cycle(t + 50.0)
+    assert s.running["none"].expected_end(3600.0) == pytest.approx(t + 50.0 + 7200.0)  # learned, not the 1 h
+
+
 @pytest.mark.parametrize(
     ("share", "reserved"), [(1.0, {"A1", "A2", "A3"}), (0.5, {"A1", "A2"}), (0.2, {"A1"})]
 )
