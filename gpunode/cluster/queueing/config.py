@@ -99,12 +99,12 @@ class PreemptionSettings:
     idle_minimum_s: float = 0.0  # how long a job must have been flagged idle before that counts
     # reclaim towards the fair share (preempt.py): from queues holding more than share_above x their
     # fair share, for a job of a queue below its own that has waited share_after_s; None: off
-    share_above: float | None = 1.25
-    share_after_s: float = 300.0
+    share_above: float | None = 1.0
+    share_after_s: float = 0.0
     # the share of the delivered GPU-time preemption losses may reach before share reclaim stops (lossbudget.py)
-    share_loss_budget: float | None = None
+    share_loss_budget: float | None = 0.008
     # share reclaim makes room only off the nodes of backfill reservations that start before the preemptor ends
-    share_keeps_reservations: bool = False
+    share_keeps_reservations: bool = True
 
 
 @dataclass(frozen=True)

@@ -437,15 +437,36 @@ def test_idle_first_is_off_by_default_and_read_with_its_minimum() -> None:
 
 
 def test_share_reclaim_is_on_unless_turned_off_and_read_with_its_defaults() -> None:
+    defaults = (1.0, 0.0, 0.008, True)
     pre = parse_queue_config(base(), "q.yaml").preemption
-    assert (pre.share_above, pre.share_after_s) == (1.25, 300.0)
+    assert (
+        pre.share_above,
+        pre.share_after_s,
+        pre.share_loss_budget,
+        pre.share_keeps_reservations,
+    ) == defaults
     pre = parse_queue_config({**base(), "preemption": {"shareReclaim": False}}, "q.yaml").preemption
-    assert pre.share_above is None
+    assert pre.share_above is None and pre.share_loss_budget is None
     pre = parse_queue_config({**base(), "preemption": {"shareReclaim": {}}}, "q.yaml").preemption
-    assert (pre.share_above, pre.share_after_s) == (1.25, 300.0)
-    data = {**base(), "preemption": {"shareReclaim": {"above": 2, "after": "30m"}}}
+    assert (
+        pre.share_above,
+        pre.share_after_s,
+        pre.share_loss_budget,
+        pre.share_keeps_reservations,
+    ) == defaults
+    data = {
+        **base(),
+        "preemption": {
+            "shareReclaim": {"above": 2, "after": "30m", "lossBudget": False, "keepReservations": False}
+        },
+    }
     pre = parse_queue_config(data, "q.yaml").preemption
-    assert (pre.share_above, pre.share_after_s) == (2.0, 1800.0)
+    assert (pre.share_above, pre.share_after_s, pre.share_loss_budget, pre.share_keeps_reservations) == (
+        2.0,
+        1800.0,
+        None,
+        False,
+    )
 
 
 def test_namespaces_map_to_leaf_queues() -> None:

@@ -42,7 +42,7 @@ def test_the_budget_is_read_from_the_queue_file() -> None:
     assert config(TWO_TEAMS, preemption=pre).preemption.share_loss_budget == 0.005
     pre["shareReclaim"]["lossBudget"] = False
     assert config(TWO_TEAMS, preemption=pre).preemption.share_loss_budget is None
-    assert config(TWO_TEAMS).preemption.share_loss_budget is None  # no budget unless given
+    assert config(TWO_TEAMS).preemption.share_loss_budget == 0.008  # the default
     pre["shareReclaim"]["lossBudget"] = 2
     with pytest.raises(
         QueueConfigError, match=r"preemption\.shareReclaim\.lossBudget: expected a 0\.\.1 number"

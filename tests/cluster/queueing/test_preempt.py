@@ -157,8 +157,11 @@ def test_a_sibling_does_not_reclaim_beyond_its_own_guarantee_nor_below_the_other
 
 
 def _idle_case(**preemption: Any) -> Scheduler:
-    """One node, queue a running "old" (4 GPUs, from 0) and "young" (4 GPUs, from 500); "old" idle since 600."""
-    s = scheduler(config(ONE_QUEUE, preemption={"notice": "1m", "minRuntime": "0s", **preemption}), nodes=1)
+    """One node, queue a running "old" (4 GPUs, from 0) and "young" (4 GPUs, from 500); "old" idle since 600.
+
+    Share reclaim is off: priority alone makes room."""
+    pre = {"notice": "1m", "minRuntime": "0s", "shareReclaim": False, **preemption}
+    s = scheduler(config(ONE_QUEUE, preemption=pre), nodes=1)
     start(s, [(job("old", "a", 4), 0.0), (job("young", "a", 4), 500.0)])
     s.mark_idle("old", 600.0)
     s.mark_idle("gone", 600.0)  # not running: ignored
