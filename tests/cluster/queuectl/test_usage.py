@@ -438,7 +438,9 @@ def test_saved_losses_no_cluster_of_this_size_could_reach_are_refused() -> None:
     from gpunode.cluster.queuectl.usage import seed
 
     sched = budget_scheduler(T0)
-    doc = good(losses={"lostGpuSeconds": 0.0, "deliveredGpuSeconds": 1e12})  # 16 GPUs: about 5e6 at most, with the slack
+    doc = good(
+        losses={"lostGpuSeconds": 0.0, "deliveredGpuSeconds": 1e12}
+    )  # 16 GPUs: about 5e6 at most, with the slack
     out = seed(sched, decode(text(doc), T0, "cm"), sched.config, "cm")
     assert out.outcome == "refused" and "GPU-seconds delivered or lost" in out.message
     assert sched.loss_budget.state(T0) == (0.0, 0.0)
