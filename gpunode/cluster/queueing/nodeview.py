@@ -52,6 +52,16 @@ class NodeView:
         """free()[gpu] alone: the allocatable milli-GPU of the GPUs requests use."""
         return int(np.where(self._usable, self._arrays.share, 0).sum())
 
+    def pods_bound(self, pod_milli: int, exclude: frozenset[str]) -> int:
+        """At most how many pods asking pod_milli GPU (> 0) the nodes outside `exclude` could take now: each
+        node's free share summed over its GPUs, // pod_milli (a bound: CPU, memory and how the share is
+        split among the GPUs are not looked at)."""
+        per_node = np.where(self._usable, self._arrays.share, 0).sum(axis=1) // pod_milli
+        mask = self._mask(exclude)
+        if mask is not None:
+            per_node[mask] = 0
+        return int(per_node.sum())
+
     def footprint(self, job_name: str) -> tuple[tuple[int, int, int, int], ...]:
         """Per pod of a committed job: (row, milli-GPU, CPU milli, memory bytes) it takes from its node
         (worked out when the job was committed)."""

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from gpunode.cluster.queueing.model import GPU, Amounts, Job, Plan, RunningJob
 from gpunode.cluster.queueing.quotas import QuotaBook
+from gpunode.contract.names import MILLI_PER_GPU
 
 if TYPE_CHECKING:
     from gpunode.cluster.queueing.capacity import ClusterCapacity
@@ -72,6 +73,10 @@ class Forkable(Protocol):
 
     def free(self) -> Amounts:
         """What is free, per resource."""
+        ...
+
+    def pods_bound(self, pod_milli: int, exclude: frozenset[str]) -> int:
+        """At most how many pods of pod_milli GPU the nodes outside `exclude` could take now."""
         ...
 
 
@@ -230,6 +235,8 @@ def _release_until_placed(
 ) -> Victims | None:
     chosen: list[RunningJob] = []
     plan: Plan | None = None
+    # The fewest milli-GPU any pod asks: a node whose free share is below it can take no pod of the job.
+    pod_need = min((p.gpus * MILLI_PER_GPU if p.gpus else p.gpu_milli) for p in preemptor.pods)
     for r in pool:
         if len(chosen) >= MAX_VICTIMS:
             break
@@ -240,6 +247,10 @@ def _release_until_placed(
         chosen.append(r)
         free_gpu += r.usage.get(GPU, 0)
         if free_gpu < need_gpu:
+            continue
+        # A pod lands whole on one node: unless the open nodes' free GPUs could take as many pods as the
+        # job has (each node counted for its free share // the smallest pod's), no placement can succeed.
+        if pod_need > 0 and fork.pods_bound(pod_need, exclude_nodes) < len(preemptor.pods):
             continue
         plan = fork.plan(preemptor, exclude_nodes=exclude_nodes)
         if plan is not None:
