@@ -99,6 +99,7 @@ def run(
     *,
     freeze: bool = True,
     reservations: int = BackfillSettings.reservations,
+    share_reclaim: dict[str, Any] | bool | None = None,
 ) -> dict[str, Any]:
     """Fill, queue, then time `rounds` finish+cycle rounds (freeze: gc.freeze() the setup's objects first)."""
     rng = np.random.default_rng(seed)
@@ -106,7 +107,11 @@ def run(
     config = parse_queue_config(
         {
             "queues": [{"name": n, "weight": w, "guarantee": {"gpu": total * w // 10}} for n, w in TEAMS],
-            "preemption": {"notice": "5m", "minRuntime": "10m"},
+            "preemption": {
+                "notice": "5m",
+                "minRuntime": "10m",
+                **({} if share_reclaim is None else {"shareReclaim": share_reclaim}),
+            },
             "backfill": {"reservations": reservations},
         },
         "bench",
@@ -199,6 +204,14 @@ def main(argv: list[str] | None = None) -> int:
         help=f"backfill.reservations of the queue configuration (default {BackfillSettings.reservations}, "
         "the configuration's default)",
     )
+    ap.add_argument(
+        "--share-reclaim",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help="preemption.shareReclaim of the queue configuration, e.g. '{\"keepReservations\": false}' or "
+        "false (default: the configuration's defaults)",
+    )
     args = ap.parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
@@ -213,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             args.seed,
             freeze=not args.no_freeze,
             reservations=args.reservations,
+            share_reclaim=args.share_reclaim,
         )
         for p in policies
     ]
@@ -222,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "target": "p99 cycle < 100 ms at 10,000 pending, 5,000 nodes x 8 GPUs",
+        "share_reclaim": args.share_reclaim,
         "results": results,
     }
     print(json.dumps(doc, indent=2))
