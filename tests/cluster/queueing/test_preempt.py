@@ -218,3 +218,25 @@ def test_choose_victims_prefers_an_idle_set_to_a_busy_one_losing_less() -> None:
     assert chosen(choose_victims(big, demand, run, s.cap, s.book, 1000.0, **kw)) == ["young"]
     picked = choose_victims(big, demand, run, s.cap, s.book, 1000.0, idle=frozenset({"old"}), **kw)
     assert chosen(picked) == ["old"]
+
+
+def test_pods_bound_counts_the_pods_the_open_nodes_could_take_and_never_fewer() -> None:
+    # Three nodes of 8 GPUs: best fit puts "six" and "two" on one node, the other two stay empty.
+    s = scheduler(config(ONE_QUEUE), nodes=3)
+    start(s, [(job("six", "a", 6), 0.0), (job("two", "a", 2), 0.0)])
+    cap = s.cap
+    used = {
+        n: sum(len(p.gpus) for r in s.running.values() for p in r.plan.pods if p.node == n)
+        for n in cap.node_names
+    }
+    assert sorted(used.values()) == [0, 0, 8]
+    empty = sorted(n for n, k in used.items() if k == 0)
+    assert cap.pods_bound(4000, frozenset()) == 4  # two 4-GPU pods on each empty node
+    assert cap.pods_bound(4000, frozenset({empty[0]})) == 2
+    assert cap.pods_bound(3000, frozenset()) == 4 and cap.pods_bound(1000, frozenset()) == 16
+    # a job of more pods than the bound allows cannot be placed; one it allows here can
+    assert cap.plan(job("g5", "a", 4, pods=5)) is None
+    assert cap.plan(job("g4", "a", 4, pods=4)) is not None
+    assert cap.plan(job("g3", "a", 4, pods=3), exclude_nodes=frozenset({empty[0]})) is None
+    s.finished("two", 10.0)  # 2 GPUs free beside "six": no 4-GPU pod more, two 1-GPU pods more
+    assert cap.pods_bound(4000, frozenset()) == 4 and cap.pods_bound(1000, frozenset()) == 18
