@@ -178,10 +178,11 @@ def seed(sched: Scheduler, state: SavedUsage, config: QueueConfig, where: str) -
     budget = sched.loss_budget
     if state.losses is not None and budget is not None:
         bound = PLAUSIBLE * capacity.get(GPU, 0) / MILLI_PER_GPU * HALF_LIFE_S / math.log(2)
-        if max(state.losses.lost, state.losses.delivered) > bound:
+        largest = max(state.losses.lost, state.losses.delivered)
+        if largest > bound:
             return Outcome(
                 "refused",
-                f"{where}: {max(state.losses.lost, state.losses.delivered):.4g} GPU-seconds delivered or lost, "
+                f"{where}: {largest:.4g} GPU-seconds delivered or lost, "
                 f"more than the whole cluster can in a half-life of {HALF_LIFE_S:g} s ({bound:.4g}, with slack): "
                 "fair-share usage starts afresh",
                 QueueUsageRefused.default_hint,

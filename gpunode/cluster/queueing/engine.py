@@ -457,17 +457,20 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
         return r
 
     def _advance(self, now: float) -> None:
-        """Move time to `now`: charge every leaf's allocation since the last call to the usage ledger."""
+        """Move time to `now`: charge every leaf's allocation since the last call to the usage ledger, and the
+        GPU-time delivered to the loss budget."""
         if now < self._now:
             raise ValueError(f"time went back: {now} after {self._now}")
-        if self._ledger is not None and self._charged_to is not None and now > self._charged_to:
+        ledger, budget, since = self._ledger, self.loss_budget, self._charged_to
+        if (ledger is not None or budget is not None) and since is not None and now > since:
+            milli = 0  # GPUs held by the running jobs, for the loss budget's delivered GPU-time
             for leaf in self.config.leaves:
                 held = self.book.allocated[leaf]
-                if any(held.values()):
-                    self._ledger.charge(leaf, held, self._charged_to, now)
-        if self.loss_budget is not None and self._charged_to is not None and now > self._charged_to:
-            gpus = sum(self.book.allocated[leaf].get(GPU, 0) for leaf in self.config.leaves) / MILLI_PER_GPU
-            self.loss_budget.delivered(gpus, self._charged_to, now)
+                if ledger is not None and any(held.values()):
+                    ledger.charge(leaf, held, since, now)
+                milli += held.get(GPU, 0)
+            if budget is not None:
+                budget.delivered(milli / MILLI_PER_GPU, since, now)
         self._charged_to = now
         self._now = now
 

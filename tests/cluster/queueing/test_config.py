@@ -436,37 +436,19 @@ def test_idle_first_is_off_by_default_and_read_with_its_minimum() -> None:
     assert (pre.idle_first, pre.idle_minimum_s) == (True, 900.0)
 
 
+def _share_reclaim(data: dict[str, Any]) -> tuple[float | None, float, float | None, bool]:
+    pre = parse_queue_config(data, "q.yaml").preemption
+    return pre.share_above, pre.share_after_s, pre.share_loss_budget, pre.share_keeps_reservations
+
+
 def test_share_reclaim_is_on_unless_turned_off_and_read_with_its_defaults() -> None:
     defaults = (1.0, 0.0, 0.008, True)
-    pre = parse_queue_config(base(), "q.yaml").preemption
-    assert (
-        pre.share_above,
-        pre.share_after_s,
-        pre.share_loss_budget,
-        pre.share_keeps_reservations,
-    ) == defaults
-    pre = parse_queue_config({**base(), "preemption": {"shareReclaim": False}}, "q.yaml").preemption
-    assert pre.share_above is None and pre.share_loss_budget is None
-    pre = parse_queue_config({**base(), "preemption": {"shareReclaim": {}}}, "q.yaml").preemption
-    assert (
-        pre.share_above,
-        pre.share_after_s,
-        pre.share_loss_budget,
-        pre.share_keeps_reservations,
-    ) == defaults
-    data = {
-        **base(),
-        "preemption": {
-            "shareReclaim": {"above": 2, "after": "30m", "lossBudget": False, "keepReservations": False}
-        },
-    }
-    pre = parse_queue_config(data, "q.yaml").preemption
-    assert (pre.share_above, pre.share_after_s, pre.share_loss_budget, pre.share_keeps_reservations) == (
-        2.0,
-        1800.0,
-        None,
-        False,
-    )
+    assert _share_reclaim(base()) == defaults
+    above, _, budget, _ = _share_reclaim({**base(), "preemption": {"shareReclaim": False}})
+    assert above is None and budget is None
+    assert _share_reclaim({**base(), "preemption": {"shareReclaim": {}}}) == defaults
+    given = {"above": 2, "after": "30m", "lossBudget": False, "keepReservations": False}
+    assert _share_reclaim({**base(), "preemption": {"shareReclaim": given}}) == (2.0, 1800.0, None, False)
 
 
 def test_namespaces_map_to_leaf_queues() -> None:
