@@ -47,7 +47,7 @@ from gpunode.cluster.queueing.energy import DEFAULT_POWER, GpuActivity, PowerMod
 from gpunode.cluster.queueing.freed import FreedLog
 from gpunode.cluster.queueing.model import GPU, GPU_MEMORY, Amounts, Job, Plan, PodPlacement, model_key
 from gpunode.cluster.queueing.nodetable import Allocation, VersionedArrays, rebuild
-from gpunode.cluster.queueing.nodeview import NodeView, ShownStates
+from gpunode.cluster.queueing.nodeview import NodeView, ReleasedSums, ShownStates
 from gpunode.errors import InvalidRequest, InvalidState
 from gpunode.placement.arrays import BoolArray, FloatArray, IntArray
 from gpunode.placement.batch import BATCH_POLICIES
@@ -75,6 +75,7 @@ class _Shared:
     fits_empty: dict[tuple[Request, ...], bool] = field(default_factory=dict)
     empty: ClusterCapacity | None = None
     shown: ShownStates = field(default_factory=ShownStates)
+    overdue: ReleasedSums = field(default_factory=ReleasedSums)
 
 
 class ClusterCapacity(NodeView):

@@ -17,6 +17,12 @@ depend only on its own state. So each trial sees the same feasible nodes with th
 same scores, breaks ties with the same draws, and returns the same plan as the
 plain search's; a reservation costs the nodes that free up, not every node the
 released jobs touched (tests/cluster/queueing/test_earliest.py compares the two).
+
+The first group, the jobs already past their expected end, is often most of the
+running jobs and changes little from one search to the next: its per-node sums
+are kept on the capacity and updated by differences (NodeView.released_sums), and
+a node freed by it alone is put back from the states kept before by its version
+and a stamp of its overdue jobs, without a pass in Python over those jobs or nodes.
 """
 
 from __future__ import annotations
@@ -24,8 +30,11 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
+import numpy as np
+
 from gpunode.cluster.queueing.capacity import ClusterCapacity
 from gpunode.cluster.queueing.model import GPU, Job, Plan
+from gpunode.placement.arrays import BoolArray, IntArray
 
 
 def _end(item: tuple[float, str]) -> float:
@@ -45,6 +54,7 @@ class Groups:
         self.items: list[tuple[float, list[str]]] = []
         self.next = bisect.bisect_right(ends, now, key=_end)
         first = sorted(name for _, name in ends[: self.next] if name in cap)
+        self.overdue = bool(first)  # the first group is the jobs past their expected end
         if first:
             self.items.append((now, first))
 
@@ -125,53 +135,76 @@ class Search:
 
 
 class FastSearch(Search):
-    """Search's trials on one fork that only shows, per trial, the nodes that can matter (module docstring)."""
+    """Search's trials on one fork that only shows, per trial, the nodes that can matter (module docstring).
+
+    The per-node sums are dense arrays over the node rows, and a group's pods are one array, so a step
+    of the search costs a few array operations, not a pass in Python over the released pods and nodes.
+    """
 
     def __init__(self, cap: ClusterCapacity, head: Job, groups: Groups, exclude: frozenset[str]) -> None:
         super().__init__(cap.fork(books=False), head, groups, exclude)  # only planned on
-        self.now_free = cap.free_by_row()  # the real state: the fork's rows change as trials show them
+        # the real state (the fork's rows change as trials show them): free milli-GPU, CPU, memory per row
+        self.now_free = np.stack(cap.free_by_row(), axis=1).astype(np.int64)
         self.real = cap.row_versions()
-        self.needs = {(q.gpus * 1000 + q.gpu_milli, q.cpu_milli, q.memory_bytes) for q in head.pods}
+        needs = {(q.gpus * 1000 + q.gpu_milli, q.cpu_milli, q.memory_bytes) for q in head.pods}
+        self.needs = np.array(sorted(needs), dtype=np.int64)  # (kinds of pod, 3)
+        rows = len(self.now_free)
         self.gone: set[str] = set()  # the jobs of the first `pos` groups
-        self.freed: dict[int, list[int]] = {}  # row -> [milli-GPU, CPU, memory, pods] those jobs free on it
-        self.shown: dict[int, int] = {}  # row -> how many released pods its state on the fork leaves out
+        self.freed = np.zeros((rows, 4), dtype=np.int64)  # per row: milli-GPU, CPU, memory, pods they free
+        self.shown = np.full(rows, -1, dtype=np.int64)  # per row: -1 not shown, else the released pods
+        # its state on the fork leaves out
+        self.pods: list[IntArray] = []  # per group: (row, milli-GPU, CPU, memory, 1) per pod of its jobs
+        self.overdue: IntArray | None = None  # the first group's per-row sums, when it is the overdue jobs
+        if groups.overdue:
+            self.overdue, gpu = cap.released_sums(groups.items[0][1])
+            self.free.append(self.free[0] + gpu)
+
+    def _group_pods(self, i: int) -> IntArray:
+        pods = self.pods
+        while len(pods) <= i:  # the overdue group's entry stays empty: _move adds its sums
+            footprint = self.cap.footprint
+            names = () if not pods and self.overdue is not None else self.groups.items[len(pods)][1]
+            flat = [t for name in names for t in footprint(name)]
+            arr = np.ones((len(flat), 5), dtype=np.int64)
+            if flat:
+                arr[:, :4] = flat
+            pods.append(arr)
+        return pods[i]
 
     def _move(self, k: int) -> None:
-        items, freed = self.groups.items, self.freed
         forward = k > self.pos
-        sign = 1 if forward else -1
-        for _, group in items[self.pos : k] if forward else items[k : self.pos]:
-            for name in group:
-                for row, milli, cpu, mem in self.cap.footprint(name):
-                    acc = freed.get(row)
-                    if acc is None:
-                        acc = freed[row] = [0, 0, 0, 0]
-                    acc[0] += sign * milli
-                    acc[1] += sign * cpu
-                    acc[2] += sign * mem
-                    acc[3] += sign
-                if forward:
-                    self.gone.add(name)
-                else:
-                    self.gone.discard(name)
+        lo, hi = (self.pos, k) if forward else (k, self.pos)
+        gone = self.gone
+        for _, group in self.groups.items[lo:hi]:
+            if forward:
+                gone.update(group)
+            else:
+                gone.difference_update(group)
+        if lo == 0 and self.overdue is not None:
+            self.freed += self.overdue if forward else -self.overdue
+            lo += 1
+        if lo < hi:
+            parts = [self._group_pods(i) for i in range(lo, hi)]
+            pods = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            if len(pods):
+                np.add.at(self.freed, pods[:, 0], pods[:, 1:] if forward else -pods[:, 1:])
         self.pos = k
-
-    def _may_fit(self, row: int, acc: list[int]) -> bool:
-        milli, cpu, mem = (int(a[row]) for a in self.now_free)
-        milli, cpu, mem = milli + acc[0], cpu + acc[1], mem + acc[2]
-        return any(milli >= m and cpu >= c and mem >= b for m, c, b in self.needs)
 
     def _probe(self, k: int) -> Plan | None:
         if self._free_after(k) < self.head.gpu_milli:
             return None
         self._move(k)
-        shown, freed = self.shown, self.freed
-        for row, acc in freed.items():
-            if acc[3] > 0 and row not in shown and self._may_fit(row, acc):
-                shown[row] = 0  # shown from now on, at its state after each trial's releases
-        changed = [row for row, n in shown.items() if n != (freed[row][3] if row in freed else 0)]
-        if changed:
-            self.cap.show_without(self.gone, changed, self.real)
-            for row in changed:
-                shown[row] = freed[row][3] if row in freed else 0
+        freed, shown = self.freed, self.shown
+        new = np.flatnonzero((freed[:, 3] > 0) & (shown < 0))
+        if len(new):  # a necessary test: some member of the head fits in the row's room plus its releases
+            room: IntArray = self.now_free[new] + freed[new, :3]
+            fits: BoolArray = np.any(np.all(room[:, None, :] >= self.needs[None, :, :], axis=2), axis=1)
+            shown[new[fits]] = 0  # shown from now on, at its state after each trial's releases
+        rows = np.flatnonzero(shown >= 0)
+        changed = rows[shown[rows] != freed[rows, 3]]
+        if len(changed):
+            overdue = self.overdue
+            only = None if overdue is None or self.pos == 0 else freed[changed, 3] == overdue[changed, 3]
+            self.cap.show_without(self.gone, changed, self.real, only)
+            shown[changed] = freed[changed, 3]
         return self.cap.plan(self.head, exclude_nodes=self.exclude)

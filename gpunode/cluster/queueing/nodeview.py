@@ -31,6 +31,9 @@ class _SharedStates(Protocol):
     @property
     def shown(self) -> ShownStates: ...
 
+    @property
+    def overdue(self) -> ReleasedSums: ...
+
 
 class NodeView:
     """Per-node views of a ClusterCapacity (mixed into it)."""
@@ -47,6 +50,7 @@ class NodeView:
 
         def _mask(self, exclude: frozenset[str]) -> BoolArray | None: ...
         def _set_rows(self, states: dict[int, NodeState]) -> None: ...
+        def held_gpu(self, job_name: str) -> int: ...  # noqa: D102 (ClusterCapacity.held_gpu)
 
     def free_gpu(self) -> int:
         """free()[gpu] alone: the allocatable milli-GPU of the GPUs requests use."""
@@ -76,39 +80,74 @@ class NodeView:
         """Each row's version now (a copy): with the books, it names the allocations the row holds."""
         return self._arrays.version.copy()
 
-    def show_without(self, gone: set[str], rows: Sequence[int], real: IntArray) -> None:
+    def released_sums(self, names: Sequence[str]) -> tuple[IntArray, int]:
+        """What releasing these committed jobs would free: per node row (milli-GPU, CPU milli, memory
+        bytes, pods), and the milli-GPU in all. Kept up to date between calls (ReleasedSums): for backfill's
+        group of the jobs past their expected end, which changes little from one search to the next. The
+        array is the cache's: read it, never change it."""
+        return self._shared.overdue.update(self, names, len(self._base))
+
+    def show_without(
+        self, gone: set[str], rows: IntArray, real: IntArray, overdue_only: BoolArray | None = None
+    ) -> None:
         """Set these rows to their state without the jobs `gone` (only for plans on a fork: the jobs stay
         committed in the books, so never commit or release on it afterwards). `real`: row_versions() of
-        the capacity the fork was made from, when it was made.
+        the capacity the fork was made from, when it was made. `overdue_only`, per row of `rows`: whether
+        the jobs gone from it are exactly its jobs among those last given to released_sums.
 
         A state shown before (the same row, real version and jobs gone from it) is put back from
         ShownStates with its version, so neither the node state nor its scores are computed again: a
         row's version changes with every change of its allocations, so the key names the allocations
-        left, and those the state.
+        left, and those the state. A row of `overdue_only` is first looked up by its real version and
+        ReleasedSums' stamp for it (which change with its allocations and with its overdue jobs), all
+        such rows at once; only the others and the rows not found are keyed one by one.
         """
         alloc, base, table = self._alloc, self._base, self._shared.shown
+        taken: list[tuple[IntArray, IntArray]] = []  # (rows, places in the table) to put back
+        quick: tuple[IntArray, IntArray, IntArray] | None = None  # rows to index by stamp, with their keys
+        rest = rows
+        if overdue_only is not None and overdue_only.any():
+            by_stamp = rows[overdue_only]
+            versions, stamps = real[by_stamp], self._shared.overdue.stamps[by_stamp]
+            places = table.find_stamped(by_stamp, versions, stamps, len(base))
+            found = places >= 0
+            taken.append((by_stamp[found], places[found]))
+            missed = ~found
+            quick = (by_stamp[missed], versions[missed], stamps[missed])
+            rest = np.concatenate((rows[~overdue_only], quick[0]))
         built: dict[int, NodeState] = {}
         keys: list[tuple[int, int, tuple[str, ...]]] = []
         hits: list[int] = []
         at: list[int] = []
-        for row in rows:
+        for row in rest.tolist():
             held = alloc.get(row, ())
             key = (row, int(real[row]), tuple(a.job for a in held if a.job in gone))
-            found = table.find(key)
-            if found is None:
+            place = table.find(key)
+            if place is None:
                 built[row] = rebuild(base[row], tuple(a for a in held if a.job not in gone))
                 keys.append(key)
             else:
                 hits.append(row)
-                at.append(found)
+                at.append(place)
+        if hits:
+            taken.append((np.array(hits, dtype=np.int64), np.array(at, dtype=np.int64)))
+        placed: dict[int, int] = {}
+        if taken:
+            old, at_old = np.concatenate([r for r, _ in taken]), np.concatenate([a for _, a in taken])
+            if len(old):  # put back before adding: adding may empty the table
+                self._arrays.set_rows_state(old, *table.take(at_old))
+                self._mark_use(old)
+                placed = dict(zip(old.tolist(), at_old.tolist(), strict=True))
         if built:
             self._set_rows(built)
             new = np.fromiter(built, dtype=np.int64, count=len(built))
-            table.add(keys, self._arrays.rows_state(new), list(built.values()))
-        if hits:
-            old = np.array(hits, dtype=np.int64)
-            self._arrays.set_rows_state(old, *table.take(at))
-            self._mark_use(old)
+            start = table.add(keys, self._arrays.rows_state(new), list(built.values()))
+            if start == 0:  # the table was emptied: places found before are gone
+                placed = {}
+            placed.update(zip(built, range(start, start + len(built)), strict=True))
+        if quick is not None and len(quick[0]):
+            known = np.array([placed.get(r, -1) for r in quick[0].tolist()], dtype=np.int64)
+            table.keep_stamped(quick[0], quick[1], quick[2], known)
 
 
 class ShownStates:
@@ -125,18 +164,33 @@ class ShownStates:
         self._index: dict[tuple[int, int, tuple[str, ...]], int] = {}
         self._fields: dict[str, np.ndarray] = {}
         self._nodes: list[NodeState] = []
+        self._stamped = np.zeros((0, 3), dtype=np.int64)  # per row: real version, overdue stamp, place
+
+    def find_stamped(self, rows: IntArray, versions: IntArray, stamps: IntArray, count: int) -> IntArray:
+        """Per row: where its state without its overdue jobs is kept, under this real version and stamp
+        (NodeView.show_without), or -1. `count`: how many rows the capacity has."""
+        if len(self._stamped) != count:
+            self._stamped = np.full((count, 3), -1, dtype=np.int64)
+        kept = self._stamped[rows]
+        return np.where((kept[:, 0] == versions) & (kept[:, 1] == stamps), kept[:, 2], -1)
+
+    def keep_stamped(self, rows: IntArray, versions: IntArray, stamps: IntArray, places: IntArray) -> None:
+        """Index these rows' states (kept at `places`; -1: not kept) by real version and overdue stamp."""
+        self._stamped[rows] = np.column_stack((versions, stamps, places))
 
     def find(self, key: tuple[int, int, tuple[str, ...]]) -> int | None:
         """Where the state of this key is kept, or None."""
         return self._index.get(key)
 
     def add(self, keys: Sequence[tuple[int, int, tuple[str, ...]]], state: dict[str, np.ndarray],
-            nodes: Sequence[NodeState]) -> None:  # fmt: skip
-        """Keep these rows' states (NodeArrays.rows_state) under their keys."""
+            nodes: Sequence[NodeState]) -> int:  # fmt: skip
+        """Keep these rows' states (NodeArrays.rows_state) under their keys; the place of the first (the
+        others follow). 0 when the table was emptied first (every place given before is then gone)."""
         n = len(self._nodes)
         if n + len(keys) > self.LIMIT:
             self._index.clear()
             self._nodes.clear()
+            self._stamped[:, 2] = -1
             n = 0
         for f, values in state.items():
             arr = self._fields.get(f)
@@ -148,8 +202,71 @@ class ShownStates:
             arr[n : n + len(values)] = values
         self._index.update(zip(keys, range(n, n + len(keys)), strict=True))
         self._nodes.extend(nodes)
+        return n
 
-    def take(self, at: Sequence[int]) -> tuple[dict[str, np.ndarray], list[NodeState]]:
+    def take(self, at: IntArray) -> tuple[dict[str, np.ndarray], list[NodeState]]:
         """The states kept at these places (NodeArrays.set_rows_state's arguments but the rows)."""
-        idx = np.asarray(at, dtype=np.int64)
-        return {f: arr[idx] for f, arr in self._fields.items()}, [self._nodes[i] for i in at]
+        return {f: arr[at] for f, arr in self._fields.items()}, [self._nodes[i] for i in at.tolist()]
+
+
+class _Records(Protocol):
+    """What ReleasedSums reads of a capacity (NodeView)."""
+
+    def footprint(self, job_name: str) -> tuple[tuple[int, int, int, int], ...]: ...
+    def held_gpu(self, job_name: str) -> int: ...
+
+
+class ReleasedSums:
+    """Per-node sums of what a set of committed jobs holds, updated by differences (NodeView.released_sums).
+
+    Each job's record is the footprint its commit made (a new tuple per commit), so a job released and
+    committed again under the same name is seen by identity and counted afresh; any capacity sharing the
+    node rows may ask, and gets the sums of its own records.
+    """
+
+    def __init__(self) -> None:
+        self._footprints: dict[str, tuple[tuple[int, int, int, int], ...]] = {}
+        self._held: dict[str, int] = {}
+        self._rows: IntArray = np.zeros((0, 4), dtype=np.int64)
+        self._gpu = 0
+        self.stamps: IntArray = np.zeros(0, dtype=np.int64)  # per row: changes whenever its sums' jobs do
+        self._stamp = 0
+
+    def update(self, cap: _Records, names: Sequence[str], rows: int) -> tuple[IntArray, int]:
+        """The sums for `names` (committed in cap) over `rows` node rows."""
+        footprints, held = self._footprints, self._held
+        if len(self._rows) != rows:
+            footprints.clear()
+            held.clear()
+            self._rows = np.zeros((rows, 4), dtype=np.int64)
+            self._gpu = 0
+            self._stamp += 1
+            self.stamps = np.full(rows, self._stamp, dtype=np.int64)
+        out: list[tuple[int, int, int, int]] = []
+        into: list[tuple[int, int, int, int]] = []
+        wanted = set(names)
+        for name in [n for n in footprints if n not in wanted]:
+            out.extend(footprints.pop(name))
+            self._gpu -= held.pop(name)
+        footprint = cap.footprint
+        for name in names:
+            now = footprint(name)
+            before = footprints.get(name)
+            if before is now:
+                continue
+            if before is not None:
+                out.extend(before)
+                self._gpu -= held[name]
+            footprints[name] = now
+            into.extend(now)
+            held[name] = cap.held_gpu(name)
+            self._gpu += held[name]
+        if out or into:
+            self._stamp += 1
+        for pods, sign in ((out, -1), (into, 1)):
+            if pods:
+                arr = np.array(pods, dtype=np.int64)
+                self.stamps[arr[:, 0]] = self._stamp
+                counted = np.column_stack((arr[:, 1:], np.ones(len(arr), dtype=np.int64)))
+                np.add.at(self._rows, arr[:, 0], sign * counted)
+        return self._rows, self._gpu

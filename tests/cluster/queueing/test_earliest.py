@@ -110,3 +110,73 @@ def test_the_fast_search_gives_the_plain_searchs_reservation(
     assert caps[0].jobs == caps[1].jobs and caps[0].free() == caps[1].free()
     assert caps[0]._rng.bit_generator.state == caps[1]._rng.bit_generator.state
     assert caps[0].plan(head_job) == caps[1].plan(head_job)
+
+
+whole = st.builds(Request, gpus=st.integers(1, 4), cpu_milli=st.sampled_from([0, 4000]))
+step = st.one_of(
+    st.tuples(st.just("commit"), st.lists(whole, min_size=1, max_size=2), st.sampled_from([5, 10, 20, 40])),
+    st.tuples(st.just("commit"), st.lists(pod, min_size=1, max_size=2), st.sampled_from([5, 10, 20])),
+    st.tuples(st.just("release"), st.integers(0, 30), st.just(0)),
+    # released and committed anew under its name (estimate 0: overdue at once)
+    st.tuples(st.just("again"), st.integers(0, 30), st.sampled_from([0, 40])),
+    st.tuples(st.just("wait"), st.sampled_from([3, 8, 25]), st.just(0)),
+)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    nodes=st.lists(st.tuples(st.sampled_from([2, 4]), st.sampled_from([16, 64])), min_size=2, max_size=3),
+    steps=st.lists(step, min_size=8, max_size=30),
+    heads=st.lists(st.lists(whole, min_size=1, max_size=3), min_size=1, max_size=3),
+    policy=st.sampled_from(["gpunode", "bestfit"]),
+)
+def test_the_fast_searchs_kept_sums_and_states_follow_the_cluster_between_searches(
+    nodes: list[tuple[int, int]],
+    steps: list[tuple[str, object, int]],
+    heads: list[list[Request]],
+    policy: str,
+) -> None:
+    """Searches after commits, releases, jobs committed again under their name and time passing (jobs
+    becoming overdue) reuse the first cluster's kept per-node sums and shown states; every reservation
+    is still the plain search's on the twin cluster."""
+    states = [node(f"n{i}", g, cpu, "T4") for i, (g, cpu) in enumerate(nodes)]
+    caps = [ClusterCapacity(states, policy=policy, seed=1, workload=WORKLOAD) for _ in range(2)]
+    running: dict[str, RunningJob] = {}
+    now, serial = 0.0, 0
+    for kind, arg, estimate in steps:
+        if kind == "wait":
+            now += float(arg)  # type: ignore[arg-type]
+        elif kind in ("release", "again") and running:
+            name = sorted(running)[int(arg) % len(running)]  # type: ignore[call-overload]
+            old = running.pop(name)
+            for cap in caps:
+                cap.release(name)
+            if kind == "again":  # the same name, a new commit (and a new record)
+                job = Job(
+                    name=name, queue="q", pods=old.job.pods, arrival=0.0, runtime_estimate=float(estimate)
+                )
+                plan = caps[0].plan(job)
+                assert plan == caps[1].plan(job)
+                if plan is not None:
+                    for cap in caps:
+                        cap.commit(name, job, plan)
+                    running[name] = RunningJob(job=job, start=now, plan=plan, usage=caps[0].held(name))
+        elif kind == "commit":
+            serial += 1
+            job = Job(
+                name=f"r{serial}", queue="q", pods=tuple(arg), arrival=0.0, runtime_estimate=float(estimate)
+            )  # type: ignore[arg-type]
+            plan = caps[0].plan(job)
+            assert plan == caps[1].plan(job)
+            if plan is not None:
+                for cap in caps:
+                    cap.commit(job.name, job, plan)
+                running[job.name] = RunningJob(job=job, start=now, plan=plan, usage=caps[0].held(job.name))
+        ends = sorted((r.expected_end(DEFAULT), r.job.name) for r in running.values())
+        for i, head in enumerate(heads):
+            head_job = Job(name=f"head{i}", queue="q", pods=tuple(head), arrival=0.0)
+            fast = reserve(head_job, (), caps[0], now, DEFAULT, ends=ends)
+            plain = reserve(head_job, list(running.values()), caps[1], now, DEFAULT, fast=False)
+            assert fast == plain
+    assert caps[0].free() == caps[1].free()
+    assert caps[0]._rng.bit_generator.state == caps[1]._rng.bit_generator.state
