@@ -53,7 +53,7 @@ class Groups:
         self.ends, self.cap = ends, cap
         self.items: list[tuple[float, list[str]]] = []
         self.next = bisect.bisect_right(ends, now, key=_end)
-        first = sorted(name for _, name in ends[: self.next] if name in cap)
+        first = sorted(cap.committed([name for _, name in ends[: self.next]]))
         self.overdue = bool(first)  # the first group is the jobs past their expected end
         if first:
             self.items.append((now, first))
@@ -64,7 +64,7 @@ class Groups:
         while len(items) < k and self.next < len(ends):
             end = ends[self.next][0]
             stop = bisect.bisect_right(ends, end, lo=self.next, key=_end)
-            names = [name for _, name in ends[self.next : stop] if name in cap]
+            names = cap.committed([name for _, name in ends[self.next : stop]])
             self.next = stop
             if names:
                 items.append((end, names))
