@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -68,6 +68,11 @@ class NodeView:
         if mask is not None:
             per_node[mask] = 0
         return int(per_node.sum())
+
+    def pod_room(self, pod_milli: int, exclude: frozenset[str]) -> PodRoom:
+        """pods_bound(pod_milli, exclude) now, as a PodRoom to count releases into before they are made."""
+        share = np.where(self._usable, self._arrays.share, 0).sum(axis=1)
+        return PodRoom(share, pod_milli, self._mask(exclude), self.footprint)
 
     def footprint(self, job_name: str) -> tuple[tuple[int, int, int, int], ...]:
         """Per pod of a committed job: (row, milli-GPU, CPU milli, memory bytes) it takes from its node
@@ -279,3 +284,36 @@ class ReleasedSums:
                 counted = np.column_stack((arr[:, 1:], np.ones(len(arr), dtype=np.int64)))
                 np.add.at(self._rows, arr[:, 0], sign * counted)
         return self._rows, self._gpu
+
+
+class PodRoom:
+    """An upper bound of pods_bound once some committed jobs are released, counted before releasing them.
+
+    Each node's free GPU share plus the share the counted jobs hold on it, // the pod's share, summed
+    over the nodes not excluded. Releasing a job frees no more than it holds on a node, so the bound
+    holds after any of the counted releases are made (the victim search releases only when it says a
+    placement may succeed: a release rebuilds nodes).
+    """
+
+    def __init__(
+        self,
+        share: IntArray,
+        pod_milli: int,
+        excluded: BoolArray | None,
+        footprint: Callable[[str], tuple[tuple[int, int, int, int], ...]],
+    ) -> None:
+        self._share, self._pod, self._excluded, self._footprint = share, pod_milli, excluded, footprint
+
+    def count(self, names: Iterable[str]) -> None:
+        """Count in what these committed jobs hold (each name once)."""
+        share, footprint = self._share, self._footprint
+        for name in names:
+            for row, milli, _, _ in footprint(name):
+                share[row] += milli
+
+    def bound(self) -> int:
+        """At most how many pods of the pod's share the nodes could take with the counted jobs released."""
+        per_node = self._share // self._pod
+        if self._excluded is not None:
+            per_node[self._excluded] = 0
+        return int(per_node.sum())

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from gpunode.cluster.queueing.capacity import ClusterCapacity
     from gpunode.cluster.queueing.config import QueueConfig
     from gpunode.cluster.queueing.lossbudget import LossBudget
+    from gpunode.cluster.queueing.nodeview import PodRoom
     from gpunode.cluster.queueing.pending import Pending
     from gpunode.cluster.queueing.presets import Preset
 
@@ -77,6 +78,10 @@ class Forkable(Protocol):
 
     def pods_bound(self, pod_milli: int, exclude: frozenset[str]) -> int:
         """At most how many pods of pod_milli GPU the nodes outside `exclude` could take now."""
+        ...
+
+    def pod_room(self, pod_milli: int, exclude: frozenset[str]) -> PodRoom:
+        """pods_bound now, to count releases into before they are made."""
         ...
 
 
@@ -215,10 +220,23 @@ def _greedy(
     free_gpu = cap.free().get(GPU, 0)
     if free_gpu + sum(r.usage.get(GPU, 0) for r in pool) < need_gpu:
         return None
+    # The search plans only while the open nodes could take every pod (_release_until_placed); if they
+    # could not even with the whole pool released, it would release and give back without one plan.
+    pod_need = _smallest_pod(preemptor)
+    if pod_need > 0:
+        room = cap.pod_room(pod_need, exclude_nodes)
+        room.count(key for r in pool for key, _, _ in units(r))
+        if room.bound() < len(preemptor.pods):
+            return None
     with cap.trial() as fork:
         return _release_until_placed(
             preemptor, pool, fork, book, now, units, exclude_nodes, need_gpu, free_gpu, idle
         )
+
+
+def _smallest_pod(job: Job) -> int:
+    """The fewest milli-GPU any pod asks: a node whose free share is below it can take no pod of the job."""
+    return min((p.gpus * MILLI_PER_GPU if p.gpus else p.gpu_milli) for p in job.pods)
 
 
 def _release_until_placed(
@@ -235,21 +253,30 @@ def _release_until_placed(
 ) -> Victims | None:
     chosen: list[RunningJob] = []
     plan: Plan | None = None
-    # The fewest milli-GPU any pod asks: a node whose free share is below it can take no pod of the job.
-    pod_need = min((p.gpus * MILLI_PER_GPU if p.gpus else p.gpu_milli) for p in preemptor.pods)
+    pod_need = _smallest_pod(preemptor)
+    waiting: list[str] = []  # keys of chosen jobs not yet released on the fork (released before a plan)
+    room = fork.pod_room(pod_need, exclude_nodes) if pod_need > 0 else None  # counts every chosen job
     for r in pool:
         if len(chosen) >= MAX_VICTIMS:
             break
         if not book.may_take(preemptor.queue, [(v.job.queue, v.usage) for v in (*chosen, r)]):
             continue
-        for key, _, _ in units(r):
-            fork.release(key)
+        keys = [key for key, _, _ in units(r)]
+        if room is not None:
+            room.count(keys)
+        waiting.extend(keys)
         chosen.append(r)
         free_gpu += r.usage.get(GPU, 0)
         if free_gpu < need_gpu:
             continue
         # A pod lands whole on one node: unless the open nodes' free GPUs could take as many pods as the
         # job has (each node counted for its free share // the smallest pod's), no placement can succeed.
+        # The bound with the waiting releases counted in comes first: releasing rebuilds nodes.
+        if room is not None and room.bound() < len(preemptor.pods):
+            continue
+        for key in waiting:
+            fork.release(key)
+        waiting.clear()
         if pod_need > 0 and fork.pods_bound(pod_need, exclude_nodes) < len(preemptor.pods):
             continue
         plan = fork.plan(preemptor, exclude_nodes=exclude_nodes)

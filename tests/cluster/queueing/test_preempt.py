@@ -240,3 +240,48 @@ def test_pods_bound_counts_the_pods_the_open_nodes_could_take_and_never_fewer() 
     assert cap.plan(job("g3", "a", 4, pods=3), exclude_nodes=frozenset({empty[0]})) is None
     s.finished("two", 10.0)  # 2 GPUs free beside "six": no 4-GPU pod more, two 1-GPU pods more
     assert cap.pods_bound(4000, frozenset()) == 4 and cap.pods_bound(1000, frozenset()) == 18
+
+
+def test_pod_room_counts_releases_before_they_are_made_and_bounds_the_room_after_them() -> None:
+    # "six" and "two" share a node; a third job holds half of another node; one node stays empty.
+    s = scheduler(config(ONE_QUEUE), nodes=3)
+    start(s, [(job("six", "a", 6), 0.0), (job("two", "a", 2), 0.0), (job("four", "a", 4), 0.0)])
+    cap = s.cap
+    room = cap.pod_room(4000, frozenset())
+    assert room.bound() == cap.pods_bound(4000, frozenset()) == 3  # nothing counted: the room now
+    room.count(["two"])
+    assert room.bound() == 3  # 2 GPUs beside "six" take no 4-GPU pod
+    room.count(["six"])
+    assert room.bound() == 5  # with both released, their node takes two
+    with cap.trial():
+        cap.release("two")
+        cap.release("six")
+        assert cap.pods_bound(4000, frozenset()) == 5 <= room.bound()
+    node_of_four = next(p.node for p in s.running["four"].plan.pods)
+    fenced = cap.pod_room(4000, frozenset({node_of_four}))
+    fenced.count(["four"])  # what it frees is on an excluded node: no room there
+    assert fenced.bound() == cap.pods_bound(4000, frozenset({node_of_four})) == 2
+
+
+def test_a_search_whose_candidates_can_never_make_room_releases_nothing() -> None:
+    """The victim search gives up before releasing when the open nodes could not take every pod of the
+    preemptor even with all its candidates stopped (releasing rebuilds nodes)."""
+    s = scheduler(config(ONE_QUEUE), nodes=3)
+    for i in range(3):  # each node: a job that may not be preempted beside one that may
+        start(s, [(job(f"keep{i}", "a", 4, preemptible=False), 0.0), (job(f"low{i}", "a", 4), 0.0)])
+    assert len({next(iter(s.running[f"keep{i}"].plan.nodes)) for i in range(3)}) == 3
+    releases: list[str] = []
+    cap_release = s.cap.release
+
+    def spy(name: str) -> None:
+        releases.append(name)
+        cap_release(name)
+
+    s.cap.release = spy  # type: ignore[method-assign]
+    # 12 GPUs could be freed, but never 8 on one node: no victims, and nothing released to find that out
+    assert victims(s, job("whole", "a", 8, priority=5), 100.0) is None
+    assert releases == []
+    # a 4-GPU pod fits once one of them stops: the search releases to place it
+    found = victims(s, job("half", "a", 4, priority=5), 100.0)
+    assert found is not None and len(chosen(found)) == 1 and chosen(found)[0].startswith("low")
+    assert releases
