@@ -15,8 +15,10 @@ API (all deterministic for a given seed):
   bumps .epoch.
 - .held(job_name) / .amounts(job, plan) -> Amounts: what a job holds (gpu, gpu_memory, gpu/<model>);
   .plan_of(job_name), .job_of(job_name), .jobs, `name in cap`.
-- .free_gpu(), .footprint(name), .free_by_row(), .show_without(gone, rows, real): per-node views for
-  the engine's and backfill's shortcuts (nodeview.py).
+- .free_gpu(), .footprint(name), .footprints(names), .committed(names), .released_sums(names),
+  .free_by_row(), .show_without(gone, rows, real, overdue_only), .pods_bound(pod, exclude),
+  .pod_room(pod, exclude): per-node views for the engine's, backfill's and preemption's shortcuts
+  (nodeview.py).
 - .free() / .capacity() -> Amounts; .fits_empty(job): could it ever fit (on the initial cluster).
 - .epoch: changes with every release (and only then): a job that failed to plan at the same
   epoch, with the same exclude_nodes, still fails, because commits only take resources away.

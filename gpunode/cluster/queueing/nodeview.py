@@ -1,9 +1,14 @@
 """Per-node views of a ClusterCapacity, for the shortcuts of the engine and of backfill (earliest.py).
 
 - free_gpu(): free()[gpu] alone, without the per-model amounts;
-- footprint(name), free_by_row(), row_versions(), show_without(gone, rows, real): what a
-  committed job takes from each node, every node's free GPU/CPU/memory, and (on a fork)
-  nodes set to their state without some jobs, kept in ShownStates for the next searches.
+- footprint(name), footprints(names), committed(names), free_by_row(), row_versions(),
+  show_without(gone, rows, real, overdue_only): what a committed job takes from each node, every
+  node's free GPU/CPU/memory, and (on a fork) nodes set to their state without some jobs, kept in
+  ShownStates for the next searches;
+- released_sums(names): per-node sums of what the overdue jobs hold, kept between backfill searches
+  and updated by differences (ReleasedSums);
+- pods_bound(pod, exclude), pod_room(pod, exclude): how many pods the open nodes could take, now or
+  with some jobs counted as released before they are (PodRoom, for the victim search).
 """
 
 from __future__ import annotations
