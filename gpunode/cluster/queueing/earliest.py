@@ -144,7 +144,7 @@ class FastSearch(Search):
     def __init__(self, cap: ClusterCapacity, head: Job, groups: Groups, exclude: frozenset[str]) -> None:
         super().__init__(cap.fork(books=False), head, groups, exclude)  # only planned on
         # the real state (the fork's rows change as trials show them): free milli-GPU, CPU, memory per row
-        self.now_free = np.stack(cap.free_by_row(), axis=1).astype(np.int64)
+        self.now_free = np.stack(cap.free_by_row(), axis=1).astype(np.int64, copy=False)
         self.real = cap.row_versions()
         needs = {(q.gpus * 1000 + q.gpu_milli, q.cpu_milli, q.memory_bytes) for q in head.pods}
         self.needs = np.array(sorted(needs), dtype=np.int64)  # (kinds of pod, 3)

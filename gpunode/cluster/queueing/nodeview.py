@@ -68,11 +68,7 @@ class NodeView:
         """At most how many pods asking pod_milli GPU (> 0) the nodes outside `exclude` could take now: each
         node's free share summed over its GPUs, // pod_milli (a bound: CPU, memory and how the share is
         split among the GPUs are not looked at)."""
-        per_node = np.where(self._usable, self._arrays.share, 0).sum(axis=1) // pod_milli
-        mask = self._mask(exclude)
-        if mask is not None:
-            per_node[mask] = 0
-        return int(per_node.sum())
+        return self.pod_room(pod_milli, exclude).bound()
 
     def pod_room(self, pod_milli: int, exclude: frozenset[str]) -> PodRoom:
         """pods_bound(pod_milli, exclude) now, as a PodRoom to count releases into before they are made."""
@@ -272,7 +268,7 @@ class ReleasedSums:
             self._gpu -= held.pop(name)
         get = footprints.get
         for name in [n for n, f in now.items() if get(n) is not f]:
-            before = footprints.get(name)
+            before = get(name)
             if before is not None:
                 out.extend(before)
                 self._gpu -= held[name]
