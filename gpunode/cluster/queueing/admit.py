@@ -89,18 +89,19 @@ class Admit:
             p.why = failed[1]
             return "capacity"
         plan = None
+        placed: int | None = None  # members placed before one found no room, when a plan was tried
         if p.demand.get(GPU, 0) <= self._free_gpu() and not self._smaller_failed(job, exclude):
             single = len(job.pods) == 1
             mark = self._fail_marks.get(key) if single else None
             if mark is None or not self.cap.still_fails(job.pods[0], exclude, mark):
-                plan = self.cap.plan(job, exclude_nodes=exclude)
+                plan, placed = self.cap.plan_counted(job, exclude_nodes=exclude)
             if plan is None and single:
                 self._add_small_fail(job.pods[0], exclude)
                 if len(self._fail_marks) > 65536:
                     self._fail_marks.clear()
                 self._fail_marks[key] = self.cap.freed_mark()
         if plan is None:
-            p.why = self._no_room(p, exclude)
+            p.why = self._no_room(p, exclude, placed)
             self._failed[key] = (self.cap.epoch, p.why)
             return "capacity"
         amounts = self.cap.amounts(job, plan)
@@ -181,11 +182,12 @@ class Admit:
         fails[:] = [(f, excluded) for f, excluded in fails if not (_no_more(q, f) and exclude <= excluded)]
         fails.append((q, exclude))
 
-    def _no_room(self, p: Pending, exclude: frozenset[str]) -> str:
+    def _no_room(self, p: Pending, exclude: frozenset[str], placed: int | None = None) -> str:
         """reasons.no_room, kept for one-pod jobs until the head of line's reservation changes (it is the
-        only state that text reads besides the job's GPUs, its exclusion and whether it is that head)."""
+        only state that text reads besides the job's GPUs, its exclusion and whether it is that head).
+        `placed`: the members the failed plan placed, when a plan was tried."""
         if p.job.gang:
-            return self.reasons.no_room(p, exclude)
+            return self.reasons.no_room(p, exclude, placed)
         key = (p.job.gpu_milli, exclude, p.job.name == self._reserved)
         why = self._why_cache.get(key)
         if why is None:

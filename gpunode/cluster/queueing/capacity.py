@@ -10,6 +10,8 @@ API (all deterministic for a given seed):
 - .plan(job, *, exclude_nodes=frozenset()) -> Plan | None: a placement for EVERY pod of the job,
   members placed one after another (largest first) on the arrays, then rolled back (nothing held);
   None when any member does not fit. Nodes in exclude_nodes are not used (backfill reservations).
+  .plan_counted(job, *, exclude_nodes) -> (Plan | None, members placed before one did not fit).
+  .fits_now(pod, *, exclude_nodes) -> bool: some node has room for this one pod now.
 - .commit(job_name, job, plan): hold the plan's resources (InvalidState if it no longer fits;
   nothing is held then). .release(job_name) / .release_many(names): the exact undo of commit;
   bumps .epoch.
@@ -225,9 +227,23 @@ class ClusterCapacity(NodeView):
 
     def plan(self, job: Job, *, exclude_nodes: frozenset[str] = frozenset()) -> Plan | None:
         """A placement for every pod of the job on the cluster as it is now, or None; nothing is held."""
+        return self._plan_pods(job.pods, exclude_nodes)[0]
+
+    def fits_now(self, pod: Request, *, exclude_nodes: frozenset[str] = frozenset()) -> bool:
+        """Whether some node outside exclude_nodes has room for this one pod now (no scores, no draws)."""
+        feasible = self._arrays.feasible_now(pod, self.policy)
+        mask = self._mask(exclude_nodes)
+        return bool((feasible if mask is None else feasible & ~mask).any())
+
+    def plan_counted(
+        self, job: Job, *, exclude_nodes: frozenset[str] = frozenset()
+    ) -> tuple[Plan | None, int]:
+        """plan(job), and how many members were placed before one found no room (all of them when
+        the plan is made). Members are placed largest first, each seeing those before it, so for a
+        gang of like members the count is the largest k whose first k members place together."""
         return self._plan_pods(job.pods, exclude_nodes)
 
-    def _plan_pods(self, pods: Sequence[Request], exclude: frozenset[str]) -> Plan | None:
+    def _plan_pods(self, pods: Sequence[Request], exclude: frozenset[str]) -> tuple[Plan | None, int]:
         mask = self._mask(exclude)
         undo: list[tuple[int, NodeState]] = []
         out: dict[int, PodPlacement] = {}
@@ -237,7 +253,7 @@ class ClusterCapacity(NodeView):
             for n, k in enumerate(order):
                 choice = self._choose(pods[k], mask)
                 if choice is None:
-                    return None
+                    return None, n
                 row, slots = choice
                 state = self._arrays.node_state(row)
                 uuids = tuple(state.gpus[s].uuid for s in slots)
@@ -245,7 +261,7 @@ class ClusterCapacity(NodeView):
                 if n + 1 < len(pods):  # later members see this one
                     self._set_row(row, apply_request(state, pods[k], uuids))
                     undo.append((row, state))
-            return Plan(pods=tuple(out[k] for k in range(len(pods))))
+            return Plan(pods=tuple(out[k] for k in range(len(pods)))), len(pods)
         finally:
             for row, state in reversed(undo):
                 self._set_row(row, state)
@@ -291,7 +307,7 @@ class ClusterCapacity(NodeView):
             if len(key) == 1:  # one pod: some node fits it (no scores needed)
                 known = bool(empty._arrays.feasible_now(key[0], self.policy).any())
             else:
-                known = empty._plan_pods(key, frozenset()) is not None
+                known = empty._plan_pods(key, frozenset())[0] is not None
             self._shared.fits_empty[key] = known
         return known
 

@@ -291,7 +291,10 @@ def _release_until_placed(
             break
         for key, job, held in units(r):
             fork.commit(key, job, held)
-        again = fork.plan(preemptor, exclude_nodes=exclude_nodes)
+        # Without it the open nodes may be unable to take every pod at all: then it is needed, no plan asked.
+        again = None
+        if pod_need <= 0 or fork.pods_bound(pod_need, exclude_nodes) >= len(preemptor.pods):
+            again = fork.plan(preemptor, exclude_nodes=exclude_nodes)
         if again is not None:
             chosen.remove(r)
             plan = again

@@ -48,6 +48,12 @@ def _gpus(milli: int) -> str:
     return describe(GPU, milli)
 
 
+def _alike(job: Job) -> bool:
+    """Whether every member of the job asks for the same."""
+    first = job.pods[0]
+    return all(q == first for q in job.pods)
+
+
 def _t(t: float) -> str:
     return f"t={t:.0f}s"
 
@@ -110,8 +116,12 @@ class Reasons:
         what = f"gang of {len(job.pods)}" if job.gang else "job"
         return f"{what} asking for {_gpus(job.gpu_milli)} can never fit this cluster, even when it is empty"
 
-    def no_room(self, p: Pending, exclude: frozenset[str]) -> str:
-        """No placement now: for a gang, how many members would fit; else the GPUs it waits for."""
+    def no_room(self, p: Pending, exclude: frozenset[str], placed: int | None = None) -> str:
+        """No placement now: for a gang, how many members would fit; else the GPUs it waits for.
+
+        `placed`: how many members the plan that just failed placed (ClusterCapacity.plan_counted),
+        when one was tried with this exclusion; for a gang of like members that is the count to give.
+        """
         job = p.job
         sched = self.sched
         behind = ""
@@ -121,17 +131,23 @@ class Reasons:
         if job.gang and not sched.report_waiting:  # nobody reads how many members fit (the time simulator)
             return f"gang of {len(job.pods)}: not every member fits now{behind}"
         if job.gang:
-            fit = self._members_fitting(p, exclude)
+            fit = placed if placed is not None and _alike(job) else self._members_fitting(p, exclude)
             fits = {0: "no member fits now", 1: "only 1 member fits"}.get(fit, f"only {fit} members fit")
             return f"gang of {len(job.pods)}: {fits}{behind}"
         return f"waiting for {_gpus(job.gpu_milli)}: no node has room now{behind}"
 
     def _members_fitting(self, p: Pending, exclude: frozenset[str]) -> int:
-        """The largest k such that the first k members place together (binary search on plans)."""
+        """The largest k such that the first k members place together: for like members the count one
+        plan places (members are placed one after another, each seeing those before it, so the first k
+        place together exactly when that plan placed k); else a binary search on plans."""
         job = p.job
         cap = self.sched.cap
         lo, hi = 0, len(job.pods) - 1
+        if _alike(job) and not cap.fits_now(job.pods[0], exclude_nodes=exclude):
+            return 0  # the common case on a full cluster, told without a plan
         with cap.draws_kept():  # the explanation must not change later decisions
+            if _alike(job):
+                return min(hi, cap.plan_counted(job, exclude_nodes=exclude)[1])
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 if cap.plan(replace(job, pods=job.pods[:mid]), exclude_nodes=exclude) is not None:

@@ -218,6 +218,35 @@ def test_random_operations_on_forks_keep_plans_right(seed: int = 7) -> None:
         assert states(c) == nodes
 
 
+@pytest.mark.parametrize("policy", ["gpunode", "bestfit", "spread"])
+def test_a_counted_plan_counts_the_largest_prefix_of_like_members_that_places(policy: str) -> None:
+    """plan_counted's count for a gang of like members equals the largest k whose first k members
+    plan together (each prefix tried on its own), on clusters filled at random."""
+    rnd = random.Random(11)
+    shapes = [WHOLE1, WHOLE4, HALF, Request(gpus=2, cpu_milli=24000), Request(gpu_milli=300, cpu_milli=1000)]
+    checked = {"none": 0, "some": 0, "all": 0}
+    for trial in range(60):
+        nodes = [node(f"n{i}", gpus=rnd.choice([2, 4, 8])) for i in range(rnd.randint(2, 6))]
+        cap = cap_of(nodes, seed=trial, policy=policy)
+        for i in range(rnd.randint(0, 20)):  # fill at random
+            j = job(f"f{i}", rnd.choice(shapes))
+            plan = cap.plan(j)
+            if plan is not None:
+                cap.commit(j.name, j, plan)
+        member = rnd.choice(shapes)
+        gang = job("g", *([member] * rnd.randint(1, 12)))
+        exclude = frozenset(n.name for n in nodes if rnd.random() < 0.2)
+        with cap.draws_kept():
+            plan, placed = cap.plan_counted(gang, exclude_nodes=exclude)
+        prefixes = [
+            k for k in range(len(gang.pods) + 1) if cap.plan(job("p", *gang.pods[:k]), exclude_nodes=exclude)
+        ]
+        assert placed == max(prefixes) and prefixes == list(range(placed + 1))
+        assert (plan is not None) == (placed == len(gang.pods))
+        checked["none" if placed == 0 else "all" if plan is not None else "some"] += 1
+    assert min(checked.values()) >= 5, checked  # every outcome was met
+
+
 def test_same_seed_same_plans() -> None:
     def run(seed: int) -> list[Plan | None]:
         cap = cap_of([node(f"n{i}") for i in range(6)], seed=seed, policy="spread")

@@ -53,6 +53,33 @@ def test_a_gang_waits_whole_until_every_member_fits(policy: str) -> None:
     assert free_gpus(s) == 0
 
 
+def test_a_gang_reason_counts_the_members_that_fit_whether_or_not_its_plan_was_tried() -> None:
+    """Ten GPUs free as 4 + 3 + 3: a gang of two 4-GPU members is tried (one member placed before the
+    plan failed), one of three is not (12 GPUs > 10 free); both say how many members fit."""
+    s = scheduler(config([{"name": "a", "guarantee": {"gpu": 24}}]), nodes=3, policy="kai")
+    for name, gpus in (("x0", 4), ("x1", 5), ("x2", 5)):
+        s.submit(job(name, "a", gpus, preemptible=False, est=10_000.0), 0.0)
+    assert names(s.cycle(0.0).admit) == ["x0", "x1", "x2"]
+    assert sorted(free_per_node(s)) == [3, 3, 4]
+    s.submit(job("g2", "a", 4, pods=2, t=1.0), 1.0)
+    s.submit(job("g3", "a", 4, pods=3, t=2.0), 2.0)
+    s.submit(job("g4", "a", 3, pods=4, t=3.0), 3.0)
+    reasons = {w.job: w.reason.split(": ", 1)[1] for w in s.cycle(3.0).waiting}
+    assert reasons == {
+        "g2": "gang of 2: only 1 member fits",
+        "g3": "gang of 3: only 1 member fits",
+        "g4": "gang of 4: only 3 members fit",
+    }
+
+
+def free_per_node(s: Scheduler) -> list[int]:
+    """Whole GPUs free on each node."""
+    arrays = s.cap._arrays
+    return [
+        sum(g.milli_free == 1000 for g in arrays.node_state(i).gpus) for i in range(len(s.cap.node_names))
+    ]
+
+
 def borrowed_cluster() -> Scheduler:
     """Team a holds 12 of 16 GPUs (4 borrowed, on the node it shares with nobody); b holds nothing."""
     s = scheduler(config(TWO_TEAMS))
