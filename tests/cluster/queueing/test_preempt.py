@@ -285,3 +285,27 @@ def test_a_search_whose_candidates_can_never_make_room_releases_nothing() -> Non
     found = victims(s, job("half", "a", 4, priority=5), 100.0)
     assert found is not None and len(chosen(found)) == 1 and chosen(found)[0].startswith("low")
     assert releases
+
+
+def test_a_needed_victim_is_kept_without_a_plan_and_an_unneeded_one_is_given_back() -> None:
+    """Giving back a victim the open nodes could not do without (the bound falls below the pods) asks
+    for no plan; one they can do without is given back after a plan says so."""
+    s = scheduler(config(ONE_QUEUE), nodes=3)
+    start(s, [(job("keep0", "a", 4, preemptible=False), 0.0), (job("x0", "a", 4), 0.0)])
+    start(s, [(job("keep1", "a", 4, preemptible=False), 10.0), (job("x1", "a", 4), 10.0)])
+    start(s, [(job("keep2", "a", 6, preemptible=False), 50.0), (job("z", "a", 2), 50.0)])
+    nodes = [s.running[n].plan.nodes for n in ("x0", "x1", "z")]
+    assert nodes == [s.running[n].plan.nodes for n in ("keep0", "keep1", "keep2")] and len(set(nodes)) == 3
+    plans: list[str] = []
+    cap_plan = s.cap.plan
+
+    def spy(job: Job, **kw: Any) -> Any:
+        plans.append(job.name)
+        return cap_plan(job, **kw)
+
+    s.cap.plan = spy  # type: ignore[method-assign]
+    gang = Job(name="gang", queue="hi", pods=(Request(gpus=4), Request(gpus=4)), arrival=100.0)
+    # least lost work first: z (2 x 50), x1 (4 x 90), x0 (4 x 100); the gang plans once all three stopped
+    assert sorted(chosen(victims(s, gang, 100.0))) == ["x0", "x1"]
+    # one plan to place the gang, one to give z back; x0 and x1 are kept without one
+    assert plans == ["gang", "gang"]
