@@ -155,13 +155,14 @@ class Admit:
         trial at this epoch, keeping off no more nodes (a pod plans exactly when a node outside its
         excluded nodes fits it, a node that does not fit a pod fits no larger one, and commits only take
         room away)."""
+        return len(job.pods) == 1 and self._pod_failed(job.pods[0], exclude)
+
+    def _pod_failed(self, q: Request, exclude: frozenset[str]) -> bool:
+        """_smaller_failed for one pod."""
         if self._small_fails_epoch != self.cap.epoch:
             self._small_fails_epoch = self.cap.epoch
             self._small_fails = {}
             return False
-        if len(job.pods) != 1:
-            return False
-        q = job.pods[0]
         gpus, milli, gmem, cpu, mem = q.gpus, q.gpu_milli, q.gpu_memory_bytes, q.cpu_milli, q.memory_bytes
         for f, excluded in self._small_fails.get(_family(q), ()):  # the hot loop: _no_more, inlined
             if (
@@ -173,6 +174,16 @@ class Admit:
                 and excluded <= exclude
             ):
                 return True
+        return False
+
+    def pod_fits_now(self, q: Request, exclude: frozenset[str]) -> bool:
+        """Whether some node outside `exclude` has room for the one pod q now (a gang member, for its
+        waiting reason); a pod found not to fit is remembered with the failed one-pod trials."""
+        if self._pod_failed(q, exclude):
+            return False
+        if self.cap.fits_now(q, exclude_nodes=exclude):
+            return True
+        self._add_small_fail(q, exclude)
         return False
 
     def _add_small_fail(self, q: Request, exclude: frozenset[str]) -> None:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from gpunode.cluster.queueing.pending import Nomination, Pending
     from gpunode.cluster.queueing.quotas import QuotaBook
     from gpunode.cluster.queueing.waitlist import WaitList
+    from gpunode.placement.model import Request
 
 
 class ReasonsHost(Protocol):
@@ -42,6 +43,9 @@ class ReasonsHost(Protocol):
 
     def _list_of(self, job: Job) -> WaitList:
         """The wait list the job is in."""
+
+    def pod_fits_now(self, q: Request, exclude: frozenset[str]) -> bool:
+        """Whether some node outside `exclude` has room for this one pod now."""
 
 
 def _gpus(milli: int) -> str:
@@ -143,7 +147,7 @@ class Reasons:
         job = p.job
         cap = self.sched.cap
         lo, hi = 0, len(job.pods) - 1
-        if _alike(job) and not cap.fits_now(job.pods[0], exclude_nodes=exclude):
+        if _alike(job) and not self.sched.pod_fits_now(job.pods[0], exclude):
             return 0  # the common case on a full cluster, told without a plan
         with cap.draws_kept():  # the explanation must not change later decisions
             if _alike(job):
