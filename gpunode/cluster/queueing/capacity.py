@@ -27,7 +27,7 @@ API (all deterministic for a given seed):
 - .fork(): an independent copy for what-if (backfill shadow time, preemption trials); score
   caches are shared with the original, so a fork's plans stay fast.
 - .trial(): a context manager that undoes, on exit, every commit and release made inside it on
-  this very object (cheaper than fork: only the nodes touched are restored).
+  this very object (cheaper than fork: only the nodes and the records of jobs it touched are restored).
 - .nodes_busy(), .gpu_activity(): powered nodes and busy/idle GPUs per model (energy.py's model).
 
 Energy-aware placement: with energy_weight w > 0 a node's score is (1 - w) * (policy score) +
@@ -67,6 +67,15 @@ class _Held:
     rows: tuple[int, ...]
     amounts: Amounts
     footprint: tuple[tuple[int, int, int, int], ...]  # NodeView.footprint
+
+
+@dataclass
+class _BooksUndo:
+    """A trial's record of what it changed in the books: each row's allocations and each job's record
+    as they were before it first changed (None: absent), so the trial's end puts back only those."""
+
+    alloc: dict[int, tuple[Allocation, ...] | None] = field(default_factory=dict)
+    jobs: dict[str, _Held | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -117,6 +126,7 @@ class ClusterCapacity(NodeView):
         self._epoch = 0
         self._rng = np.random.default_rng(seed)
         self._journal: dict[int, NodeState] | None = None
+        self._books_undo: _BooksUndo | None = None  # in a trial: the records as they were before it
         self._freed = FreedLog()
         arr = self._arrays
         self._gpus = arr.gpu_count.copy()
@@ -150,7 +160,7 @@ class ClusterCapacity(NodeView):
 
     @property
     def jobs(self) -> tuple[str, ...]:
-        """The names of the committed jobs."""
+        """The names of the committed jobs, in no set order (a trial may change it)."""
         return tuple(self._jobs)
 
     def __contains__(self, job_name: object) -> bool:
@@ -358,6 +368,11 @@ class ClusterCapacity(NodeView):
             for row, state in reversed(undo):
                 self._set_row(row, state)
             raise
+        books_undo = self._books_undo
+        if books_undo is not None:
+            books_undo.jobs.setdefault(job_name, None)
+            for row, _ in undo:
+                books_undo.alloc.setdefault(row, self._alloc.get(row))
         for request, pod, (row, _) in zip(job.pods, plan.pods, undo, strict=True):
             self._alloc[row] = (*self._alloc.get(row, ()), Allocation(job_name, request, pod.gpus))
         rows = tuple(dict.fromkeys(row for row, _ in undo))
@@ -387,7 +402,14 @@ class ClusterCapacity(NodeView):
             raise InvalidState(
                 f"job {sorted(missing)[0]} is not committed", hint="release only jobs that were committed"
             )
+        books_undo = self._books_undo
+        if books_undo is not None:
+            for name in gone:
+                books_undo.jobs.setdefault(name, self._jobs[name])
         rows = dict.fromkeys(row for name in gone for row in self._jobs.pop(name).rows)
+        if books_undo is not None:
+            for row in rows:
+                books_undo.alloc.setdefault(row, self._alloc[row])
         states: dict[int, NodeState] = {}
         for row in rows:
             remaining = tuple(a for a in self._alloc[row] if a.job not in gone)
@@ -471,6 +493,7 @@ class ClusterCapacity(NodeView):
             _used=self._used.copy(),
             _busy=self._busy.copy(),
             _journal=None,
+            _books_undo=None,
             _freed=FreedLog(),
         )
         return fields
@@ -490,13 +513,25 @@ class ClusterCapacity(NodeView):
         """Undo on exit every commit and release made inside the block (not nestable)."""
         if self._journal is not None:
             raise InvalidState("trials do not nest", hint="use fork() for a what-if inside a trial")
-        saved = (dict(self._alloc), dict(self._jobs), self._epoch, copy.deepcopy(self._rng))
+        saved = (self._epoch, copy.deepcopy(self._rng))
         self._journal = {}
+        self._books_undo = _BooksUndo()
         try:
             yield self
         finally:
             journal, self._journal = self._journal, None
+            books_undo, self._books_undo = self._books_undo, None
             for row, state in journal.items():
                 self._set_row(row, state)
             self._freed.add(np.fromiter(journal, dtype=np.int64, count=len(journal)))
-            self._alloc, self._jobs, self._epoch, self._rng = saved
+            for row, held in books_undo.alloc.items():  # the records, put back in place
+                if held is None:
+                    self._alloc.pop(row, None)
+                else:
+                    self._alloc[row] = held
+            for name, record in books_undo.jobs.items():
+                if record is None:
+                    self._jobs.pop(name, None)
+                else:
+                    self._jobs[name] = record
+            self._epoch, self._rng = saved

@@ -188,6 +188,45 @@ def test_trial_undoes_commits_and_releases() -> None:
     assert states(cap) == snapshot and cap.jobs == ("j",) and cap.epoch == epoch
 
 
+def test_a_trial_puts_back_every_record_it_touched_and_only_those() -> None:
+    """Random commits and releases inside trials (jobs sharing GPUs, released and committed again under
+    their name): after each trial the records are those before it, and a twin that never ran a trial
+    gives the same states, plans and releases from then on."""
+    rnd = random.Random(3)
+    nodes = [node(f"n{i}", gpus=4) for i in range(5)]
+    cap, twin = cap_of(nodes, seed=1), cap_of(nodes, seed=1)
+    shapes = [WHOLE1, HALF, Request(gpu_milli=300, cpu_milli=500), Request(gpus=2, cpu_milli=1000)]
+    for step in range(40):
+        j = job(f"j{step}", rnd.choice(shapes))
+        plan = cap.plan(j)
+        if plan is not None:
+            cap.commit(j.name, j, plan)
+            twin.commit(j.name, j, plan)
+        if step % 4 == 3 and cap.jobs:
+            alloc, held = dict(cap._alloc), dict(cap._jobs)
+            with cap.trial():
+                for _ in range(rnd.randint(1, 6)):
+                    if cap.jobs and rnd.random() < 0.6:
+                        name = rnd.choice(cap.jobs)
+                        record = cap._jobs[name]
+                        cap.release(name)
+                        if rnd.random() < 0.5:  # committed again under its name, as the victim search does
+                            cap.commit(name, record.job, record.plan)
+                    else:
+                        extra = job(f"t{step}", rnd.choice(shapes))
+                        extra_plan = cap.plan(extra)
+                        if extra_plan is not None and extra.name not in cap:
+                            cap.commit(extra.name, extra, extra_plan)
+            assert cap._alloc == alloc and cap._jobs == held
+            assert states(cap) == states(twin)
+        if cap.jobs and rnd.random() < 0.3:
+            name = rnd.choice(sorted(cap.jobs))
+            cap.release(name)
+            twin.release(name)
+            assert states(cap) == states(twin)
+    assert sorted(cap.jobs) == sorted(twin.jobs) and cap.free() == twin.free()
+
+
 def test_random_operations_on_forks_keep_plans_right(seed: int = 7) -> None:
     """Forks share score caches: every plan must still equal what fit says on the current states."""
     rnd = random.Random(seed)
