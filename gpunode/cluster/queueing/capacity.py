@@ -59,6 +59,9 @@ from gpunode.placement.fit import apply_request
 from gpunode.placement.frag import TargetWorkload
 from gpunode.placement.model import MILLI_PER_GPU, NodeState, Request
 
+# How many released names a capacity lists (NodeView.released_log) before it starts a new list.
+RELEASED_LOG_MAX = 100_000
+
 
 @dataclass(frozen=True)
 class _Held:
@@ -127,6 +130,7 @@ class ClusterCapacity(NodeView):
         self._rng = np.random.default_rng(seed)
         self._journal: dict[int, NodeState] | None = None
         self._books_undo: _BooksUndo | None = None  # in a trial: the records as they were before it
+        self._released: list[str] = []  # NodeView.released_log
         self._freed = FreedLog()
         arr = self._arrays
         self._gpus = arr.gpu_count.copy()
@@ -407,6 +411,9 @@ class ClusterCapacity(NodeView):
             for name in gone:
                 books_undo.jobs.setdefault(name, self._jobs[name])
         rows = dict.fromkeys(row for name in gone for row in self._jobs.pop(name).rows)
+        if len(self._released) > RELEASED_LOG_MAX:  # started afresh: its next reader looks every record up
+            self._released = []
+        self._released.extend(gone)
         if books_undo is not None:
             for row in rows:
                 books_undo.alloc.setdefault(row, self._alloc[row])
@@ -494,6 +501,7 @@ class ClusterCapacity(NodeView):
             _busy=self._busy.copy(),
             _journal=None,
             _books_undo=None,
+            _released=[] if books else self._released,
             _freed=FreedLog(),
         )
         return fields

@@ -51,6 +51,7 @@ class NodeView:
         _alloc: dict[int, tuple[Allocation, ...]]
         _base: tuple[NodeState, ...]
         _jobs: Mapping[str, _Committed]
+        _released: list[str]
         _usable: BoolArray
         _shared: _SharedStates
 
@@ -104,6 +105,13 @@ class NodeView:
         group of the jobs past their expected end, which changes little from one search to the next. The
         array is the cache's: read it, never change it."""
         return self._shared.overdue.update(self, names, len(self._base))
+
+    @property
+    def released_log(self) -> list[str]:
+        """The names of the jobs this capacity released, oldest first (a new list when it was started
+        afresh): whatever record a name outside it holds now, it held when the list was at any shorter
+        length. Read it, never change it."""
+        return self._released
 
     def show_without(
         self, gone: set[str], rows: IntArray, real: IntArray, overdue_only: BoolArray | None = None
@@ -233,13 +241,19 @@ class _Records(Protocol):
     def footprints(self, names: Sequence[str]) -> list[tuple[tuple[int, int, int, int], ...]]: ...
     def held_gpu(self, job_name: str) -> int: ...
 
+    @property
+    def released_log(self) -> list[str]: ...
+
 
 class ReleasedSums:
     """Per-node sums of what a set of committed jobs holds, updated by differences (NodeView.released_sums).
 
     Each job's record is the footprint its commit made (a new tuple per commit), so a job released and
     committed again under the same name is seen by identity and counted afresh; any capacity sharing the
-    node rows may ask, and gets the sums of its own records.
+    node rows may ask, and gets the sums of its own records. Asked again by the capacity it last
+    answered, only the names that joined the set and those the capacity released since (its
+    released_log) are looked up: a record changes only by a release (a commit under a committed name
+    is refused), and a trial puts back the records it changed.
     """
 
     def __init__(self) -> None:
@@ -249,6 +263,8 @@ class ReleasedSums:
         self._gpu = 0
         self.stamps: IntArray = np.zeros(0, dtype=np.int64)  # per row: changes whenever its sums' jobs do
         self._stamp = 0
+        self._log: list[str] | None = None  # the released_log of the capacity last answered
+        self._seen = 0  # its length then
 
     def update(self, cap: _Records, names: Sequence[str], rows: int) -> tuple[IntArray, int]:
         """The sums for `names` (committed in cap) over `rows` node rows."""
@@ -262,8 +278,17 @@ class ReleasedSums:
             self.stamps = np.full(rows, self._stamp, dtype=np.int64)
         out: list[tuple[int, int, int, int]] = []
         into: list[tuple[int, int, int, int]] = []
-        now = dict(zip(names, cap.footprints(names), strict=True))
-        for name in footprints.keys() - now.keys():
+        log = cap.released_log
+        if self._log is log:  # the same capacity: look up only what may have changed since
+            wanted = set(names)
+            gone = footprints.keys() - wanted
+            maybe = list((wanted - footprints.keys()) | (wanted.intersection(log[self._seen :]) - gone))
+            now = dict(zip(maybe, cap.footprints(maybe), strict=True))
+        else:
+            now = dict(zip(names, cap.footprints(names), strict=True))
+            gone = footprints.keys() - now.keys()
+        self._log, self._seen = log, len(log)
+        for name in gone:
             out.extend(footprints.pop(name))
             self._gpu -= held.pop(name)
         get = footprints.get
