@@ -542,4 +542,5 @@ class ClusterCapacity(NodeView):
                     self._jobs.pop(name, None)
                 else:
                     self._jobs[name] = record
+            self._released.extend(books_undo.jobs)  # their records changed back: listed as releases are
             self._epoch, self._rng = saved

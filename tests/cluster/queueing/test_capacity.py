@@ -227,6 +227,57 @@ def test_a_trial_puts_back_every_record_it_touched_and_only_those() -> None:
     assert sorted(cap.jobs) == sorted(twin.jobs) and cap.free() == twin.free()
 
 
+def test_released_sums_follow_releases_recommits_trials_and_forks() -> None:
+    """released_sums(names) equals the sums of those jobs' footprints, asked in turn by a capacity and
+    its forks, after releases, commits again under the same name (on another node) and trials."""
+    rnd = random.Random(5)
+    nodes = [node(f"n{i}", gpus=4) for i in range(6)]
+    cap = cap_of(nodes, seed=2)
+    shapes = [WHOLE1, HALF, Request(gpus=2, cpu_milli=1000), Request(gpu_milli=300, cpu_milli=500)]
+
+    def expected(c: ClusterCapacity, names: list[str]) -> tuple[list[list[int]], int]:
+        rows = np.zeros((len(nodes), 4), dtype=np.int64)
+        for n in names:
+            for row, milli, cpu, mem in c.footprint(n):
+                rows[row] += (milli, cpu, mem, 1)
+        return rows.tolist(), sum(c.held_gpu(n) for n in names)
+
+    def check(c: ClusterCapacity) -> None:
+        names = [n for n in c.jobs if int(n[1:]) % 3]  # the same names while they stay committed
+        rows, gpu = c.released_sums(names)
+        assert (rows.tolist(), gpu) == expected(c, names)
+
+    caps = [cap]
+    for step in range(120):
+        c = rnd.choice(caps)
+        op = rnd.random()
+        if op < 0.1 and len(caps) < 4:
+            caps.append(c.fork())
+        elif op < 0.4 and c.jobs:
+            name = rnd.choice(sorted(c.jobs))
+            j, away = c.job_of(name), frozenset(c.plan_of(name).nodes)
+            c.release(name)
+            plan = c.plan(j, exclude_nodes=away)
+            if plan is not None and rnd.random() < 0.6:  # committed again under its name, elsewhere
+                c.commit(name, j, plan)
+        elif op < 0.5 and c.jobs:
+            with c.trial():
+                for name in rnd.sample(sorted(c.jobs), k=min(3, len(c.jobs))):
+                    j, away = c.job_of(name), frozenset(c.plan_of(name).nodes)
+                    c.release(name)
+                    check(c)
+                    plan = c.plan(j, exclude_nodes=away)
+                    if plan is not None:
+                        c.commit(name, j, plan)
+        else:
+            j = job(f"j{step}", rnd.choice(shapes))
+            plan = c.plan(j)
+            if plan is not None:
+                c.commit(j.name, j, plan)
+        check(rnd.choice(caps))
+        check(c)
+
+
 def test_random_operations_on_forks_keep_plans_right(seed: int = 7) -> None:
     """Forks share score caches: every plan must still equal what fit says on the current states."""
     rnd = random.Random(seed)
