@@ -44,6 +44,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
@@ -58,6 +59,9 @@ from gpunode.placement.batch import BATCH_POLICIES
 from gpunode.placement.fit import apply_request
 from gpunode.placement.frag import TargetWorkload
 from gpunode.placement.model import MILLI_PER_GPU, NodeState, Request
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 
 # How many released names a capacity lists (NodeView.released_log) before it starts a new list.
 RELEASED_LOG_MAX = 100_000
@@ -79,6 +83,19 @@ class _BooksUndo:
 
     alloc: dict[int, tuple[Allocation, ...] | None] = field(default_factory=dict)
     jobs: dict[str, _Held | None] = field(default_factory=dict)
+
+    def put_back(self, alloc: dict[int, tuple[Allocation, ...]], jobs: dict[str, _Held]) -> None:
+        """Set these books' noted entries back in place (removing those that were absent)."""
+        _put_back(alloc, self.alloc)
+        _put_back(jobs, self.jobs)
+
+
+def _put_back(books: dict[_K, _V], noted: dict[_K, _V | None]) -> None:
+    for key, value in noted.items():
+        if value is None:
+            books.pop(key, None)
+        else:
+            books[key] = value
 
 
 @dataclass
@@ -406,17 +423,18 @@ class ClusterCapacity(NodeView):
             raise InvalidState(
                 f"job {sorted(missing)[0]} is not committed", hint="release only jobs that were committed"
             )
+        rows = dict.fromkeys(row for name in gone for row in self._jobs[name].rows)
         books_undo = self._books_undo
         if books_undo is not None:
             for name in gone:
                 books_undo.jobs.setdefault(name, self._jobs[name])
-        rows = dict.fromkeys(row for name in gone for row in self._jobs.pop(name).rows)
+            for row in rows:
+                books_undo.alloc.setdefault(row, self._alloc[row])
+        for name in gone:
+            del self._jobs[name]
         if len(self._released) > RELEASED_LOG_MAX:  # started afresh: its next reader looks every record up
             self._released = []
         self._released.extend(gone)
-        if books_undo is not None:
-            for row in rows:
-                books_undo.alloc.setdefault(row, self._alloc[row])
         states: dict[int, NodeState] = {}
         for row in rows:
             remaining = tuple(a for a in self._alloc[row] if a.job not in gone)
@@ -532,15 +550,6 @@ class ClusterCapacity(NodeView):
             for row, state in journal.items():
                 self._set_row(row, state)
             self._freed.add(np.fromiter(journal, dtype=np.int64, count=len(journal)))
-            for row, held in books_undo.alloc.items():  # the records, put back in place
-                if held is None:
-                    self._alloc.pop(row, None)
-                else:
-                    self._alloc[row] = held
-            for name, record in books_undo.jobs.items():
-                if record is None:
-                    self._jobs.pop(name, None)
-                else:
-                    self._jobs[name] = record
+            books_undo.put_back(self._alloc, self._jobs)
             self._released.extend(books_undo.jobs)  # their records changed back: listed as releases are
             self._epoch, self._rng = saved

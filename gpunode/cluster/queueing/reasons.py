@@ -135,23 +135,27 @@ class Reasons:
         if job.gang and not sched.report_waiting:  # nobody reads how many members fit (the time simulator)
             return f"gang of {len(job.pods)}: not every member fits now{behind}"
         if job.gang:
-            fit = placed if placed is not None and _alike(job) else self._members_fitting(p, exclude)
+            fit = self._members_fitting(p, exclude, placed)
             fits = {0: "no member fits now", 1: "only 1 member fits"}.get(fit, f"only {fit} members fit")
             return f"gang of {len(job.pods)}: {fits}{behind}"
         return f"waiting for {_gpus(job.gpu_milli)}: no node has room now{behind}"
 
-    def _members_fitting(self, p: Pending, exclude: frozenset[str]) -> int:
+    def _members_fitting(self, p: Pending, exclude: frozenset[str], placed: int | None) -> int:
         """The largest k such that the first k members place together: for like members the count one
         plan places (members are placed one after another, each seeing those before it, so the first k
-        place together exactly when that plan placed k); else a binary search on plans."""
+        place together exactly when that plan placed k), `placed` when that plan was just made; else a
+        binary search on plans."""
         job = p.job
         cap = self.sched.cap
         lo, hi = 0, len(job.pods) - 1
-        if _alike(job) and not self.sched.pod_fits_now(job.pods[0], exclude):
-            return 0  # the common case on a full cluster, told without a plan
-        with cap.draws_kept():  # the explanation must not change later decisions
-            if _alike(job):
+        if _alike(job):
+            if placed is not None:
+                return placed
+            if not self.sched.pod_fits_now(job.pods[0], exclude):
+                return 0  # the common case on a full cluster, told without a plan
+            with cap.draws_kept():  # the explanation must not change later decisions
                 return min(hi, cap.plan_counted(job, exclude_nodes=exclude)[1])
+        with cap.draws_kept():
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 if cap.plan(replace(job, pods=job.pods[:mid]), exclude_nodes=exclude) is not None:

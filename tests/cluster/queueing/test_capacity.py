@@ -247,6 +247,13 @@ def test_released_sums_follow_releases_recommits_trials_and_forks() -> None:
         rows, gpu = c.released_sums(names)
         assert (rows.tolist(), gpu) == expected(c, names)
 
+    def release_for_elsewhere(c: ClusterCapacity, name: str) -> tuple[Job, Plan | None]:
+        """Release the job (the sums checked then) and plan it again off the nodes it held."""
+        j, away = c.job_of(name), frozenset(c.plan_of(name).nodes)
+        c.release(name)
+        check(c)
+        return j, c.plan(j, exclude_nodes=away)
+
     caps = [cap]
     for step in range(120):
         c = rnd.choice(caps)
@@ -255,18 +262,13 @@ def test_released_sums_follow_releases_recommits_trials_and_forks() -> None:
             caps.append(c.fork())
         elif op < 0.4 and c.jobs:
             name = rnd.choice(sorted(c.jobs))
-            j, away = c.job_of(name), frozenset(c.plan_of(name).nodes)
-            c.release(name)
-            plan = c.plan(j, exclude_nodes=away)
+            j, plan = release_for_elsewhere(c, name)
             if plan is not None and rnd.random() < 0.6:  # committed again under its name, elsewhere
                 c.commit(name, j, plan)
         elif op < 0.5 and c.jobs:
             with c.trial():
                 for name in rnd.sample(sorted(c.jobs), k=min(3, len(c.jobs))):
-                    j, away = c.job_of(name), frozenset(c.plan_of(name).nodes)
-                    c.release(name)
-                    check(c)
-                    plan = c.plan(j, exclude_nodes=away)
+                    j, plan = release_for_elsewhere(c, name)
                     if plan is not None:
                         c.commit(name, j, plan)
         else:
