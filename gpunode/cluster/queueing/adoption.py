@@ -67,6 +67,7 @@ class Adoption:
             units: list[tuple[str, Job, Plan]] | None = None,
         ) -> None: ...
         def _list_of(self, job: Job) -> WaitList: ...
+        def _planned_runtime(self, job: Job) -> float: ...
         def _drop_reservation(self) -> None: ...
         def _exclusions(self) -> None: ...
 
@@ -95,7 +96,8 @@ class Adoption:
         self._advance(now)
         self.cap.commit(job.name, job, plan)
         amounts = self.cap.held(job.name)
-        p = Pending(job=job, demand=amounts, seq=next(self._seq), since=start, shape=-1)
+        runtime = self._planned_runtime(job)  # what backfill planned it with before the restart
+        p = Pending(job=job, demand=amounts, seq=next(self._seq), since=start, shape=-1, runtime=runtime)
         self._pending[job.name] = p  # _start takes it off the pending jobs again
         self._pending_demand[job.queue] = add(self._pending_demand[job.queue], amounts)
         self._start(p, plan, amounts, start, Decisions(), units=[(job.name, job, plan)])

@@ -2,7 +2,8 @@
 
 reserve() finds the earliest time the head fits if the running jobs end when they
 are expected to (RunningJob.expected_end: start + the job's runtime estimate, or
-the configured default; a job already past its estimate is expected to end now):
+the configured default; a job already past that is expected to end now, unless the
+scheduler has planned it again: backfill.overdueRemaining, engine.py):
 on a what-if copy of the cluster it releases the running jobs in order of expected
 end, and finds the fewest groups of equal end times to release before the head
 plans: galloping (1, 2, 4, ... groups) then bisection, so a reservation costs a few

@@ -122,6 +122,10 @@ class BackfillSettings:
     learn_estimates: bool = False  # runtime estimates corrected from each queue's completed jobs (history.py)
     # jobs without an estimate planned with their queue's learned runtime per size instead of default_runtime_s
     learn_missing: bool = False
+    # a running job past its planned end is planned to run on for this share of what it has run (its
+    # planned runtime grows by 1 + this share each time it is passed), not to end now; 0 (the default):
+    # it is expected to end now. Off by default for the admission cycle's cost (docs/queueing.md)
+    overdue_remaining: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -281,6 +285,9 @@ def parse_queue_config(data: object, where: str) -> QueueConfig:
         reserved_share=back.number("reservedShare", BackfillSettings.reserved_share, minimum=0, maximum=1),
         learn_estimates=back.flag("learnEstimates", BackfillSettings.learn_estimates),
         learn_missing=back.flag("learnMissing", BackfillSettings.learn_missing),
+        overdue_remaining=back.number(
+            "overdueRemaining", BackfillSettings.overdue_remaining, minimum=0, maximum=10
+        ),
     )
     back.finish()
     sec = top.section("order")

@@ -85,6 +85,14 @@ from gpunode.cluster.queueing.waitlist import DeadShapes, WaitList
 from gpunode.contract.names import MILLI_PER_GPU
 from gpunode.placement.model import Request
 
+# The shortest runtime an overdue job is planned again with (backfill.overdueRemaining grows it from there).
+MIN_PLANNED_S = 60.0
+
+
+def _end_of(item: tuple[float, str]) -> float:
+    return item[0]
+
+
 # Victim searches per cycle (each walks the running jobs and makes placement trials); heads of other queues
 # search in later cycles. Notices take minutes, so this delays a preemption by a cycle, not a notice period.
 PREEMPTION_SEARCHES_PER_CYCLE = 1
@@ -170,6 +178,8 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
         # backfill plans with the runtimes learned from history; the size order may read them on its own
         self._plan_learned = self.backfill and config.backfill.learn_estimates
         self._plan_missing = self.backfill and config.backfill.learn_missing  # only jobs without an estimate
+        # a running job past its planned end: its planned runtime grows by this factor until it ends later
+        self._overdue_growth = 1.0 + config.backfill.overdue_remaining if self.backfill else 1.0
         self._size_learned = preset.size_order and config.order.learned_size and config.order.shift_max_s > 0
         learns = self._plan_learned or self._plan_missing or self._size_learned
         self._history = RuntimeHistory() if learns else None
@@ -279,6 +289,8 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
     def cycle(self, now: float) -> Decisions:
         """Decide what starts, what gets a notice and what is stopped now (see the module docstring)."""
         self._advance(now)
+        if self._overdue_growth > 1.0:
+            self._extend_overdue(now)
         d = Decisions()
         self._expire(now, d)
         self._admit_nominated(now, d)
@@ -432,6 +444,32 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
             self._drop_reservation()
         elif self._extra.pop(job.name, None) is not None:
             self._exclusions()
+
+    def _extend_overdue(self, now: float) -> None:
+        """Plan each running job past its planned end to run on (backfill.overdueRemaining).
+
+        Runtimes are heavy-tailed and estimates poor: a job that has run past its plan is more
+        likely to run on than to end at once, so its planned runtime grows by the configured factor
+        until it ends after now, and it moves in the running jobs' order of expected end. Planning
+        it to end now held a reservation's nodes idle for every job that could have run there
+        meanwhile. The result depends only on the job's start, its first plan and now, so a restart
+        that adopts the job plans it the same way again.
+        """
+        ends, growth = self._ends, self._overdue_growth
+        i = bisect.bisect_right(ends, now, key=_end_of)
+        if not i:
+            return
+        moved = []
+        for _, name in ends[:i]:
+            r = self.running[name]
+            runtime = max(r.estimate if r.estimate is not None else self.default_runtime_s, MIN_PLANNED_S)
+            while r.start + runtime <= now:
+                runtime *= growth
+            r.estimate = runtime
+            moved.append((r.start + runtime, name))
+        del ends[:i]
+        ends.extend(moved)
+        ends.sort()
 
     def _stop(self, name: str, completed: bool = False) -> RunningJob:
         r = self.running.pop(name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -225,3 +226,62 @@ def test_with_exact_estimates_every_reserved_job_starts_by_its_reservation(
     assert s.pending_count == 0  # every job fits the empty cluster
     for name, start in promised.items():
         assert started[name] <= start, (name, started[name], start)
+
+
+@pytest.mark.parametrize(
+    ("remaining", "planned_end"), [(0.0, 190.0), (0.5, 225.0), (1.0, 200.0), (2.0, 300.0)]
+)
+def test_an_overdue_job_is_planned_to_run_on_for_a_share_of_what_it_has_run(
+    remaining: float, planned_end: float
+) -> None:
+    """backfill.overdueRemaining: a job past its plan (100 s) is planned again, its runtime grown by
+    1 + the share each time it is passed until it ends after now (at 190: 100 -> 150 -> 225 at 0.5,
+    100 -> 200 at 1.0, 100 -> 300 at 2.0; at 0 it ends now), so the head's reservation starts then and
+    a short job may run on its nodes until that start."""
+    from tests.cluster.queueing.sched_helpers import config, names, scheduler
+    from tests.cluster.queueing.sched_helpers import job as queued
+
+    cfg = config([{"name": "a", "guarantee": {"gpu": 8}}], backfill={"overdueRemaining": remaining},
+                 preemption={"reclaim": False, "priority": False})  # fmt: skip
+    s = scheduler(cfg, nodes=1, gpus=8)
+    s.submit(queued("old", "a", 4, est=100.0), 0.0)
+    assert names(s.cycle(0.0).admit) == ["old"]
+    s.submit(queued("head", "a", 8, t=190.0, est=1000.0), 190.0)
+    assert names(s.cycle(190.0).admit) == []
+    assert s.reservations["head"].start == planned_end
+    s.submit(queued("short", "a", 4, t=200.0, est=20.0), 200.0)  # ends at 220
+    assert names(s.cycle(200.0).admit) == ([] if planned_end < 220.0 else ["short"])
+    s.finished("old", 230.0)
+    assert names(s.cycle(230.0).admit) == ([] if planned_end >= 220.0 else ["head"])
+
+
+@pytest.mark.parametrize(
+    ("remaining", "start", "waits_for"), [(0.0, 190.0, "x"), (2.0, 300.0, "x"), (5.0, 400.0, "y")]
+)
+def test_a_job_planned_to_run_on_moves_in_the_order_of_expected_ends(
+    remaining: float, start: float, waits_for: str
+) -> None:
+    """The reservation waits for the job that is planned to end first: x, past its plan of 100 s (planned
+    again to 300 s at a share of 2, to 600 s at 5), or y, planned for 400 s; a controller that adopts both
+    after a restart plans them with their estimates, and the reservation, the same way."""
+    from tests.cluster.queueing.sched_helpers import config, names, scheduler
+    from tests.cluster.queueing.sched_helpers import job as queued
+
+    cfg = config([{"name": "a", "guarantee": {"gpu": 16}}], backfill={"overdueRemaining": remaining},
+                 preemption={"reclaim": False, "priority": False})  # fmt: skip
+    s = scheduler(cfg, nodes=2, gpus=8)
+    for name, est in (("x", 100.0), ("y", 400.0)):
+        s.submit(queued(name, "a", 8, est=est), 0.0)
+    assert names(s.cycle(0.0).admit) == ["x", "y"]
+    s.submit(queued("head", "a", 8, t=190.0, est=1000.0), 190.0)
+    s.cycle(190.0)
+    res = s.reservations["head"]
+    assert (res.start, res.nodes) == (start, s.running[waits_for].plan.nodes)
+
+    again = scheduler(cfg, nodes=2, gpus=8)  # a restart at 190: the running jobs adopted as they run
+    for name in ("x", "y"):
+        r = s.running[name]
+        again.adopt(r.job, r.plan, r.start, 190.0)
+    again.submit(queued("head", "a", 8, t=190.0, est=1000.0), 190.0)
+    again.cycle(190.0)
+    assert again.reservations["head"] == res
