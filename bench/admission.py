@@ -100,6 +100,7 @@ def run(
     freeze: bool = True,
     reservations: int = BackfillSettings.reservations,
     share_reclaim: dict[str, Any] | bool | None = None,
+    overdue_remaining: float = BackfillSettings.overdue_remaining,
 ) -> dict[str, Any]:
     """Fill, queue, then time `rounds` finish+cycle rounds (freeze: gc.freeze() the setup's objects first)."""
     rng = np.random.default_rng(seed)
@@ -112,7 +113,7 @@ def run(
                 "minRuntime": "10m",
                 **({} if share_reclaim is None else {"shareReclaim": share_reclaim}),
             },
-            "backfill": {"reservations": reservations},
+            "backfill": {"reservations": reservations, "overdueRemaining": overdue_remaining},
         },
         "bench",
     )
@@ -212,6 +213,13 @@ def main(argv: list[str] | None = None) -> int:
         help="preemption.shareReclaim of the queue configuration, e.g. '{\"keepReservations\": false}' or "
         "false (default: the configuration's defaults)",
     )
+    ap.add_argument(
+        "--overdue-remaining",
+        type=float,
+        default=BackfillSettings.overdue_remaining,
+        help="backfill.overdueRemaining of the queue configuration (default "
+        f"{BackfillSettings.overdue_remaining}, the configuration's default)",
+    )
     args = ap.parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
@@ -227,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             freeze=not args.no_freeze,
             reservations=args.reservations,
             share_reclaim=args.share_reclaim,
+            overdue_remaining=args.overdue_remaining,
         )
         for p in policies
     ]
@@ -237,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "target": "p99 cycle < 100 ms at 10,000 pending, 5,000 nodes x 8 GPUs",
         "share_reclaim": args.share_reclaim,
+        "overdue_remaining": args.overdue_remaining,
         "results": results,
     }
     print(json.dumps(doc, indent=2))
