@@ -431,7 +431,11 @@ def test_a_burst_of_pods_through_two_agent_kills_prepares_each_claim_once(
         uids = {claim_uid(admin, pod) for pod in pods}
         assert len(uids) == BURST
         assert new_claims(dn, known) == dict.fromkeys(uids, DONE)  # N regions, N specs, no temp file
-        assert {u: prepared_lines(dn, u) for u in uids} == dict.fromkeys(uids, 1)
+        # no claim prepared twice; a kill that lands between a prepare's record and its log line (both
+        # kills stop the agent in the middle of a burst) loses the line, not the claim, whose files are
+        # checked just above
+        lines = {u: prepared_lines(dn, u) for u in uids}
+        assert all(n <= 1 for n in lines.values()), lines
         # the restarted agents found their pool unchanged: the same slices, with the same devices
         eventually(
             lambda: _complete_pool(admin) == slices, timeout_s=WAIT_S, what="the node's whole pool again"
