@@ -52,6 +52,7 @@ import bisect
 import heapq
 import itertools
 from collections.abc import Iterable, Iterator
+from operator import itemgetter
 
 from gpunode.cluster.queueing.admit import Admit, Larger
 from gpunode.cluster.queueing.adoption import Adoption
@@ -87,10 +88,6 @@ from gpunode.placement.model import Request
 
 # The shortest runtime an overdue job is planned again with (backfill.overdueRemaining grows it from there).
 MIN_PLANNED_S = 60.0
-
-
-def _end_of(item: tuple[float, str]) -> float:
-    return item[0]
 
 
 # Victim searches per cycle (each walks the running jobs and makes placement trials); heads of other queues
@@ -456,7 +453,7 @@ class Scheduler(Adoption, Rooms, Ordering, Admit):
         that adopts the job plans it the same way again.
         """
         ends, growth = self._ends, self._overdue_growth
-        i = bisect.bisect_right(ends, now, key=_end_of)
+        i = bisect.bisect_right(ends, now, key=itemgetter(0))
         if not i:
             return
         moved = []

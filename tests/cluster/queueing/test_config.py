@@ -362,6 +362,21 @@ MISTAKES: list[tuple[str, dict[str, Any], str]] = [
         "q.yaml: backfill.reserveAfter: expected a duration such as 500ms, 30s or 5m, got 'an hour'",
     ),
     (
+        "negative-overdue-remaining",
+        {**base(), "backfill": {"overdueRemaining": -0.5}},
+        "q.yaml: backfill.overdueRemaining: expected a 0..10 number, got -0.5",
+    ),
+    (
+        "overdue-remaining-too-large",
+        {**base(), "backfill": {"overdueRemaining": 1e300}},
+        "q.yaml: backfill.overdueRemaining: expected a 0..10 number, got 1e+300",
+    ),
+    (
+        "overdue-remaining-not-finite",
+        {**base(), "backfill": {"overdueRemaining": float("nan")}},
+        "q.yaml: backfill.overdueRemaining: expected a 0..10 number, got nan",
+    ),
+    (
         "reservations-not-an-integer",
         {**base(), "backfill": {"reservations": "four"}},
         "q.yaml: backfill.reservations: expected an integer, got 'four'",
