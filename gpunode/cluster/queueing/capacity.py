@@ -18,7 +18,7 @@ API (all deterministic for a given seed):
 - .held(job_name) / .amounts(job, plan) -> Amounts: what a job holds (gpu, gpu_memory, gpu/<model>);
   .plan_of(job_name), .job_of(job_name), .jobs, `name in cap`.
 - .free_gpu(), .footprint(name), .footprints(names), .committed(names), .released_sums(names),
-  .free_by_row(), .show_without(gone, rows, real, overdue_only), .pods_bound(pod, exclude),
+  .free_by_row(), .show_without(gone, rows, real, marks), .pods_bound(pod, exclude),
   .pod_room(pod, exclude): per-node views for the engine's, backfill's and preemption's shortcuts
   (nodeview.py).
 - .free() / .capacity() -> Amounts; .fits_empty(job): could it ever fit (on the initial cluster).
@@ -52,7 +52,7 @@ from gpunode.cluster.queueing.energy import DEFAULT_POWER, GpuActivity, PowerMod
 from gpunode.cluster.queueing.freed import FreedLog
 from gpunode.cluster.queueing.model import GPU, GPU_MEMORY, Amounts, Job, Plan, PodPlacement, model_key
 from gpunode.cluster.queueing.nodetable import Allocation, VersionedArrays, rebuild
-from gpunode.cluster.queueing.nodeview import NodeView, ReleasedSums, ShownStates
+from gpunode.cluster.queueing.nodeview import Footprint, NodeView, ReleasedSums, ShownStates
 from gpunode.errors import InvalidRequest, InvalidState
 from gpunode.placement.arrays import BoolArray, FloatArray, IntArray
 from gpunode.placement.batch import BATCH_POLICIES
@@ -73,7 +73,7 @@ class _Held:
     plan: Plan
     rows: tuple[int, ...]
     amounts: Amounts
-    footprint: tuple[tuple[int, int, int, int], ...]  # NodeView.footprint
+    footprint: Footprint  # NodeView.footprint
 
 
 @dataclass
@@ -90,6 +90,15 @@ class _BooksUndo:
         _put_back(jobs, self.jobs)
 
 
+def _mark(serial: int) -> int:
+    """A commit's mark (NodeView.footprint): its serial number mixed to 62 random-looking bits
+    (splitmix64's finalizer), so that sums of marks tell sets of commits apart."""
+    z = (serial * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) >> 2
+
+
 def _put_back(books: dict[_K, _V], noted: dict[_K, _V | None]) -> None:
     for key, value in noted.items():
         if value is None:
@@ -103,6 +112,7 @@ class _Shared:
     """What an original and its forks share: counters and caches of immutable facts."""
 
     stamps: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    marks: Iterator[int] = field(default_factory=lambda: itertools.count(1))  # commits, for _mark
     epochs: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     masks: dict[frozenset[str], BoolArray] = field(default_factory=dict)
     fits_empty: dict[tuple[Request, ...], bool] = field(default_factory=dict)
@@ -397,12 +407,14 @@ class ClusterCapacity(NodeView):
         for request, pod, (row, _) in zip(job.pods, plan.pods, undo, strict=True):
             self._alloc[row] = (*self._alloc.get(row, ()), Allocation(job_name, request, pod.gpus))
         rows = tuple(dict.fromkeys(row for row, _ in undo))
+        mark = _mark(next(self._shared.marks))
         footprint = tuple(
             (
                 row,
                 q.gpu_milli if q.kind == "fraction" else MILLI_PER_GPU * len(pod.gpus),
                 q.cpu_milli,
                 q.memory_bytes,
+                mark,
             )
             for q, pod, (row, _) in zip(job.pods, plan.pods, undo, strict=True)
         )

@@ -20,9 +20,11 @@ released jobs touched (tests/cluster/queueing/test_earliest.py compares the two)
 
 The first group, the jobs already past their expected end, is often most of the
 running jobs and changes little from one search to the next: its per-node sums
-are kept on the capacity and updated by differences (NodeView.released_sums), and
-a node freed by it alone is put back from the states kept before by its version
-and a stamp of its overdue jobs, without a pass in Python over those jobs or nodes.
+are kept on the capacity and updated by differences (NodeView.released_sums). A
+trial's node state is put back from those kept before (ShownStates) when the
+node's version and the jobs released from it are the same: the per-node sums
+carry the pods released and the sum of their commits' random marks, so a node is
+looked up without a pass in Python over its jobs; only states not kept are built.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import numpy as np
 
 from gpunode.cluster.queueing.capacity import ClusterCapacity
 from gpunode.cluster.queueing.model import GPU, Job, Plan
+from gpunode.cluster.queueing.nodeview import released_columns
 from gpunode.placement.arrays import BoolArray, IntArray
 
 
@@ -150,10 +153,10 @@ class FastSearch(Search):
         self.needs = np.array(sorted(needs), dtype=np.int64)  # (kinds of pod, 3)
         rows = len(self.now_free)
         self.gone: set[str] = set()  # the jobs of the first `pos` groups
-        self.freed = np.zeros((rows, 4), dtype=np.int64)  # per row: milli-GPU, CPU, memory, pods they free
+        self.freed = np.zeros((rows, 5), dtype=np.int64)  # per row: what they free (released_columns)
         self.shown = np.full(rows, -1, dtype=np.int64)  # per row: -1 not shown, else the released pods
         # its state on the fork leaves out
-        self.pods: list[IntArray] = []  # per group: (row, milli-GPU, CPU, memory, 1) per pod of its jobs
+        self.pods: list[IntArray] = []  # per group: its jobs' footprint entries, one per array row
         self.overdue: IntArray | None = None  # the first group's per-row sums, when it is the overdue jobs
         if groups.overdue:
             self.overdue, gpu = cap.released_sums(groups.items[0][1])
@@ -165,10 +168,7 @@ class FastSearch(Search):
             footprint = self.cap.footprint
             names = () if not pods and self.overdue is not None else self.groups.items[len(pods)][1]
             flat = [t for name in names for t in footprint(name)]
-            arr = np.ones((len(flat), 5), dtype=np.int64)
-            if flat:
-                arr[:, :4] = flat
-            pods.append(arr)
+            pods.append(np.array(flat, dtype=np.int64) if flat else np.zeros((0, 5), dtype=np.int64))
         return pods[i]
 
     def _move(self, k: int) -> None:
@@ -187,7 +187,7 @@ class FastSearch(Search):
             parts = [self._group_pods(i) for i in range(lo, hi)]
             pods = parts[0] if len(parts) == 1 else np.concatenate(parts)
             if len(pods):
-                np.add.at(self.freed, pods[:, 0], pods[:, 1:] if forward else -pods[:, 1:])
+                np.add.at(self.freed, *released_columns(pods, 1 if forward else -1))
         self.pos = k
 
     def _probe(self, k: int) -> Plan | None:
@@ -203,8 +203,6 @@ class FastSearch(Search):
         rows = np.flatnonzero(shown >= 0)
         changed = rows[shown[rows] != freed[rows, 3]]
         if len(changed):
-            overdue = self.overdue
-            only = None if overdue is None or self.pos == 0 else freed[changed, 3] == overdue[changed, 3]
-            self.cap.show_without(self.gone, changed, self.real, only)
+            self.cap.show_without(self.gone, changed, self.real, freed[changed, 3:5])
             shown[changed] = freed[changed, 3]
         return self.cap.plan(self.head, exclude_nodes=self.exclude)

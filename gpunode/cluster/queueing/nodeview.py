@@ -2,7 +2,7 @@
 
 - free_gpu(): free()[gpu] alone, without the per-model amounts;
 - footprint(name), footprints(names), committed(names), free_by_row(), row_versions(),
-  show_without(gone, rows, real, overdue_only): what a committed job takes from each node, every
+  show_without(gone, rows, real, marks): what a committed job takes from each node, every
   node's free GPU/CPU/memory, and (on a fork) nodes set to their state without some jobs, kept in
   ShownStates for the next searches;
 - released_sums(names): per-node sums of what the overdue jobs hold, kept between backfill searches
@@ -25,12 +25,30 @@ from gpunode.placement.model import NodeState
 
 _FOOTPRINT = operator.attrgetter("footprint")
 
+# Per pod of a committed job: (row, milli-GPU, CPU milli, memory bytes, mark): what it takes from its node,
+# and its commit's mark (a random 62-bit number, the same for each pod of the commit).
+Footprint = tuple[tuple[int, int, int, int, int], ...]
+
+# A node state shown without some jobs (ShownStates): (row, real version, pods gone, sum of their marks).
+ShownKey = tuple[int, int, int, int]
+
+
+def released_columns(pods: IntArray, sign: int = 1) -> tuple[IntArray, IntArray]:
+    """For np.add.at: the rows of these pods (footprint entries, one per array row) and what releasing
+    them frees there, times `sign`: milli-GPU, CPU milli, memory bytes, 1 pod, the mark (sums wrap
+    around in int64, the same whatever the order)."""
+    values = np.empty((len(pods), 5), dtype=np.int64)
+    values[:, :3] = pods[:, 1:4]
+    values[:, 3] = 1
+    values[:, 4] = pods[:, 4]
+    return pods[:, 0], values if sign > 0 else -values
+
 
 class _Committed(Protocol):
     """What NodeView reads of a committed job (capacity._Held)."""
 
     @property
-    def footprint(self) -> tuple[tuple[int, int, int, int], ...]: ...
+    def footprint(self) -> Footprint: ...
 
 
 class _SharedStates(Protocol):
@@ -76,12 +94,12 @@ class NodeView:
         share = np.where(self._usable, self._arrays.share, 0).sum(axis=1)
         return PodRoom(share, pod_milli, self._mask(exclude), self.footprint)
 
-    def footprint(self, job_name: str) -> tuple[tuple[int, int, int, int], ...]:
+    def footprint(self, job_name: str) -> Footprint:
         """Per pod of a committed job: (row, milli-GPU, CPU milli, memory bytes) it takes from its node
-        (worked out when the job was committed)."""
+        (worked out when the job was committed), and the commit's mark (Footprint)."""
         return self._jobs[job_name].footprint
 
-    def footprints(self, names: Sequence[str]) -> list[tuple[tuple[int, int, int, int], ...]]:
+    def footprints(self, names: Sequence[str]) -> list[Footprint]:
         """footprint(name) of each of these committed jobs, in one pass."""
         return list(map(_FOOTPRINT, map(self._jobs.__getitem__, names)))
 
@@ -101,7 +119,7 @@ class NodeView:
 
     def released_sums(self, names: Sequence[str]) -> tuple[IntArray, int]:
         """What releasing these committed jobs would free: per node row (milli-GPU, CPU milli, memory
-        bytes, pods), and the milli-GPU in all. Kept up to date between calls (ReleasedSums): for backfill's
+        bytes, pods, their marks' sum: released_columns), and the milli-GPU in all. Kept up to date between calls (ReleasedSums): for backfill's
         group of the jobs past their expected end, which changes little from one search to the next. The
         array is the cache's: read it, never change it."""
         return self._shared.overdue.update(self, names, len(self._base))
@@ -113,67 +131,43 @@ class NodeView:
         length. Read it, never change it."""
         return self._released
 
-    def show_without(
-        self, gone: set[str], rows: IntArray, real: IntArray, overdue_only: BoolArray | None = None
-    ) -> None:
+    def show_without(self, gone: set[str], rows: IntArray, real: IntArray, marks: IntArray) -> None:
         """Set these rows to their state without the jobs `gone` (only for plans on a fork: the jobs stay
         committed in the books, so never commit or release on it afterwards). `real`: row_versions() of
-        the capacity the fork was made from, when it was made. `overdue_only`, per row of `rows`: whether
-        the jobs gone from it are exactly its jobs among those last given to released_sums.
+        the capacity the fork was made from, when it was made. `marks`, per row of `rows`: the pods the
+        jobs gone from it hold there and the sum of their footprints' marks (columns 3 and 4 of
+        released_sums' array).
 
-        A state shown before (the same row, real version and jobs gone from it) is put back from
+        A state shown before (the same row, real version, pods gone and marks' sum) is put back from
         ShownStates with its version, so neither the node state nor its scores are computed again: a
-        row's version changes with every change of its allocations, so the key names the allocations
-        left, and those the state. A row of `overdue_only` is first looked up by its real version and
-        ReleasedSums' stamp for it (which change with its allocations and with its overdue jobs), all
-        such rows at once; only the others and the rows not found are keyed one by one.
+        row's version changes with every change of its allocations, so the version names the
+        allocations held, and the marks' sum which of them are gone (each commit's mark is a random
+        62-bit number, so two sets of jobs on a row share a sum with a chance of about 2^-64). Only the
+        rows not kept are built, from their allocations outside `gone`.
         """
         alloc, base, table = self._alloc, self._base, self._shared.shown
-        taken: list[tuple[IntArray, IntArray]] = []  # (rows, places in the table) to put back
-        quick: tuple[IntArray, IntArray, IntArray] | None = None  # rows to index by stamp, with their keys
-        rest = rows
-        if overdue_only is not None and overdue_only.any():
-            by_stamp = rows[overdue_only]
-            versions, stamps = real[by_stamp], self._shared.overdue.stamps[by_stamp]
-            places = table.find_stamped(by_stamp, versions, stamps, len(base))
-            found = places >= 0
-            taken.append((by_stamp[found], places[found]))
-            missed = ~found
-            quick = (by_stamp[missed], versions[missed], stamps[missed])
-            rest = np.concatenate((rows[~overdue_only], quick[0]))
+        keys = list(
+            zip(rows.tolist(), real[rows].tolist(), marks[:, 0].tolist(), marks[:, 1].tolist(), strict=True)
+        )
+        places = table.find(keys)
+        kept = [i for i, place in enumerate(places) if place >= 0]
+        if kept:  # put back before adding: adding may empty the table
+            old = rows[kept]
+            at_old = np.array([places[i] for i in kept], dtype=np.int64)
+            self._arrays.set_rows_state(old, *table.take(at_old))
+            self._mark_use(old)
         built: dict[int, NodeState] = {}
-        keys: list[tuple[int, int, tuple[str, ...]]] = []
-        hits: list[int] = []
-        at: list[int] = []
-        for row in rest.tolist():
-            held = alloc.get(row, ())
-            key = (row, int(real[row]), tuple(a.job for a in held if a.job in gone))
-            place = table.find(key)
-            if place is None:
-                built[row] = rebuild(base[row], tuple(a for a in held if a.job not in gone))
-                keys.append(key)
-            else:
-                hits.append(row)
-                at.append(place)
-        if hits:
-            taken.append((np.array(hits, dtype=np.int64), np.array(at, dtype=np.int64)))
-        placed: dict[int, int] = {}
-        if taken:
-            old, at_old = np.concatenate([r for r, _ in taken]), np.concatenate([a for _, a in taken])
-            if len(old):  # put back before adding: adding may empty the table
-                self._arrays.set_rows_state(old, *table.take(at_old))
-                self._mark_use(old)
-                placed = dict(zip(old.tolist(), at_old.tolist(), strict=True))
+        new_keys: list[ShownKey] = []
+        for i, place in enumerate(places):
+            if place < 0:
+                key = keys[i]
+                row = key[0]
+                built[row] = rebuild(base[row], tuple(a for a in alloc.get(row, ()) if a.job not in gone))
+                new_keys.append(key)
         if built:
             self._set_rows(built)
             new = np.fromiter(built, dtype=np.int64, count=len(built))
-            start = table.add(keys, self._arrays.rows_state(new), list(built.values()))
-            if start == 0:  # the table was emptied: places found before are gone
-                placed = {}
-            placed.update(zip(built, range(start, start + len(built)), strict=True))
-        if quick is not None and len(quick[0]):
-            known = np.array([placed.get(r, -1) for r in quick[0].tolist()], dtype=np.int64)
-            table.keep_stamped(quick[0], quick[1], quick[2], known)
+            table.add(new_keys, self._arrays.rows_state(new), list(built.values()))
 
 
 class ShownStates:
@@ -187,36 +181,22 @@ class ShownStates:
     LIMIT = 1 << 16
 
     def __init__(self) -> None:
-        self._index: dict[tuple[int, int, tuple[str, ...]], int] = {}
+        self._index: dict[ShownKey, int] = {}
         self._fields: dict[str, np.ndarray] = {}
         self._nodes: list[NodeState] = []
-        self._stamped = np.zeros((0, 3), dtype=np.int64)  # per row: real version, overdue stamp, place
 
-    def find_stamped(self, rows: IntArray, versions: IntArray, stamps: IntArray, count: int) -> IntArray:
-        """Per row: where its state without its overdue jobs is kept, under this real version and stamp
-        (NodeView.show_without), or -1. `count`: how many rows the capacity has."""
-        if len(self._stamped) != count:
-            self._stamped = np.full((count, 3), -1, dtype=np.int64)
-        kept = self._stamped[rows]
-        return np.where((kept[:, 0] == versions) & (kept[:, 1] == stamps), kept[:, 2], -1)
+    def find(self, keys: Sequence[ShownKey]) -> list[int]:
+        """Per key: where its state is kept, or -1."""
+        get = self._index.get
+        return [get(key, -1) for key in keys]
 
-    def keep_stamped(self, rows: IntArray, versions: IntArray, stamps: IntArray, places: IntArray) -> None:
-        """Index these rows' states (kept at `places`; -1: not kept) by real version and overdue stamp."""
-        self._stamped[rows] = np.column_stack((versions, stamps, places))
-
-    def find(self, key: tuple[int, int, tuple[str, ...]]) -> int | None:
-        """Where the state of this key is kept, or None."""
-        return self._index.get(key)
-
-    def add(self, keys: Sequence[tuple[int, int, tuple[str, ...]]], state: dict[str, np.ndarray],
-            nodes: Sequence[NodeState]) -> int:  # fmt: skip
-        """Keep these rows' states (NodeArrays.rows_state) under their keys; the place of the first (the
-        others follow). 0 when the table was emptied first (every place given before is then gone)."""
+    def add(self, keys: Sequence[ShownKey], state: dict[str, np.ndarray], nodes: Sequence[NodeState]) -> None:
+        """Keep these rows' states (NodeArrays.rows_state) under their keys (emptying the table first when
+        it would grow past LIMIT: places found before are then gone)."""
         n = len(self._nodes)
         if n + len(keys) > self.LIMIT:
             self._index.clear()
             self._nodes.clear()
-            self._stamped[:, 2] = -1
             n = 0
         for f, values in state.items():
             arr = self._fields.get(f)
@@ -228,7 +208,6 @@ class ShownStates:
             arr[n : n + len(values)] = values
         self._index.update(zip(keys, range(n, n + len(keys)), strict=True))
         self._nodes.extend(nodes)
-        return n
 
     def take(self, at: IntArray) -> tuple[dict[str, np.ndarray], list[NodeState]]:
         """The states kept at these places (NodeArrays.set_rows_state's arguments but the rows)."""
@@ -238,7 +217,7 @@ class ShownStates:
 class _Records(Protocol):
     """What ReleasedSums reads of a capacity (NodeView)."""
 
-    def footprints(self, names: Sequence[str]) -> list[tuple[tuple[int, int, int, int], ...]]: ...
+    def footprints(self, names: Sequence[str]) -> list[Footprint]: ...
     def held_gpu(self, job_name: str) -> int: ...
 
     @property
@@ -257,12 +236,10 @@ class ReleasedSums:
     """
 
     def __init__(self) -> None:
-        self._footprints: dict[str, tuple[tuple[int, int, int, int], ...]] = {}
+        self._footprints: dict[str, Footprint] = {}
         self._held: dict[str, int] = {}
-        self._rows: IntArray = np.zeros((0, 4), dtype=np.int64)
+        self._rows: IntArray = np.zeros((0, 5), dtype=np.int64)
         self._gpu = 0
-        self.stamps: IntArray = np.zeros(0, dtype=np.int64)  # per row: changes whenever its sums' jobs do
-        self._stamp = 0
         self._log: list[str] | None = None  # the released_log of the capacity last answered
         self._seen = 0  # its length then
 
@@ -272,12 +249,10 @@ class ReleasedSums:
         if len(self._rows) != rows:
             footprints.clear()
             held.clear()
-            self._rows = np.zeros((rows, 4), dtype=np.int64)
+            self._rows = np.zeros((rows, 5), dtype=np.int64)
             self._gpu = 0
-            self._stamp += 1
-            self.stamps = np.full(rows, self._stamp, dtype=np.int64)
-        out: list[tuple[int, int, int, int]] = []
-        into: list[tuple[int, int, int, int]] = []
+        out: list[tuple[int, int, int, int, int]] = []
+        into: list[tuple[int, int, int, int, int]] = []
         log = cap.released_log
         if self._log is log:  # the same capacity: look up only what may have changed since
             wanted = set(names)
@@ -301,14 +276,9 @@ class ReleasedSums:
             into.extend(now[name])
             held[name] = cap.held_gpu(name)
             self._gpu += held[name]
-        if out or into:
-            self._stamp += 1
         for pods, sign in ((out, -1), (into, 1)):
             if pods:
-                arr = np.array(pods, dtype=np.int64)
-                self.stamps[arr[:, 0]] = self._stamp
-                counted = np.column_stack((arr[:, 1:], np.ones(len(arr), dtype=np.int64)))
-                np.add.at(self._rows, arr[:, 0], sign * counted)
+                np.add.at(self._rows, *released_columns(np.array(pods, dtype=np.int64), sign))
         return self._rows, self._gpu
 
 
@@ -326,7 +296,7 @@ class PodRoom:
         share: IntArray,
         pod_milli: int,
         excluded: BoolArray | None,
-        footprint: Callable[[str], tuple[tuple[int, int, int, int], ...]],
+        footprint: Callable[[str], Footprint],
     ) -> None:
         self._share, self._pod, self._excluded, self._footprint = share, pod_milli, excluded, footprint
 
@@ -334,7 +304,7 @@ class PodRoom:
         """Count in what these committed jobs hold (each name once)."""
         share, footprint = self._share, self._footprint
         for name in names:
-            for row, milli, _, _ in footprint(name):
+            for row, milli, _, _, _ in footprint(name):
                 share[row] += milli
 
     def bound(self) -> int:

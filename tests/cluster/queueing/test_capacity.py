@@ -236,10 +236,10 @@ def test_released_sums_follow_releases_recommits_trials_and_forks() -> None:
     shapes = [WHOLE1, HALF, Request(gpus=2, cpu_milli=1000), Request(gpu_milli=300, cpu_milli=500)]
 
     def expected(c: ClusterCapacity, names: list[str]) -> tuple[list[list[int]], int]:
-        rows = np.zeros((len(nodes), 4), dtype=np.int64)
+        rows = np.zeros((len(nodes), 5), dtype=np.int64)
         for n in names:
-            for row, milli, cpu, mem in c.footprint(n):
-                rows[row] += (milli, cpu, mem, 1)
+            for row, milli, cpu, mem, mark in c.footprint(n):
+                rows[row] += (milli, cpu, mem, 1, mark)
         return rows.tolist(), sum(c.held_gpu(n) for n in names)
 
     def check(c: ClusterCapacity) -> None:

@@ -180,3 +180,37 @@ def test_the_fast_searchs_kept_sums_and_states_follow_the_cluster_between_search
             assert fast == plain
     assert caps[0].free() == caps[1].free()
     assert caps[0]._rng.bit_generator.state == caps[1]._rng.bit_generator.state
+
+
+def test_a_node_shown_without_one_job_is_not_taken_for_the_node_without_another_of_its_size() -> None:
+    """Two searches release, on the same unchanged node, first one job and then another of the same
+    size (a job planned again moves in the order of ends): the second is shown without its own job, so
+    the head gets the GPU that job frees, as the plain search says, not the first search's kept state."""
+    caps = [ClusterCapacity([node("n0", 2, 16, "T4")], seed=0, workload=WORKLOAD) for _ in range(2)]
+    one = Request(gpus=1, cpu_milli=1000)
+    running = []
+    for name in ("a", "b"):
+        j = Job(name=name, queue="q", pods=(one,), arrival=0.0, runtime_estimate=10.0)
+        plan = caps[0].plan(j)
+        assert plan is not None and plan == caps[1].plan(j)
+        for cap in caps:
+            cap.commit(name, j, plan)
+        running.append(RunningJob(job=j, start=0.0, plan=plan, usage=caps[0].held(name)))
+    gpu_of = {r.job.name: r.plan.pods[0].gpus for r in running}
+    assert gpu_of["a"] != gpu_of["b"]
+    head = Job(name="head", queue="q", pods=(one,), arrival=0.0)
+    for first, then in (("a", "b"), ("b", "a")):
+        ends = [(10.0, first), (20.0, then)]
+        fast = reserve(head, (), caps[0], 5.0, DEFAULT, ends=ends)
+        assert fast is not None and fast.start == 10.0 and fast.plan.pods[0].gpus == gpu_of[first]
+        plain_running = [
+            RunningJob(
+                job=r.job,
+                start=0.0,
+                plan=r.plan,
+                usage=r.usage,
+                estimate=10.0 if r.job.name == first else 20.0,
+            )
+            for r in running
+        ]
+        assert fast == reserve(head, plain_running, caps[1], 5.0, DEFAULT, fast=False)
