@@ -112,21 +112,12 @@ class NodeArrays:
     _AGGREGATES = ("cnt", "sum_ge", "copies", "total", "frag", "fill")
 
     def rows_state(self, rows: IntArray) -> dict[str, np.ndarray]:
-        """Everything a row holds of its node's state, for these rows (copies; aggregates fresh), with
-        set_rows_state the way to put a state seen before back on a row without loading it again."""
+        """Everything a row holds of its node's state, for these rows (copies; aggregates fresh): what a
+        state seen before needs to be put back on a row without loading it again (the queueing node
+        table's set_rows_state)."""
         self._fresh_aggregates()
         fields = self._ROW_STATE + (self._AGGREGATES if self.workload is not None else ())
         return {f: getattr(self, f)[rows] for f in fields}
-
-    def set_rows_state(
-        self, rows: IntArray, state: dict[str, np.ndarray], nodes: Sequence[NodeState]
-    ) -> None:
-        """Put back states taken by rows_state (version included: the same state keeps its version, and
-        so its cached scores); `nodes` are those states as NodeState."""
-        for f, values in state.items():
-            getattr(self, f)[rows] = values
-        for i, node in zip(rows.tolist(), nodes, strict=True):
-            self._templates[i] = node
 
     def replace_node(self, node: NodeState) -> None:
         """Put a new state for a known node (same name and GPUs); its cached scores go stale."""

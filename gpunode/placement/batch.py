@@ -239,7 +239,7 @@ class ClusterArrays(NodeArrays):
 
     def apply(self, request: Request, node: int, slots: Sequence[int]) -> None:
         """Account the request on the node (the GPU slots as chosen)."""
-        state = self._templates[node]
+        state = self.node_state(node)
         self.replace_node(apply_request(state, request, tuple(state.gpus[s].uuid for s in slots)))
 
     def node_state(self, i: int) -> NodeState:

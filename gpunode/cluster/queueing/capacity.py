@@ -18,7 +18,7 @@ API (all deterministic for a given seed):
 - .held(job_name) / .amounts(job, plan) -> Amounts: what a job holds (gpu, gpu_memory, gpu/<model>);
   .plan_of(job_name), .job_of(job_name), .jobs, `name in cap`.
 - .free_gpu(), .footprint(name), .footprints(names), .committed(names), .released_sums(names),
-  .free_by_row(), .show_without(gone, rows, real, marks), .pods_bound(pod, exclude),
+  .free_by_row(), .show_without(gone, rows, real, freed, freed_gpu, origin), .pods_bound(pod, exclude),
   .pod_room(pod, exclude): per-node views for the engine's, backfill's and preemption's shortcuts
   (nodeview.py).
 - .free() / .capacity() -> Amounts; .fits_empty(job): could it ever fit (on the initial cluster).
@@ -52,7 +52,16 @@ from gpunode.cluster.queueing.energy import DEFAULT_POWER, GpuActivity, PowerMod
 from gpunode.cluster.queueing.freed import FreedLog
 from gpunode.cluster.queueing.model import GPU, GPU_MEMORY, Amounts, Job, Plan, PodPlacement, model_key
 from gpunode.cluster.queueing.nodetable import Allocation, VersionedArrays, rebuild
-from gpunode.cluster.queueing.nodeview import Footprint, NodeView, ReleasedSums, ShownStates
+from gpunode.cluster.queueing.nodeview import (
+    KIND_CPU,
+    KIND_FRACTION,
+    KIND_MIG,
+    KIND_WHOLE,
+    Footprint,
+    NodeView,
+    ReleasedSums,
+    ShownStates,
+)
 from gpunode.errors import InvalidRequest, InvalidState
 from gpunode.placement.arrays import BoolArray, FloatArray, IntArray
 from gpunode.placement.batch import BATCH_POLICIES
@@ -62,6 +71,8 @@ from gpunode.placement.model import MILLI_PER_GPU, NodeState, Request
 
 _K = TypeVar("_K")
 _V = TypeVar("_V")
+
+_KINDS = {"cpu": KIND_CPU, "whole": KIND_WHOLE, "fraction": KIND_FRACTION, "mig": KIND_MIG}
 
 # How many released names a capacity lists (NodeView.released_log) before it starts a new list.
 RELEASED_LOG_MAX = 100_000
@@ -107,6 +118,17 @@ def _put_back(books: dict[_K, _V], noted: dict[_K, _V | None]) -> None:
             books[key] = value
 
 
+@dataclass(frozen=True)
+class _Initial:
+    """Per row and GPU slot, the free milli-GPU and GPU memory of the nodes as given (before any commit)."""
+
+    milli: IntArray
+    gmem_free: IntArray
+
+
+_NONE: IntArray = np.zeros((0, 0), dtype=np.int64)
+
+
 @dataclass
 class _Shared:
     """What an original and its forks share: counters and caches of immutable facts."""
@@ -119,6 +141,9 @@ class _Shared:
     empty: ClusterCapacity | None = None
     shown: ShownStates = field(default_factory=ShownStates)
     overdue: ReleasedSums = field(default_factory=ReleasedSums)
+    initial: _Initial = field(default_factory=lambda: _Initial(_NONE, _NONE))  # set by ClusterCapacity
+    slots: dict[int, dict[str, int]] = field(default_factory=dict)  # per row: each GPU's slot, by UUID
+    groups: dict[float, ReleasedSums] = field(default_factory=dict)  # NodeView.released_sums, by key
 
 
 class ClusterCapacity(NodeView):
@@ -150,6 +175,7 @@ class ClusterCapacity(NodeView):
         self.power = power or DEFAULT_POWER
         self._shared = _Shared()
         self._arrays = VersionedArrays(nodes, workload=workload, stamps=self._shared.stamps)
+        self._shared.initial = _Initial(self._arrays.milli.copy(), self._arrays.gmem_free.copy())
         self._base: tuple[NodeState, ...] = tuple(nodes)
         self._alloc: dict[int, tuple[Allocation, ...]] = {}
         self._jobs = {}
@@ -415,12 +441,25 @@ class ClusterCapacity(NodeView):
                 q.cpu_milli,
                 q.memory_bytes,
                 mark,
+                _KINDS[q.kind],
+                self._slot_mask(row, pod.gpus),
+                q.gpu_memory_bytes if q.kind == "fraction" else 0,
             )
             for q, pod, (row, _) in zip(job.pods, plan.pods, undo, strict=True)
         )
         self._jobs[job_name] = _Held(
             job=job, plan=plan, rows=rows, amounts=self.amounts(job, plan), footprint=footprint
         )
+
+    def _slot_mask(self, row: int, uuids: Sequence[str]) -> int:
+        """The GPU slots of these GPUs of the row's node, as a bit mask (NodeView.footprint)."""
+        slots = self._shared.slots.get(row)
+        if slots is None:
+            slots = self._shared.slots[row] = {g.uuid: s for s, g in enumerate(self._base[row].gpus)}
+        mask = 0
+        for uuid in uuids:
+            mask |= 1 << slots[uuid]
+        return mask
 
     def release(self, job_name: str) -> None:
         """Undo the job's commit exactly: each of its nodes is rebuilt from its initial state."""

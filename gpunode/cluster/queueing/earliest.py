@@ -19,12 +19,16 @@ plain search's; a reservation costs the nodes that free up, not every node the
 released jobs touched (tests/cluster/queueing/test_earliest.py compares the two).
 
 The first group, the jobs already past their expected end, is often most of the
-running jobs and changes little from one search to the next: its per-node sums
-are kept on the capacity and updated by differences (NodeView.released_sums). A
-trial's node state is put back from those kept before (ShownStates) when the
-node's version and the jobs released from it are the same: the per-node sums
-carry the pods released and the sum of their commits' random marks, so a node is
-looked up without a pass in Python over its jobs; only states not kept are built.
+running jobs and changes little from one search to the next, and so do the other
+large groups (LARGE_GROUP jobs or more: jobs started together and planned again
+together): their per-node and per-GPU sums are kept on the capacity and updated
+by differences (NodeView.released_sums). A trial's node state is put back from
+those kept before (ShownStates) when the node's version and the jobs released
+from it are the same: the per-node sums carry the pods released and the sum of
+their commits' random marks, so all nodes are looked up at once. A state not
+kept is built as arrays, for all such nodes at once (the node's present arrays
+plus what the released pods free on each GPU); its NodeState is built only if a
+trial places a pod on it.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import numpy as np
 from gpunode.cluster.queueing.capacity import ClusterCapacity
 from gpunode.cluster.queueing.model import GPU, Job, Plan
 from gpunode.cluster.queueing.nodeview import released_columns
-from gpunode.placement.arrays import BoolArray, IntArray
+from gpunode.placement.arrays import MAX_GPUS, BoolArray, IntArray
 
 
 def _end(item: tuple[float, str]) -> float:
@@ -137,6 +141,10 @@ class Search:
         return best
 
 
+# The fewest jobs a group of equal expected end has for FastSearch to keep its sums on the capacity.
+LARGE_GROUP = 64
+
+
 class FastSearch(Search):
     """Search's trials on one fork that only shows, per trial, the nodes that can matter (module docstring).
 
@@ -146,6 +154,7 @@ class FastSearch(Search):
 
     def __init__(self, cap: ClusterCapacity, head: Job, groups: Groups, exclude: frozenset[str]) -> None:
         super().__init__(cap.fork(books=False), head, groups, exclude)  # only planned on
+        self.origin = cap  # unchanged while the search runs: the real state of each row
         # the real state (the fork's rows change as trials show them): free milli-GPU, CPU, memory per row
         self.now_free = np.stack(cap.free_by_row(), axis=1).astype(np.int64, copy=False)
         self.real = cap.row_versions()
@@ -153,23 +162,38 @@ class FastSearch(Search):
         self.needs = np.array(sorted(needs), dtype=np.int64)  # (kinds of pod, 3)
         rows = len(self.now_free)
         self.gone: set[str] = set()  # the jobs of the first `pos` groups
-        self.freed = np.zeros((rows, 5), dtype=np.int64)  # per row: what they free (released_columns)
+        self.freed = np.zeros((rows, 6), dtype=np.int64)  # per row: what they free (released_columns)
+        self.freed_gpu = np.zeros((rows, MAX_GPUS, 3), dtype=np.int64)  # and per GPU slot
         self.shown = np.full(rows, -1, dtype=np.int64)  # per row: -1 not shown, else the released pods
         # its state on the fork leaves out
-        self.pods: list[IntArray] = []  # per group: its jobs' footprint entries, one per array row
-        self.overdue: IntArray | None = None  # the first group's per-row sums, when it is the overdue jobs
-        if groups.overdue:
-            self.overdue, gpu = cap.released_sums(groups.items[0][1])
-            self.free.append(self.free[0] + gpu)
+        # per group: its jobs' footprint entries (one per array row), or for a large group its sums per row
+        # and per GPU slot kept on the capacity (NodeView.released_sums); and the milli-GPU it holds
+        self.parts: list[IntArray | tuple[IntArray, IntArray]] = []
+        self.held: list[int] = []
 
-    def _group_pods(self, i: int) -> IntArray:
-        pods = self.pods
-        while len(pods) <= i:  # the overdue group's entry stays empty: _move adds its sums
-            footprint = self.cap.footprint
-            names = () if not pods and self.overdue is not None else self.groups.items[len(pods)][1]
-            flat = [t for name in names for t in footprint(name)]
-            pods.append(np.array(flat, dtype=np.int64) if flat else np.zeros((0, 5), dtype=np.int64))
-        return pods[i]
+    def _part(self, i: int) -> IntArray | tuple[IntArray, IntArray]:
+        parts = self.parts
+        while len(parts) <= i:
+            end, names = self.groups.items[len(parts)]
+            if len(parts) == 0 and self.groups.overdue:  # the jobs past their expected end
+                per_row, per_gpu, held = self.origin.released_sums(names)
+                parts.append((per_row, per_gpu))
+            elif len(names) >= LARGE_GROUP:
+                per_row, per_gpu, held = self.origin.released_sums(names, key=end)
+                parts.append((per_row, per_gpu))
+            else:
+                footprint, held_gpu = self.cap.footprint, self.cap.held_gpu
+                flat = [t for name in names for t in footprint(name)]
+                parts.append(np.array(flat, dtype=np.int64) if flat else np.zeros((0, 8), dtype=np.int64))
+                held = sum(held_gpu(name) for name in names)
+            self.held.append(held)
+        return parts[i]
+
+    def _free_after(self, k: int) -> int:
+        while len(self.free) <= k:
+            self._part(len(self.free) - 1)
+            self.free.append(self.free[-1] + self.held[len(self.free) - 1])
+        return self.free[k]
 
     def _move(self, k: int) -> None:
         forward = k > self.pos
@@ -180,14 +204,25 @@ class FastSearch(Search):
                 gone.update(group)
             else:
                 gone.difference_update(group)
-        if lo == 0 and self.overdue is not None:
-            self.freed += self.overdue if forward else -self.overdue
-            lo += 1
-        if lo < hi:
-            parts = [self._group_pods(i) for i in range(lo, hi)]
-            pods = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            if len(pods):
-                np.add.at(self.freed, *released_columns(pods, 1 if forward else -1))
+        pods: list[IntArray] = []
+        for i in range(lo, hi):
+            part = self._part(i)
+            if isinstance(part, tuple):
+                per_row, per_gpu = part
+                if forward:
+                    self.freed += per_row
+                    self.freed_gpu += per_gpu
+                else:
+                    self.freed -= per_row
+                    self.freed_gpu -= per_gpu
+            elif len(part):
+                pods.append(part)
+        if pods:
+            at, per_row, per_gpu = released_columns(
+                pods[0] if len(pods) == 1 else np.concatenate(pods), 1 if forward else -1
+            )
+            np.add.at(self.freed, at, per_row)
+            np.add.at(self.freed_gpu, at, per_gpu)
         self.pos = k
 
     def _probe(self, k: int) -> Plan | None:
@@ -203,6 +238,8 @@ class FastSearch(Search):
         rows = np.flatnonzero(shown >= 0)
         changed = rows[shown[rows] != freed[rows, 3]]
         if len(changed):
-            self.cap.show_without(self.gone, changed, self.real, freed[changed, 3:5])
+            self.cap.show_without(
+                self.gone, changed, self.real, freed[changed], self.freed_gpu[changed], self.origin
+            )
             shown[changed] = freed[changed, 3]
         return self.cap.plan(self.head, exclude_nodes=self.exclude)

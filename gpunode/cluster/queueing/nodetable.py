@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
+from gpunode.placement.arrays import IntArray
 from gpunode.placement.batch import ClusterArrays
 from gpunode.placement.fit import apply_request
 from gpunode.placement.frag import TargetWorkload
@@ -27,6 +29,8 @@ class VersionedArrays(ClusterArrays):
 
     A version then names one node state, so the score caches (keyed by version) can
     be shared between an original and its forks without ever serving a stale score.
+    A row may hold its state as arrays only, with its NodeState built when it is first
+    asked for (show_rows, LazyNode).
     """
 
     def __init__(
@@ -34,13 +38,58 @@ class VersionedArrays(ClusterArrays):
     ) -> None:
         super().__init__(nodes, workload=workload)
         self._stamps = stamps
+        self._lazy: npt.NDArray[np.object_] = np.full(len(nodes), None, dtype=object)  # per row: a LazyNode
+        # while its NodeState is not built, else None
 
     def replace_nodes(self, nodes: Sequence[NodeState]) -> None:
         """As ClusterArrays.replace_nodes (and so replace_node), with versions no other state of the nodes
         has had."""
         super().replace_nodes(nodes)
+        lazy = self._lazy
         for node in nodes:
-            self.version[self._index[node.name]] = next(self._stamps)
+            row = self._index[node.name]
+            self.version[row] = next(self._stamps)
+            lazy[row] = None
+
+    def set_rows_state(
+        self,
+        rows: IntArray,
+        state: dict[str, np.ndarray],
+        nodes: Sequence[LazyNode] | npt.NDArray[np.object_],
+    ) -> None:
+        """Put back states taken by rows_state (version included: the same state keeps its version, and
+        so its cached scores); `nodes` are those states, each built when its row is asked for."""
+        for f, values in state.items():
+            getattr(self, f)[rows] = values
+        self._lazy[rows] = nodes
+
+    def show_rows(self, rows: IntArray, cpu: IntArray, mem: IntArray, share: IntArray, milli: IntArray,
+                  gmem_free: IntArray, nodes: Sequence[LazyNode]) -> None:  # fmt: skip
+        """Give these rows a new state as arrays (free CPU, memory, and per GPU slot the allocatable share,
+        free milli-GPU and free GPU memory; every other field of a row stays: its GPUs' modes and health do
+        not change) with new versions; each row's NodeState is built from `nodes` when asked for."""
+        self.cpu[rows], self.mem[rows] = cpu, mem
+        self.share[rows], self.milli[rows], self.gmem_free[rows] = share, milli, gmem_free
+        self.version[rows] = [next(self._stamps) for _ in range(len(rows))]
+        self._agg_stale[rows] = True
+        lazy = np.empty(len(nodes), dtype=object)
+        lazy[:] = nodes
+        self._lazy[rows] = lazy
+
+    def node_state(self, i: int) -> NodeState:
+        """Node i as a NodeState (built now if the row holds its state as arrays only)."""
+        lazy = self._lazy[i]
+        if lazy is not None:
+            self._templates[i] = lazy.node()
+            self._lazy[i] = None
+        return self._templates[i]
+
+    def lazy_nodes(self, rows: IntArray) -> npt.NDArray[np.object_]:
+        """What set_rows_state takes back for these rows' states."""
+        out = self._lazy[rows]
+        for k in np.flatnonzero(out == None).tolist():  # noqa: E711 (elementwise)
+            out[k] = LazyNode.of(self._templates[int(rows[k])])
+        return out
 
     def fork(self) -> VersionedArrays:
         """A copy with its own state arrays and node list; caches and constant lookups are shared."""
@@ -50,6 +99,29 @@ class VersionedArrays(ClusterArrays):
                 setattr(new, name, value.copy())
         new._templates = list(self._templates)
         return new
+
+
+class LazyNode:
+    """A node state built from its initial state and allocations when first asked for (rebuild)."""
+
+    __slots__ = ("_allocs", "_base", "_node")
+
+    def __init__(self, base: NodeState, allocs: tuple[Allocation, ...]) -> None:
+        self._base, self._allocs = base, allocs
+        self._node: NodeState | None = None
+
+    @classmethod
+    def of(cls, node: NodeState) -> LazyNode:
+        """A state already built."""
+        lazy = cls(node, ())
+        lazy._node = node
+        return lazy
+
+    def node(self) -> NodeState:
+        """The state (built once)."""
+        if self._node is None:
+            self._node = rebuild(self._base, self._allocs)
+        return self._node
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import pytest
 
 from gpunode.cluster.queueing.capacity import ClusterCapacity
 from gpunode.cluster.queueing.model import GPU, GPU_MEMORY, Job, Plan, PodPlacement, model_key
+from gpunode.cluster.queueing.nodeview import released_columns
 from gpunode.contract.names import GIB
 from gpunode.errors import InvalidRequest, InvalidState
 from gpunode.placement.fit import apply_request, fits
@@ -228,24 +229,39 @@ def test_a_trial_puts_back_every_record_it_touched_and_only_those() -> None:
 
 
 def test_released_sums_follow_releases_recommits_trials_and_forks() -> None:
-    """released_sums(names) equals the sums of those jobs' footprints, asked in turn by a capacity and
-    its forks, after releases, commits again under the same name (on another node) and trials."""
+    """released_sums(names) equals the sums of what those jobs hold, per node and per GPU slot, asked in
+    turn by a capacity and its forks, after releases, commits again under the same name (on another node)
+    and trials."""
     rnd = random.Random(5)
     nodes = [node(f"n{i}", gpus=4) for i in range(6)]
     cap = cap_of(nodes, seed=2)
     shapes = [WHOLE1, HALF, Request(gpus=2, cpu_milli=1000), Request(gpu_milli=300, cpu_milli=500)]
 
-    def expected(c: ClusterCapacity, names: list[str]) -> tuple[list[list[int]], int]:
-        rows = np.zeros((len(nodes), 5), dtype=np.int64)
+    shapes.append(Request(gpu_milli=250, gpu_memory_bytes=2 * GIB))
+    row_of = {x.name: i for i, x in enumerate(nodes)}
+    slot_of = {g.uuid: s for x in nodes for s, g in enumerate(x.gpus)}
+
+    def expected(c: ClusterCapacity, names: list[str]) -> tuple[list[list[int]], list[list[list[int]]], int]:
+        """The sums worked out from each job's requests and plan (the marks from its footprint)."""
+        rows = np.zeros((len(nodes), 6), dtype=np.int64)
+        gpus = np.zeros((len(nodes), 8, 3), dtype=np.int64)
         for n in names:
-            for row, milli, cpu, mem, mark in c.footprint(n):
-                rows[row] += (milli, cpu, mem, 1, mark)
-        return rows.tolist(), sum(c.held_gpu(n) for n in names)
+            mark = c.footprint(n)[0][4]
+            for q, pod in zip(c.job_of(n).pods, c.plan_of(n).pods, strict=True):
+                row = row_of[pod.node]
+                milli = q.gpu_milli if q.kind == "fraction" else 1000 * len(pod.gpus)
+                rows[row] += (milli, q.cpu_milli, q.memory_bytes, 1, mark, 0)
+                for uuid in pod.gpus:
+                    if q.kind == "whole":
+                        gpus[row, slot_of[uuid], 0] += 1
+                    else:
+                        gpus[row, slot_of[uuid], 1:] += (q.gpu_milli, q.gpu_memory_bytes)
+        return rows.tolist(), gpus.tolist(), sum(c.held_gpu(n) for n in names)
 
     def check(c: ClusterCapacity) -> None:
         names = [n for n in c.jobs if int(n[1:]) % 3]  # the same names while they stay committed
-        rows, gpu = c.released_sums(names)
-        assert (rows.tolist(), gpu) == expected(c, names)
+        rows, gpus, gpu = c.released_sums(names)
+        assert (rows.tolist(), gpus.tolist(), gpu) == expected(c, names)
 
     def release_for_elsewhere(c: ClusterCapacity, name: str) -> tuple[Job, Plan | None]:
         """Release the job (the sums checked then) and plan it again off the nodes it held."""
@@ -454,3 +470,98 @@ def test_rebuild_equals_applying_one_by_one() -> None:
             state = apply_request(state, request, uuids)
             allocs.append(Allocation(job=f"j{k}", request=request, gpus=uuids))
         assert rebuild(base, allocs) == state
+
+
+def test_nodes_shown_without_jobs_are_the_nodes_those_jobs_released_leave() -> None:
+    """show_without builds rows as arrays (what the jobs free added back per GPU, a whole GPU back to its
+    state as given) and their NodeState only when asked: every row equals the row of a twin where the
+    jobs are really released (arrays, aggregates and node state), on fractional GPUs with and without
+    GPU memory asked, whole-mode GPUs, a sick GPU and GPUs partly used from the start, the first time
+    (built) and again (put back from the states kept), and a plan on them is the twin's."""
+    whole_mode = NodeState(
+        name="w",
+        gpus=tuple(
+            GpuState(
+                uuid=f"w/gpu{j}",
+                index=j,
+                model="V100M32",
+                milli_free=1000,
+                memory_total_bytes=32 * GIB,
+                memory_free_bytes=(30 if j == 3 else 32) * GIB,  # GPU 3: some memory used from the start
+                numa_node=None,
+                sharing="whole",
+            )
+            for j in range(4)
+        ),
+        cpu_milli_free=64000,
+        memory_free_bytes=512 * GIB,
+    )
+    used = node("u", gpus=4)
+    used = NodeState(
+        name="u",
+        gpus=(
+            GpuState(
+                uuid="u/gpu0",
+                index=0,
+                model="V100M32",
+                milli_free=600,
+                memory_total_bytes=32 * GIB,
+                memory_free_bytes=10 * GIB,
+                numa_node=None,
+            ),
+            GpuState(
+                uuid="u/gpu1",
+                index=1,
+                model="V100M32",
+                milli_free=1000,
+                memory_total_bytes=32 * GIB,
+                memory_free_bytes=32 * GIB,
+                numa_node=None,
+                healthy=False,
+            ),
+            *used.gpus[2:],
+        ),
+        cpu_milli_free=64000,
+        memory_free_bytes=512 * GIB,
+    )
+    nodes = [node("n0", gpus=8), node("n1", gpus=2), whole_mode, used]
+    cap = cap_of(nodes, seed=3)
+    rnd = random.Random(11)
+    shapes = [
+        WHOLE1,
+        HALF,
+        Request(gpus=2, cpu_milli=2000),
+        Request(gpu_milli=250, gpu_memory_bytes=4 * GIB),
+        Request(gpu_milli=100, gpu_memory_bytes=12 * GIB),
+        Request(cpu_milli=3000, memory_bytes=GIB),
+    ]
+    for i in range(60):
+        j = job(f"j{i}", *rnd.sample(shapes, k=rnd.choice([1, 1, 2])))
+        plan = cap.plan(j)
+        if plan is not None:
+            cap.commit(j.name, j, plan)
+    names = sorted(cap.jobs)
+    assert len(names) > 20
+    rows = np.arange(len(nodes))
+    probe = job("probe", Request(gpu_milli=500, cpu_milli=1000))
+    fork = cap.fork(books=False)
+    for _ in range(2):  # the second time every state is put back from the kept ones
+        for k in (0, 1, 5, len(names) // 2, len(names)):
+            gone = set(rnd.sample(names, k=k))
+            entries = [t for n in sorted(gone) for t in cap.footprint(n)]
+            freed = np.zeros((len(nodes), 6), dtype=np.int64)
+            freed_gpu = np.zeros((len(nodes), 8, 3), dtype=np.int64)
+            if entries:
+                at, per_row, per_gpu = released_columns(np.array(entries, dtype=np.int64))
+                np.add.at(freed, at, per_row)
+                np.add.at(freed_gpu, at, per_gpu)
+            fork.show_without(gone, rows, cap.row_versions(), freed, freed_gpu, cap)
+            twin = cap.fork()
+            twin.release_many(sorted(gone))
+            shown, real = fork._arrays.rows_state(rows), twin._arrays.rows_state(rows)
+            for f in shown:
+                if f != "version":
+                    assert shown[f].tolist() == real[f].tolist(), f
+            assert states(fork) == states(twin)
+            with fork.draws_kept(), twin.draws_kept():
+                assert fork.plan(probe) == twin.plan(probe)

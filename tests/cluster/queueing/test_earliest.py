@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpunode.cluster.queueing import earliest
 from gpunode.cluster.queueing.backfill import reserve
 from gpunode.cluster.queueing.capacity import ClusterCapacity
 from gpunode.cluster.queueing.model import Job, RunningJob
@@ -214,3 +216,13 @@ def test_a_node_shown_without_one_job_is_not_taken_for_the_node_without_another_
             for r in running
         ]
         assert fast == reserve(head, plain_running, caps[1], 5.0, DEFAULT, fast=False)
+
+
+def test_the_fast_search_keeping_every_groups_sums_still_gives_the_plain_searchs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Groups of equal end of LARGE_GROUP jobs or more have their sums kept on the capacity between
+    searches (NodeView.released_sums by end): with every group kept so, both properties above hold."""
+    monkeypatch.setattr(earliest, "LARGE_GROUP", 1)
+    test_the_fast_search_gives_the_plain_searchs_reservation()
+    test_the_fast_searchs_kept_sums_and_states_follow_the_cluster_between_searches()
