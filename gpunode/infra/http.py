@@ -30,8 +30,10 @@ treated as an adversary; every resource a client can hold is bounded:
   still sending its request head) of the client address holding the most
   connections is closed to make room, so a fresh client (a probe, a scrape) is
   always served, and one address opening connections as fast as it can churns
-  only its own; only when every open connection has a request in progress is
-  the new one answered 503 and closed. The limit is
+  only its own: a connection is only ever closed for a newcomer whose address
+  holds no more connections than the connection's. When no connection may be
+  closed so (every one of those addresses has a request in progress on each),
+  the new one is answered 503 and closed. The limit is
   applied when a connection is accepted (with TLS, when its handshake is done;
   a handshake must finish within `header_timeout_s`);
 - the request head: it must arrive complete within `header_timeout_s` of the

@@ -164,16 +164,18 @@ def _peer_host(transport: asyncio.BaseTransport) -> str:
 
 def _eviction_victim(live: list[Connection], newcomer: str) -> Connection | None:
     """The connection to close so a new one from `newcomer` fits: the oldest idle connection of the
-    client address holding the most connections (the newcomer counted), so one address flooding the
-    server churns its own connections and never those of another (a kubelet probe, a scraper).
-    None when every connection is busy."""
+    client address holding the most connections (the newcomer counted) among those holding at least as
+    many as the newcomer's, so one address flooding the server churns its own connections and never
+    those of another (a kubelet probe, a scraper), even when all of its own are busy. None when no such
+    connection is idle (the newcomer is then refused)."""
     held: dict[str, int] = {newcomer: 1}
     oldest_idle: dict[str, Connection] = {}
     for c in live:  # oldest first
         held[c.peer] = held.get(c.peer, 0) + 1
         if not c.busy:
             oldest_idle.setdefault(c.peer, c)
-    if not oldest_idle:
+    mine = held[newcomer]
+    peers = [p for p in oldest_idle if held[p] >= mine]
+    if not peers:
         return None
-    peer = max(oldest_idle, key=lambda p: held[p])
-    return oldest_idle[peer]
+    return oldest_idle[max(peers, key=lambda p: held[p])]

@@ -232,6 +232,70 @@ def test_when_every_connection_is_busy_a_new_one_gets_503() -> None:
     assert busy_statuses == [200, 200] and after == 200
 
 
+def test_a_flooder_whose_connections_are_all_busy_cannot_close_another_clients_connection() -> None:
+    # At the limit of 2: the attacker (127.0.0.2) holds one connection busy with a slow request, a probe
+    # (127.0.0.1) has connected and not yet sent its request (idle). The attacker's next connection must
+    # not make room by closing the probe's, the only idle one: it is refused, and the probe is answered.
+    release = asyncio.Event()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if request.path == "/wait":
+            await release.wait()
+        return web.Response(text="ok")
+
+    async def scenario() -> tuple[bytes, int, int]:
+        server = HttpServer(
+            handler, name="test", host="127.0.0.1", max_body_bytes=0, max_connections=2, log=log
+        )
+        await server.start()
+
+        def busy() -> int:
+            conn = http.client.HTTPConnection(
+                "127.0.0.1", server.port, timeout=10, source_address=("127.0.0.2", 0)
+            )
+            try:
+                conn.request("GET", "/wait")
+                return conn.getresponse().status
+            finally:
+                conn.close()
+
+        def attack() -> bytes:
+            with socket.create_connection(
+                ("127.0.0.1", server.port), timeout=10, source_address=("127.0.0.2", 0)
+            ) as s:
+                s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                return read_all(s)
+
+        probe = http.client.HTTPConnection(
+            "127.0.0.1", server.port, timeout=10, source_address=("127.0.0.1", 0)
+        )
+        try:
+            waiting = asyncio.create_task(asyncio.to_thread(busy))
+            while server.connections < 1:
+                await asyncio.sleep(0.01)
+            await asyncio.to_thread(probe.connect)
+            while server.connections < 2:
+                await asyncio.sleep(0.01)
+            answer = await asyncio.to_thread(attack)
+
+            def ask() -> int:
+                probe.request("GET", "/")
+                return probe.getresponse().status
+
+            probed = await asyncio.to_thread(ask)
+            release.set()
+            return answer, probed, await waiting
+        finally:
+            release.set()
+            probe.close()
+            await server.stop()
+
+    answer, probed, waited = asyncio.run(scenario())
+    assert answer.startswith(b"HTTP/1.1 503 ")  # the attacker's own connection is refused
+    assert probed == 200  # the probe's connection was left open and is answered
+    assert waited == 200
+
+
 def read_all(s: socket.socket) -> bytes:
     """Everything the server sends until it closes the connection (a reset counts as closed)."""
     chunks = []
