@@ -18,7 +18,7 @@ API (all deterministic for a given seed):
 - .held(job_name) / .amounts(job, plan) -> Amounts: what a job holds (gpu, gpu_memory, gpu/<model>);
   .plan_of(job_name), .job_of(job_name), .jobs, `name in cap`.
 - .free_gpu(), .footprint(name), .footprints(names), .committed(names), .released_sums(names),
-  .free_by_row(), .show_without(gone, rows, real, freed, freed_gpu, origin), .pods_bound(pod, exclude),
+  .free_by_row(), .show_without(gone, rows, freed, freed_gpu, origin), .pods_bound(pod, exclude),
   .pod_room(pod, exclude): per-node views for the engine's, backfill's and preemption's shortcuts
   (nodeview.py).
 - .free() / .capacity() -> Amounts; .fits_empty(job): could it ever fit (on the initial cluster).
@@ -58,6 +58,7 @@ from gpunode.cluster.queueing.nodeview import (
     KIND_MIG,
     KIND_WHOLE,
     Footprint,
+    InitialGpus,
     NodeView,
     ReleasedSums,
     ShownStates,
@@ -118,14 +119,6 @@ def _put_back(books: dict[_K, _V], noted: dict[_K, _V | None]) -> None:
             books[key] = value
 
 
-@dataclass(frozen=True)
-class _Initial:
-    """Per row and GPU slot, the free milli-GPU and GPU memory of the nodes as given (before any commit)."""
-
-    milli: IntArray
-    gmem_free: IntArray
-
-
 _NONE: IntArray = np.zeros((0, 0), dtype=np.int64)
 
 
@@ -141,7 +134,7 @@ class _Shared:
     empty: ClusterCapacity | None = None
     shown: ShownStates = field(default_factory=ShownStates)
     overdue: ReleasedSums = field(default_factory=ReleasedSums)
-    initial: _Initial = field(default_factory=lambda: _Initial(_NONE, _NONE))  # set by ClusterCapacity
+    initial: InitialGpus = field(default_factory=lambda: InitialGpus(_NONE, _NONE))  # set by ClusterCapacity
     slots: dict[int, dict[str, int]] = field(default_factory=dict)  # per row: each GPU's slot, by UUID
     groups: dict[float, ReleasedSums] = field(default_factory=dict)  # NodeView.released_sums, by key
 
@@ -175,7 +168,7 @@ class ClusterCapacity(NodeView):
         self.power = power or DEFAULT_POWER
         self._shared = _Shared()
         self._arrays = VersionedArrays(nodes, workload=workload, stamps=self._shared.stamps)
-        self._shared.initial = _Initial(self._arrays.milli.copy(), self._arrays.gmem_free.copy())
+        self._shared.initial = InitialGpus(self._arrays.milli.copy(), self._arrays.gmem_free.copy())
         self._base: tuple[NodeState, ...] = tuple(nodes)
         self._alloc: dict[int, tuple[Allocation, ...]] = {}
         self._jobs = {}

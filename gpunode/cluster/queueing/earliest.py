@@ -157,7 +157,6 @@ class FastSearch(Search):
         self.origin = cap  # unchanged while the search runs: the real state of each row
         # the real state (the fork's rows change as trials show them): free milli-GPU, CPU, memory per row
         self.now_free = np.stack(cap.free_by_row(), axis=1).astype(np.int64, copy=False)
-        self.real = cap.row_versions()
         needs = {(q.gpus * 1000 + q.gpu_milli, q.cpu_milli, q.memory_bytes) for q in head.pods}
         self.needs = np.array(sorted(needs), dtype=np.int64)  # (kinds of pod, 3)
         rows = len(self.now_free)
@@ -238,8 +237,6 @@ class FastSearch(Search):
         rows = np.flatnonzero(shown >= 0)
         changed = rows[shown[rows] != freed[rows, 3]]
         if len(changed):
-            self.cap.show_without(
-                self.gone, changed, self.real, freed[changed], self.freed_gpu[changed], self.origin
-            )
+            self.cap.show_without(self.gone, changed, freed[changed], self.freed_gpu[changed], self.origin)
             shown[changed] = freed[changed, 3]
         return self.cap.plan(self.head, exclude_nodes=self.exclude)

@@ -55,7 +55,7 @@ class VersionedArrays(ClusterArrays):
         self,
         rows: IntArray,
         state: dict[str, np.ndarray],
-        nodes: Sequence[LazyNode] | npt.NDArray[np.object_],
+        nodes: npt.NDArray[np.object_],
     ) -> None:
         """Put back states taken by rows_state (version included: the same state keeps its version, and
         so its cached scores); `nodes` are those states, each built when its row is asked for."""

@@ -1,8 +1,8 @@
 """Per-node views of a ClusterCapacity, for the shortcuts of the engine and of backfill (earliest.py).
 
 - free_gpu(): free()[gpu] alone, without the per-model amounts;
-- footprint(name), footprints(names), committed(names), free_by_row(), row_versions(),
-  show_without(gone, rows, real, freed, freed_gpu, origin): what a committed job takes from each
+- footprint(name), footprints(names), committed(names), free_by_row(),
+  show_without(gone, rows, freed, freed_gpu, origin): what a committed job takes from each
   node (and GPU), every node's free GPU/CPU/memory, and (on a fork) nodes set to their state without
   some jobs, built as arrays and kept in ShownStates for the next searches;
 - released_sums(names, key): per-node and per-GPU sums of what a group of jobs holds (the overdue
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -82,14 +83,13 @@ class _Committed(Protocol):
     def footprint(self) -> Footprint: ...
 
 
-class _Initial(Protocol):
-    """The node rows' initial per-GPU state (capacity._Shared.initial: the arrays before any commit)."""
+@dataclass(frozen=True)
+class InitialGpus:
+    """Per row and GPU slot, the free milli-GPU and GPU memory of the nodes as given (before any commit):
+    what a whole GPU goes back to when released (NodeView.show_without)."""
 
-    @property
-    def milli(self) -> IntArray: ...
-
-    @property
-    def gmem_free(self) -> IntArray: ...
+    milli: IntArray
+    gmem_free: IntArray
 
 
 class _SharedStates(Protocol):
@@ -102,7 +102,7 @@ class _SharedStates(Protocol):
     def overdue(self) -> ReleasedSums: ...
 
     @property
-    def initial(self) -> _Initial: ...
+    def initial(self) -> InitialGpus: ...
 
     @property
     def groups(self) -> dict[float, ReleasedSums]: ...
@@ -142,8 +142,8 @@ class NodeView:
         return PodRoom(share, pod_milli, self._mask(exclude), self.footprint)
 
     def footprint(self, job_name: str) -> Footprint:
-        """Per pod of a committed job: (row, milli-GPU, CPU milli, memory bytes) it takes from its node
-        (worked out when the job was committed), and the commit's mark (Footprint)."""
+        """Per pod of a committed job: what it takes from its node and GPUs, and its commit's mark (worked
+        out when the job was committed; Footprint names the fields)."""
         return self._jobs[job_name].footprint
 
     def footprints(self, names: Sequence[str]) -> list[Footprint]:
@@ -159,10 +159,6 @@ class NodeView:
         """Per node row now: free milli-GPU summed over its GPUs, free CPU milli, free memory bytes."""
         a = self._arrays
         return a.milli.sum(axis=1), a.cpu.copy(), a.mem.copy()
-
-    def row_versions(self) -> IntArray:
-        """Each row's version now (a copy): with the books, it names the allocations the row holds."""
-        return self._arrays.version.copy()
 
     def released_sums(self, names: Sequence[str], key: float | None = None) -> tuple[IntArray, IntArray, int]:
         """What releasing these committed jobs would free: per node row and per GPU slot of each row (the
@@ -189,12 +185,11 @@ class NodeView:
         return self._released
 
     def show_without(
-        self, gone: set[str], rows: IntArray, real: IntArray, freed: IntArray, freed_gpu: IntArray,
-        origin: NodeView,
-    ) -> None:  # fmt: skip
+        self, gone: set[str], rows: IntArray, freed: IntArray, freed_gpu: IntArray, origin: NodeView
+    ) -> None:
         """Set these rows to their state without the jobs `gone` (only for plans on a fork: the jobs stay
         committed in the books, so never commit or release on it afterwards). `origin`: the capacity the
-        fork was made from, unchanged since; `real`: its row_versions() then. `freed` and `freed_gpu`, per
+        fork was made from, unchanged since (its rows' versions are the real ones). `freed` and `freed_gpu`, per
         row of `rows`: what the jobs gone from it free there, per row and per GPU slot (released_columns'
         sums).
 
@@ -208,8 +203,10 @@ class NodeView:
         outside `gone` only when a plan places a pod on them (LazyNode). A row that frees a MIG instance
         is built as a NodeState at once.
         """
-        base, table = self._base, self._shared.shown
-        key = np.column_stack((real[rows], freed[:, 3], freed[:, 4]))  # per row: version, pods, marks' sum
+        base, table, src = self._base, self._shared.shown, origin._arrays
+        key = np.column_stack(
+            (src.version[rows], freed[:, 3], freed[:, 4])
+        )  # per row: version, pods, marks' sum
         places = table.find(rows, key, len(base))
         found = places >= 0
         if found.any():  # put back before adding: adding may empty the table
@@ -229,7 +226,7 @@ class NodeView:
             self._set_rows({int(rows[i]): lazy[k].node() for k, i in enumerate(missed) if mig[k]})
         plain = missed[~mig]
         if len(plain):
-            r, src, initial = rows[plain], origin._arrays, self._shared.initial
+            r, initial = rows[plain], self._shared.initial
             whole = freed_gpu[plain, :, 0] > 0
             milli = np.where(whole, initial.milli[r], src.milli[r] + freed_gpu[plain, :, 1])
             gmem_free = np.where(whole, initial.gmem_free[r], src.gmem_free[r] + freed_gpu[plain, :, 2])
@@ -319,7 +316,8 @@ class _Records(Protocol):
 
 
 class ReleasedSums:
-    """Per-node sums of what a set of committed jobs holds, updated by differences (NodeView.released_sums).
+    """Per-node and per-GPU sums of what a set of committed jobs holds, updated by differences
+    (NodeView.released_sums).
 
     Each job's record is the footprint its commit made (a new tuple per commit), so a job released and
     committed again under the same name is seen by identity and counted afresh; any capacity sharing the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -478,51 +479,23 @@ def test_nodes_shown_without_jobs_are_the_nodes_those_jobs_released_leave() -> N
     jobs are really released (arrays, aggregates and node state), on fractional GPUs with and without
     GPU memory asked, whole-mode GPUs, a sick GPU and GPUs partly used from the start, the first time
     (built) and again (put back from the states kept), and a plan on them is the twin's."""
-    whole_mode = NodeState(
-        name="w",
-        gpus=tuple(
-            GpuState(
-                uuid=f"w/gpu{j}",
-                index=j,
-                model="V100M32",
-                milli_free=1000,
-                memory_total_bytes=32 * GIB,
-                memory_free_bytes=(30 if j == 3 else 32) * GIB,  # GPU 3: some memory used from the start
-                numa_node=None,
-                sharing="whole",
-            )
-            for j in range(4)
+    whole_mode = node("w", gpus=4)
+    whole_mode = replace(
+        whole_mode,
+        gpus=(
+            *(replace(g, sharing="whole") for g in whole_mode.gpus[:3]),
+            # some of its memory used from the start: not fully free, so not handed out whole
+            replace(whole_mode.gpus[3], sharing="whole", memory_free_bytes=30 * GIB),
         ),
-        cpu_milli_free=64000,
-        memory_free_bytes=512 * GIB,
     )
     used = node("u", gpus=4)
-    used = NodeState(
-        name="u",
+    used = replace(
+        used,
         gpus=(
-            GpuState(
-                uuid="u/gpu0",
-                index=0,
-                model="V100M32",
-                milli_free=600,
-                memory_total_bytes=32 * GIB,
-                memory_free_bytes=10 * GIB,
-                numa_node=None,
-            ),
-            GpuState(
-                uuid="u/gpu1",
-                index=1,
-                model="V100M32",
-                milli_free=1000,
-                memory_total_bytes=32 * GIB,
-                memory_free_bytes=32 * GIB,
-                numa_node=None,
-                healthy=False,
-            ),
+            replace(used.gpus[0], milli_free=600, memory_free_bytes=10 * GIB),  # partly used from the start
+            replace(used.gpus[1], healthy=False),
             *used.gpus[2:],
         ),
-        cpu_milli_free=64000,
-        memory_free_bytes=512 * GIB,
     )
     nodes = [node("n0", gpus=8), node("n1", gpus=2), whole_mode, used]
     cap = cap_of(nodes, seed=3)
@@ -555,7 +528,7 @@ def test_nodes_shown_without_jobs_are_the_nodes_those_jobs_released_leave() -> N
                 at, per_row, per_gpu = released_columns(np.array(entries, dtype=np.int64))
                 np.add.at(freed, at, per_row)
                 np.add.at(freed_gpu, at, per_gpu)
-            fork.show_without(gone, rows, cap.row_versions(), freed, freed_gpu, cap)
+            fork.show_without(gone, rows, freed, freed_gpu, cap)
             twin = cap.fork()
             twin.release_many(sorted(gone))
             shown, real = fork._arrays.rows_state(rows), twin._arrays.rows_state(rows)
