@@ -7,7 +7,7 @@ its nodes from the node's initial state and the allocations that remain.
 
 API (all deterministic for a given seed):
 - ClusterCapacity(nodes, *, workload=None, policy="gpunode", power=None, energy_weight=0.0, seed=0)
-- .plan(job, *, exclude_nodes=frozenset()) -> Plan | None: a placement for EVERY pod of the job,
+- .plan(job, *, exclude_nodes=frozenset(), hide=None) -> Plan | None: a placement for EVERY pod of the job,
   members placed one after another (largest first) on the arrays, then rolled back (nothing held);
   None when any member does not fit. Nodes in exclude_nodes are not used (backfill reservations).
   .plan_counted(job, *, exclude_nodes) -> (Plan | None, members placed before one did not fit).
@@ -285,9 +285,12 @@ class ClusterCapacity(NodeView):
             node = int(top[0]) if len(top) == 1 else int(top[self._rng.integers(len(top))])
         return node, arr.gpu_slots(request, self.policy, node, self._rng)
 
-    def plan(self, job: Job, *, exclude_nodes: frozenset[str] = frozenset()) -> Plan | None:
-        """A placement for every pod of the job on the cluster as it is now, or None; nothing is held."""
-        return self._plan_pods(job.pods, exclude_nodes)[0]
+    def plan(
+        self, job: Job, *, exclude_nodes: frozenset[str] = frozenset(), hide: BoolArray | None = None
+    ) -> Plan | None:
+        """A placement for every pod of the job on the cluster as it is now, or None; nothing is held.
+        hide: per node row, True for rows not to use either (as if excluded)."""
+        return self._plan_pods(job.pods, exclude_nodes, hide)[0]
 
     def fits_now(self, pod: Request, *, exclude_nodes: frozenset[str] = frozenset()) -> bool:
         """Whether some node outside exclude_nodes has room for this one pod now (no scores, no draws)."""
@@ -303,8 +306,12 @@ class ClusterCapacity(NodeView):
         gang of like members the count is the largest k whose first k members place together."""
         return self._plan_pods(job.pods, exclude_nodes)
 
-    def _plan_pods(self, pods: Sequence[Request], exclude: frozenset[str]) -> tuple[Plan | None, int]:
+    def _plan_pods(
+        self, pods: Sequence[Request], exclude: frozenset[str], hide: BoolArray | None = None
+    ) -> tuple[Plan | None, int]:
         mask = self._mask(exclude)
+        if hide is not None:
+            mask = hide if mask is None else mask | hide
         undo: list[tuple[int, NodeState]] = []
         out: dict[int, PodPlacement] = {}
         # the largest members first (whole GPUs, then fractions, then CPU), so small ones fill around them

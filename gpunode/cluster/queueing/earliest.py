@@ -10,13 +10,17 @@ generator (a copy of the cluster's), but does not release anything: for a trial
 after k groups it sets to their state after those releases only the nodes where
 a member of the head could then fit (by a necessary test on the node's free GPU,
 CPU and memory once its released pods are added back); every other node keeps
-its present state. That changes no trial's outcome: a node without releases is
-in its state after k groups already; a node that fails the test cannot take any
-member after k groups, nor (holding more) now; and a node's feasibility and score
-depend only on its own state. So each trial sees the same feasible nodes with the
-same scores, breaks ties with the same draws, and returns the same plan as the
-plain search's; a reservation costs the nodes that free up, not every node the
-released jobs touched (tests/cluster/queueing/test_earliest.py compares the two).
+the state it has on the fork, and is hidden from the trial's plan if an earlier
+trial showed it with more jobs released. That changes no trial's outcome: a node
+without releases is in its state after k groups already; a node that fails the
+test cannot take any member after k groups, nor in a state that releases fewer
+of the same jobs (now, or after fewer groups), and a hidden one is one that cannot
+take any member after k groups; and a node's feasibility and score depend only on
+its own state. So each trial sees the same feasible nodes with the same scores,
+breaks ties with the same draws, and returns the same plan as the plain search's;
+a trial costs the nodes where the head may fit after its releases, not every node
+the released jobs touched, nor every node an earlier trial of the search showed
+(tests/cluster/queueing/test_earliest.py compares the two).
 
 The first group, the jobs already past their expected end, is often most of the
 running jobs and changes little from one search to the next, and so do the other
@@ -163,8 +167,8 @@ class FastSearch(Search):
         self.gone: set[str] = set()  # the jobs of the first `pos` groups
         self.freed = np.zeros((rows, 6), dtype=np.int64)  # per row: what they free (released_columns)
         self.freed_gpu = np.zeros((rows, MAX_GPUS, 3), dtype=np.int64)  # and per GPU slot
-        self.shown = np.full(rows, -1, dtype=np.int64)  # per row: -1 not shown, else the released pods
-        # its state on the fork leaves out
+        self.shown = np.zeros(rows, dtype=np.int64)  # per row: the released pods its state on the fork
+        # leaves out (0: its present state)
         # per group: its jobs' footprint entries (one per array row), or for a large group its sums per row
         # and per GPU slot kept on the capacity (NodeView.released_sums); and the milli-GPU it holds
         self.parts: list[IntArray | tuple[IntArray, IntArray]] = []
@@ -229,14 +233,18 @@ class FastSearch(Search):
             return None
         self._move(k)
         freed, shown = self.freed, self.shown
-        new = np.flatnonzero((freed[:, 3] > 0) & (shown < 0))
-        if len(new):  # a necessary test: some member of the head fits in the row's room plus its releases
-            room: IntArray = self.now_free[new] + freed[new, :3]
+        differ = np.flatnonzero(shown != freed[:, 3])  # rows the fork shows in another state than after k
+        hide: BoolArray | None = None
+        if len(differ):  # a necessary test: some member of the head fits in the row's room plus its releases
+            room: IntArray = self.now_free[differ] + freed[differ, :3]
             fits: BoolArray = np.any(np.all(room[:, None, :] >= self.needs[None, :, :], axis=2), axis=1)
-            shown[new[fits]] = 0  # shown from now on, at its state after each trial's releases
-        rows = np.flatnonzero(shown >= 0)
-        changed = rows[shown[rows] != freed[rows, 3]]
-        if len(changed):
-            self.cap.show_without(self.gone, changed, freed[changed], self.freed_gpu[changed], self.origin)
-            shown[changed] = freed[changed, 3]
-        return self.cap.plan(self.head, exclude_nodes=self.exclude)
+            show = differ[fits]
+            # shown with more released than after k (an earlier trial's), and no member can fit after k
+            stale = differ[~fits & (shown[differ] > freed[differ, 3])]
+            if len(show):
+                self.cap.show_without(self.gone, show, freed[show], self.freed_gpu[show], self.origin)
+                shown[show] = freed[show, 3]
+            if len(stale):
+                hide = np.zeros(len(shown), dtype=bool)
+                hide[stale] = True
+        return self.cap.plan(self.head, exclude_nodes=self.exclude, hide=hide)
