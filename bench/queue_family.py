@@ -403,6 +403,16 @@ def main() -> int:
             return 2
         overrides[key] = parse_value(value)
     workloads = {w.index: w for w in family()}
+    config = queue_config(workloads[0])
+    for key in overrides:  # a wrong name stops here, not in every worker
+        section, _, field = key.rpartition(".")
+        inner = getattr(config, section, None) if section else config
+        names = {f.name for f in dataclasses.fields(inner)} if dataclasses.is_dataclass(inner) else set()
+        if field not in names:
+            where = f"{section}'s" if section else "the top level's"
+            known = ", ".join(sorted(names)) if names else "none: no such section"
+            print(f"queue_family: --set {key}: no such setting ({where} fields: {known})", file=sys.stderr)
+            return 2
     chosen = [w for w in workloads.values() if args.half in ("both", w.half)]
     if args.workloads:
         wanted = {int(x) for x in args.workloads.split(",")}

@@ -170,3 +170,23 @@ def test_bad_parameters_are_refused() -> None:
         _w(load=0)
     with pytest.raises(ValueError, match="estimates"):
         _w(estimates="noisy2")
+
+
+def test_the_family_bench_refuses_a_setting_it_does_not_have_in_one_line() -> None:
+    """`--set` with a configuration key spelled as in the YAML (not the field's name) stops before any
+    replay, naming the fields the section has, instead of a traceback from every worker."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "bench" / "queue_family.py"
+    out = subprocess.run(
+        [sys.executable, str(bench), "--set", "backfill.overdueRemaining=0.5", "--workloads", "1", "--seeds", "0"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("queue_family: --set backfill.overdueRemaining: no such setting")
+    assert "overdue_remaining" in lines[0]
