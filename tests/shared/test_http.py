@@ -194,13 +194,21 @@ def test_idle_connections_at_the_limit_make_room_for_a_new_request() -> None:
     assert oldest == b"" and newer == b"open"  # the oldest was closed, the other left alone
 
 
-def test_when_every_connection_is_busy_a_new_one_gets_503() -> None:
-    release = asyncio.Event()
+def held_at_wait(release: asyncio.Event) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """A handler that answers "ok", holding a request for /wait until `release` is set (a busy
+    connection)."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
         if request.path == "/wait":
             await release.wait()
         return web.Response(text="ok")
+
+    return handler
+
+
+def test_when_every_connection_is_busy_a_new_one_gets_503() -> None:
+    release = asyncio.Event()
+    handler = held_at_wait(release)
 
     async def scenario() -> tuple[bytes, int, list[int]]:
         server = HttpServer(
@@ -237,11 +245,7 @@ def test_a_flooder_whose_connections_are_all_busy_cannot_close_another_clients_c
     # (127.0.0.1) has connected and not yet sent its request (idle). The attacker's next connection must
     # not make room by closing the probe's, the only idle one: it is refused, and the probe is answered.
     release = asyncio.Event()
-
-    async def handler(request: web.Request) -> web.StreamResponse:
-        if request.path == "/wait":
-            await release.wait()
-        return web.Response(text="ok")
+    handler = held_at_wait(release)
 
     async def scenario() -> tuple[bytes, int, int]:
         server = HttpServer(

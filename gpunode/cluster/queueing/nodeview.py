@@ -204,9 +204,7 @@ class NodeView:
         is built as a NodeState at once.
         """
         base, table, src = self._base, self._shared.shown, origin._arrays
-        key = np.column_stack(
-            (src.version[rows], freed[:, 3], freed[:, 4])
-        )  # per row: version, pods, marks' sum
+        key = np.column_stack((src.version[rows], freed[:, 3], freed[:, 4]))  # version, pods, marks' sum
         places = table.find(rows, key, len(base))
         found = places >= 0
         if found.any():  # put back before adding: adding may empty the table
